@@ -1,0 +1,159 @@
+//! The subcommands.
+
+use anyhow::Context;
+use converger_gateway::auth::{Scope, TokenKeys};
+use converger_gateway::{Config, Server};
+use converger_store::Store;
+use converger_store::embedded::Role;
+use serde_json::json;
+use uuid::Uuid;
+
+use crate::database::Database;
+
+/// `converger serve`: migrate (unless disabled), bind, serve until SIGTERM or Ctrl-C.
+pub async fn serve(mut config: Config) -> anyhow::Result<()> {
+    if config.node_id.is_empty() {
+        config.node_id = format!("node-{}", &Uuid::new_v4().simple().to_string()[..8]);
+    }
+    let database = Database::open(&config, Role::Owner).await?;
+    let outcome = serve_with(config, &database).await;
+    let closed = database.close().await;
+    outcome.and(closed)
+}
+
+async fn serve_with(config: Config, database: &Database) -> anyhow::Result<()> {
+    if config.migrate_on_start {
+        let report = database
+            .store
+            .migrate()
+            .await
+            .context("applying migrations")?;
+        tracing::info!(applied = ?report.applied, "migrations checked");
+    }
+    let credentials = crate::secrets::resolve(&config)?;
+    let generated_admin = config.admin_token.is_empty();
+    let node_id = config.node_id.clone();
+    let server = Server::bind(config.clone(), database.store.clone(), credentials).await?;
+    let addr = server.local_addr()?;
+    if generated_admin {
+        tracing::info!(
+            path = %config.state_dir.join(crate::secrets::ADMIN_TOKEN_FILE).display(),
+            "admin token not configured; using the generated one"
+        );
+    }
+    tracing::info!(node_id = %node_id, %addr, "converger listening");
+    server.run(shutdown_signal()).await?;
+    tracing::info!("converger stopped");
+    Ok(())
+}
+
+/// Completes on SIGTERM or SIGINT.
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut terminate = match signal(SignalKind::terminate()) {
+        Ok(stream) => stream,
+        Err(error) => {
+            tracing::warn!(%error, "cannot listen for SIGTERM; Ctrl-C only");
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        }
+    };
+    tokio::select! {
+        _ = terminate.recv() => tracing::info!("SIGTERM received"),
+        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT received"),
+    }
+}
+
+/// `converger migrate`.
+pub async fn migrate(config: Config) -> anyhow::Result<()> {
+    let database = Database::open(&config, Role::Guest).await?;
+    let outcome = database
+        .store
+        .migrate()
+        .await
+        .context("applying migrations");
+    database.close().await?;
+    let report = outcome?;
+    print_json(&json!({"applied": report.applied}));
+    Ok(())
+}
+
+/// `converger tenant create NAME`.
+pub async fn create_tenant(config: Config, name: &str) -> anyhow::Result<()> {
+    let name = name.to_owned();
+    with_store(&config, |store| async move {
+        let (tenant, api_key) = store.create_tenant(&name).await?;
+        Ok(json!({"id": tenant.id, "name": tenant.name, "apiKey": api_key}))
+    })
+    .await
+}
+
+/// `converger channel create --tenant ID NAME`.
+pub async fn create_channel(config: Config, tenant: Uuid, name: &str) -> anyhow::Result<()> {
+    let name = name.to_owned();
+    with_store(&config, |store| async move {
+        let (channel, secret) = store.create_channel(tenant, &name).await?;
+        Ok(json!({
+            "id": channel.id, "tenantId": channel.tenant_id, "name": channel.name,
+            "secret": secret, "status": channel.status,
+        }))
+    })
+    .await
+}
+
+/// `converger token issue --channel ID [--user U] [--conversation C] [--scope S]`.
+pub async fn issue_token(
+    config: Config,
+    channel_id: Uuid,
+    user: Option<String>,
+    conversation: Option<Uuid>,
+    scope: Option<&str>,
+) -> anyhow::Result<()> {
+    let scope = match scope {
+        Some("channel") => Some(Scope::Channel),
+        Some("conversation") => Some(Scope::Conversation),
+        _ => None,
+    };
+    let credentials = crate::secrets::resolve(&config)?;
+    let keys = TokenKeys::new(&credentials.secret_key, config.token_ttl_secs)
+        .context("invalid secret_key")?;
+    with_store(&config, |store| async move {
+        let channel = store
+            .channel(channel_id)
+            .await?
+            .context("channel not found")?;
+        anyhow::ensure!(channel.is_active(), "channel is inactive");
+        let token = keys
+            .issue(channel.tenant_id, channel.id, conversation, user, scope)
+            .map_err(|error| anyhow::anyhow!(error.message))?;
+        Ok(json!({"token": token, "expires_in": keys.ttl_secs()}))
+    })
+    .await
+}
+
+/// Opens the database as a guest (never stops a shared embedded cluster), runs one admin
+/// action, closes, and prints the action's JSON.
+async fn with_store<F, Fut>(config: &Config, action: F) -> anyhow::Result<()>
+where
+    F: FnOnce(Store) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<serde_json::Value>>,
+{
+    let database = Database::open(config, Role::Guest).await?;
+    // Admin commands work on a fresh database too.
+    let outcome = match database
+        .store
+        .migrate()
+        .await
+        .context("applying migrations")
+    {
+        Ok(_) => action(database.store.clone()).await,
+        Err(error) => Err(error),
+    };
+    database.close().await?;
+    print_json(&outcome?);
+    Ok(())
+}
+
+fn print_json(value: &serde_json::Value) {
+    println!("{value}");
+}

@@ -1,0 +1,143 @@
+//! `converger`: run a gateway node, apply migrations, and administer tenants, channels and
+//! tokens from the command line. Every admin command prints one JSON object.
+#![forbid(unsafe_code)]
+
+mod commands;
+mod database;
+mod load_config;
+mod logging;
+mod secrets;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// The converger gateway.
+#[derive(Debug, Parser)]
+#[command(
+    name = "converger",
+    version,
+    about = "Clustered WebSocket gateway between end users and AI agents"
+)]
+struct Cli {
+    /// Configuration file (default: config/default.toml when it exists).
+    #[arg(long, global = true, env = "CONVERGER_CONFIG")]
+    config: Option<PathBuf>,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run a gateway node (applies pending migrations first unless migrate_on_start = false).
+    Serve,
+    /// Apply pending database migrations and exit.
+    Migrate,
+    /// Manage tenants.
+    Tenant {
+        #[command(subcommand)]
+        command: TenantCommand,
+    },
+    /// Manage channels.
+    Channel {
+        #[command(subcommand)]
+        command: ChannelCommand,
+    },
+    /// Issue tokens.
+    Token {
+        #[command(subcommand)]
+        command: TokenCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum TenantCommand {
+    /// Create a tenant; prints {id, name, apiKey}.
+    Create {
+        /// Display name.
+        name: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum ChannelCommand {
+    /// Create a channel; prints {id, name, secret, status, tenantId}.
+    Create {
+        /// Owning tenant id.
+        #[arg(long)]
+        tenant: uuid::Uuid,
+        /// Display name.
+        name: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum TokenCommand {
+    /// Issue a token for a channel; prints {token, expires_in}.
+    Issue {
+        /// Channel id.
+        #[arg(long)]
+        channel: uuid::Uuid,
+        /// Verified end-user id.
+        #[arg(long)]
+        user: Option<String>,
+        /// Bind the token to one conversation.
+        #[arg(long)]
+        conversation: Option<uuid::Uuid>,
+        /// `conversation` (default) or `channel`.
+        #[arg(long, value_parser = ["conversation", "channel"])]
+        scope: Option<String>,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let config = match load_config::load(cli.config.as_deref()) {
+        Ok(config) => config,
+        Err(message) => {
+            eprintln!("converger: invalid configuration: {message}");
+            return ExitCode::from(2);
+        }
+    };
+    logging::init(config.log_format);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("converger: cannot start the async runtime: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let outcome = runtime.block_on(async move {
+        match cli.command {
+            Command::Serve => commands::serve(config).await,
+            Command::Migrate => commands::migrate(config).await,
+            Command::Tenant {
+                command: TenantCommand::Create { name },
+            } => commands::create_tenant(config, &name).await,
+            Command::Channel {
+                command: ChannelCommand::Create { tenant, name },
+            } => commands::create_channel(config, tenant, &name).await,
+            Command::Token {
+                command:
+                    TokenCommand::Issue {
+                        channel,
+                        user,
+                        conversation,
+                        scope,
+                    },
+            } => commands::issue_token(config, channel, user, conversation, scope.as_deref()).await,
+        }
+    });
+    match outcome {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("converger: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

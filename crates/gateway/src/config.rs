@@ -1,0 +1,197 @@
+//! The node's configuration: one struct, deserialized from `config/*.toml` and `CONVERGER_*`
+//! environment variables by the binary, validated before anything starts.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use converger_protocol::Limits;
+use serde::{Deserialize, Deserializer, Serialize};
+
+/// Every setting of a node. Field names are the TOML keys; `CONVERGER_<KEY>` overrides them
+/// (nested keys with `__`, e.g. `CONVERGER_LIMITS__MAX_FRAME_BYTES`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// Stable name of this node in the cluster; empty picks `node-<random>` at start.
+    pub node_id: String,
+    /// Address the HTTP and WebSocket listener binds.
+    pub http_addr: SocketAddr,
+    /// Address of the gossip (UDP) listener.
+    pub gossip_addr: SocketAddr,
+    /// Gossip addresses of other nodes to join.
+    #[serde(deserialize_with = "list_or_comma_separated")]
+    pub seeds: Vec<String>,
+    /// Nodes only gossip with nodes of the same cluster id.
+    pub cluster_id: String,
+    /// Postgres URL; empty starts the embedded database under `state_dir/postgres`.
+    pub database_url: String,
+    /// Folder for local state: the embedded database and generated secrets.
+    pub state_dir: PathBuf,
+    /// Apply pending migrations when `serve` starts.
+    pub migrate_on_start: bool,
+    /// HS256 signing key of tokens (at least 32 bytes); empty uses `state_dir/secret_key`.
+    pub secret_key: String,
+    /// Bearer token of the admin API; empty uses `state_dir/admin_token`.
+    pub admin_token: String,
+    /// When set, `GET /metrics` requires this bearer token.
+    pub metrics_token: String,
+    /// Delay before a new group member becomes eligible to own turns.
+    pub group_settle_ms: u64,
+    /// Lifetime of issued tokens, in seconds.
+    pub token_ttl_secs: u64,
+    /// `human` or `json`.
+    pub log_format: LogFormat,
+    /// Database pool and timeouts.
+    pub database: DatabaseConfig,
+    /// Per-connection limits, announced in `welcome.limits`.
+    pub limits: Limits,
+}
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Human,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Database pool settings.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DatabaseConfig {
+    /// Upper bound of pooled connections.
+    pub max_connections: u32,
+    /// Longest wait for a pooled connection, in milliseconds.
+    pub acquire_timeout_ms: u64,
+    /// Server-side statement timeout and client-side query deadline, in milliseconds.
+    pub statement_timeout_ms: u64,
+}
+
+impl Default for DatabaseConfig {
+    fn default() -> Self {
+        DatabaseConfig {
+            max_connections: 16,
+            acquire_timeout_ms: 5_000,
+            statement_timeout_ms: 5_000,
+        }
+    }
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            node_id: String::new(),
+            http_addr: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            gossip_addr: SocketAddr::from(([127, 0, 0, 1], 7946)),
+            seeds: Vec::new(),
+            cluster_id: "converger".into(),
+            database_url: String::new(),
+            state_dir: PathBuf::from(".converger"),
+            migrate_on_start: true,
+            secret_key: String::new(),
+            admin_token: String::new(),
+            metrics_token: String::new(),
+            group_settle_ms: 1_000,
+            token_ttl_secs: 3_600,
+            log_format: LogFormat::Human,
+            database: DatabaseConfig::default(),
+            limits: Limits::default(),
+        }
+    }
+}
+
+/// Smallest accepted signing key, in bytes (HS256 wants at least the hash size).
+pub const MIN_SECRET_KEY_BYTES: usize = 32;
+
+impl Config {
+    /// Checks values that deserialize but make no sense; the message names the key.
+    pub fn validate(&self) -> Result<(), String> {
+        if !self.secret_key.is_empty() && self.secret_key.len() < MIN_SECRET_KEY_BYTES {
+            return Err(format!(
+                "secret_key must be at least {MIN_SECRET_KEY_BYTES} bytes"
+            ));
+        }
+        if !self.admin_token.is_empty() && self.admin_token.len() < 16 {
+            return Err("admin_token must be at least 16 bytes".into());
+        }
+        if self.cluster_id.is_empty() {
+            return Err("cluster_id must not be empty".into());
+        }
+        if self.token_ttl_secs == 0 || self.token_ttl_secs > 30 * 24 * 3600 {
+            return Err("token_ttl_secs must be between 1 and 2592000".into());
+        }
+        if self.database.max_connections == 0 {
+            return Err("database.max_connections must be greater than 0".into());
+        }
+        if self.database.acquire_timeout_ms == 0 || self.database.statement_timeout_ms == 0 {
+            return Err("database.acquire_timeout_ms and database.statement_timeout_ms must be greater than 0".into());
+        }
+        let url = &self.database_url;
+        let is_postgres_url = url.starts_with("postgres://") || url.starts_with("postgresql://");
+        if !url.is_empty() && !is_postgres_url {
+            return Err("database_url must start with postgres:// or postgresql://".into());
+        }
+        if self
+            .seeds
+            .iter()
+            .any(|seed| seed.parse::<SocketAddr>().is_err() && !seed.contains(':'))
+        {
+            return Err("seeds must be host:port gossip addresses".into());
+        }
+        self.limits.validate()
+    }
+}
+
+/// Accepts `["a:1", "b:2"]` from TOML or `"a:1,b:2"` from the environment.
+fn list_or_comma_separated<'de, D: Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Vec<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum ListOrString {
+        List(Vec<String>),
+        String(String),
+    }
+    Ok(match ListOrString::deserialize(deserializer)? {
+        ListOrString::List(list) => list,
+        ListOrString::String(joined) => joined
+            .split(',')
+            .map(str::trim)
+            .filter(|seed| !seed.is_empty())
+            .map(str::to_owned)
+            .collect(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_validate() {
+        Config::default().validate().unwrap();
+    }
+
+    #[test]
+    fn short_secret_key_names_the_key() {
+        let config = Config {
+            secret_key: "short".into(),
+            ..Config::default()
+        };
+        assert!(config.validate().unwrap_err().starts_with("secret_key"));
+    }
+
+    #[test]
+    fn bad_limits_name_the_key() {
+        let mut config = Config::default();
+        config.limits.max_frame_bytes = 0;
+        assert!(
+            config
+                .validate()
+                .unwrap_err()
+                .contains("limits.max_frame_bytes")
+        );
+    }
+}

@@ -1,0 +1,16 @@
+//! The HTTP and WebSocket surface of converger: routes, credentials, metrics, and the server
+//! lifecycle (bind, serve, shut down).
+#![forbid(unsafe_code)]
+
+pub mod auth;
+pub mod config;
+pub mod error;
+pub mod metrics;
+mod routes;
+pub mod server;
+pub mod state;
+
+pub use config::{Config, DatabaseConfig, LogFormat};
+pub use routes::router;
+pub use server::{Credentials, GatewayError, Server, ServerHandle};
+pub use state::AppState;

@@ -1,0 +1,64 @@
+//! Prometheus metrics: the process-wide recorder and the HTTP request middleware.
+
+use std::sync::OnceLock;
+use std::time::Instant;
+
+use axum::extract::{MatchedPath, Request};
+use axum::middleware::Next;
+use axum::response::Response;
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+
+/// Latency buckets in seconds, from sub-millisecond commits to slow requests.
+const LATENCY_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+];
+
+static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+
+/// Installs the global recorder once per process and returns its render handle. Several
+/// servers in one process (tests) share it.
+pub fn install_recorder() -> PrometheusHandle {
+    HANDLE
+        .get_or_init(|| {
+            let recorder = PrometheusBuilder::new()
+                .set_buckets(LATENCY_BUCKETS)
+                .map(PrometheusBuilder::build_recorder);
+            match recorder {
+                Ok(recorder) => {
+                    let handle = recorder.handle();
+                    if metrics::set_global_recorder(recorder).is_err() {
+                        tracing::warn!(
+                            "a metrics recorder was already installed; /metrics shows only ours"
+                        );
+                    }
+                    handle
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "metrics buckets refused; using defaults");
+                    let recorder = PrometheusBuilder::new().build_recorder();
+                    let handle = recorder.handle();
+                    let _ = metrics::set_global_recorder(recorder);
+                    handle
+                }
+            }
+        })
+        .clone()
+}
+
+/// Counts requests and records their latency by method, route template and status.
+pub async fn track_http(request: Request, next: Next) -> Response {
+    let started = Instant::now();
+    let method = request.method().as_str().to_owned();
+    let route = request
+        .extensions()
+        .get::<MatchedPath>()
+        .map(|path| path.as_str().to_owned())
+        .unwrap_or_else(|| "unmatched".to_owned());
+    let response = next.run(request).await;
+    let status = response.status().as_u16().to_string();
+    let labels = [("method", method), ("route", route), ("status", status)];
+    metrics::counter!("converger_http_requests_total", &labels).increment(1);
+    metrics::histogram!("converger_http_request_duration_seconds", &labels)
+        .record(started.elapsed().as_secs_f64());
+    response
+}

@@ -1,0 +1,234 @@
+//! Conversations and their activities over REST.
+
+use std::collections::HashMap;
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use converger_protocol::{ErrorCode, FrameError, is_valid_client_id, validate_message_frame};
+use converger_store::{Conversation, NewActivity, Sender, SenderRole, Viewer};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use uuid::Uuid;
+
+use super::body::parse_json;
+use super::tokens::{checked_user_id, token_json};
+use crate::auth::{Claims, Scope, TokenAuth};
+use crate::error::ApiError;
+use crate::state::AppState;
+
+/// Largest page of `GET …/activities`.
+pub const MAX_PAGE: i64 = 1000;
+/// Page size when `limit` is absent.
+const DEFAULT_PAGE: i64 = 100;
+/// Sender id of channel-scope posts whose token names no user.
+const DEFAULT_AGENT_ID: &str = "agent";
+
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+struct CreateRequest {
+    #[serde(default)]
+    user_id: Option<String>,
+}
+
+/// `POST /api/v1/converger/conversations` → `{conversationId, userId, token, expires_in}`.
+pub(crate) async fn create(
+    State(state): State<AppState>,
+    TokenAuth(claims): TokenAuth,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<(StatusCode, Json<Value>), ApiError> {
+    let request: CreateRequest = parse_json(body, true)?;
+    if claims.conversation_id.is_some() {
+        return Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            ErrorCode::Forbidden,
+            "this token is bound to one conversation",
+        ));
+    }
+    // A verified user id wins over an asserted one; with neither, the user is anonymous.
+    let user_id = match (&claims.user_id, request.user_id) {
+        (Some(verified), _) => verified.clone(),
+        (None, Some(asserted)) => checked_user_id(&asserted)?,
+        (None, None) => format!("anon-{}", Uuid::new_v4().simple()),
+    };
+    let conversation = state
+        .store
+        .create_conversation(claims.channel_id, &user_id)
+        .await?;
+    let token = state.tokens.issue(
+        claims.tenant_id,
+        claims.channel_id,
+        Some(conversation.id),
+        Some(user_id.clone()),
+        Some(Scope::Conversation),
+    )?;
+    let mut answer = token_json(&state, token);
+    answer["conversationId"] = json!(conversation.id);
+    answer["userId"] = json!(user_id);
+    Ok((StatusCode::CREATED, Json(answer)))
+}
+
+/// Loads a conversation the token may use; anything else is 404 so existence never leaks.
+async fn authorized_conversation(
+    state: &AppState,
+    claims: &Claims,
+    raw_id: &str,
+) -> Result<Conversation, ApiError> {
+    let id = Uuid::parse_str(raw_id).map_err(|_| ApiError::conversation_not_found())?;
+    let conversation = state
+        .store
+        .conversation(id)
+        .await?
+        .ok_or_else(ApiError::conversation_not_found)?;
+    if conversation.channel_id != claims.channel_id || conversation.tenant_id != claims.tenant_id {
+        return Err(ApiError::conversation_not_found());
+    }
+    let allowed = match claims.scope() {
+        Scope::Channel => true,
+        Scope::Conversation => {
+            claims.conversation_id == Some(conversation.id)
+                || (claims.conversation_id.is_none()
+                    && claims.user_id.as_deref() == Some(conversation.user_id.as_str()))
+        }
+    };
+    if !allowed {
+        return Err(ApiError::conversation_not_found());
+    }
+    Ok(conversation)
+}
+
+fn parse_non_negative(
+    query: &HashMap<String, String>,
+    key: &str,
+    default: i64,
+) -> Result<i64, ApiError> {
+    match query.get(key) {
+        None => Ok(default),
+        Some(raw) if raw.is_empty() => Ok(default),
+        Some(raw) => raw
+            .parse::<i64>()
+            .ok()
+            .filter(|value| *value >= 0)
+            .ok_or_else(|| ApiError::bad_request(format!("{key} must be a non-negative integer"))),
+    }
+}
+
+/// `GET …/conversations/{id}/activities?watermark=&limit=` → `{activities, watermark, hasMore}`.
+pub(crate) async fn list_activities(
+    State(state): State<AppState>,
+    TokenAuth(claims): TokenAuth,
+    Path(id): Path<String>,
+    Query(query): Query<HashMap<String, String>>,
+) -> Result<Json<Value>, ApiError> {
+    let conversation = authorized_conversation(&state, &claims, &id).await?;
+    let watermark = parse_non_negative(&query, "watermark", 0)?;
+    let limit = parse_non_negative(&query, "limit", DEFAULT_PAGE)?;
+    if !(1..=MAX_PAGE).contains(&limit) {
+        return Err(ApiError::bad_request(format!(
+            "limit must be between 1 and {MAX_PAGE}"
+        )));
+    }
+    // One extra row tells whether another page follows.
+    let mut activities = state
+        .store
+        .list_activities(conversation.id, watermark, limit + 1)
+        .await?;
+    let has_more = activities.len() as i64 > limit;
+    activities.truncate(limit as usize);
+    let viewer = match claims.scope() {
+        Scope::Channel => Viewer::Agent,
+        Scope::Conversation => Viewer::EndUser {
+            user_id: &conversation.user_id,
+            include_client_id: true,
+        },
+    };
+    let next_watermark = activities.last().map_or(watermark, |activity| activity.seq);
+    let frames: Vec<Value> = activities
+        .iter()
+        .map(|activity| activity.to_frame(viewer))
+        .collect();
+    Ok(Json(
+        json!({"activities": frames, "watermark": next_watermark, "hasMore": has_more}),
+    ))
+}
+
+fn frame_error(error: FrameError) -> ApiError {
+    let status = match error.code {
+        ErrorCode::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+        _ => StatusCode::BAD_REQUEST,
+    };
+    ApiError::new(status, error.code, error.message)
+}
+
+/// `POST …/conversations/{id}/activities` (`x-idempotency-key`) → `{id, seq}`; 201 when stored,
+/// 200 with the original `{id, seq}` for a repeated key.
+pub(crate) async fn post_activity(
+    State(state): State<AppState>,
+    TokenAuth(claims): TokenAuth,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<(StatusCode, Json<Value>), ApiError> {
+    let conversation = authorized_conversation(&state, &claims, &id).await?;
+    let frame: Value = parse_json(body, false)?;
+    let message = validate_message_frame(&frame, &state.config.limits).map_err(frame_error)?;
+    let idempotency_key = match headers.get("x-idempotency-key") {
+        None => None,
+        Some(value) => {
+            let key = value
+                .to_str()
+                .ok()
+                .filter(|key| is_valid_client_id(key))
+                .ok_or_else(|| {
+                    ApiError::bad_request(
+                        "x-idempotency-key must be 1-128 characters of A-Za-z0-9._:~-",
+                    )
+                })?;
+            Some(key.to_owned())
+        }
+    };
+    let (sender, frame_id) = match claims.scope() {
+        Scope::Conversation => (
+            Sender {
+                id: conversation.user_id.clone(),
+                role: SenderRole::User,
+            },
+            None,
+        ),
+        Scope::Channel => {
+            let agent_id = claims
+                .user_id
+                .clone()
+                .unwrap_or_else(|| DEFAULT_AGENT_ID.to_owned());
+            (
+                Sender {
+                    id: agent_id,
+                    role: SenderRole::Agent,
+                },
+                message.id.clone(),
+            )
+        }
+    };
+    let new = NewActivity {
+        conversation_id: conversation.id,
+        id: frame_id,
+        kind: message.kind,
+        sender,
+        data: message.data,
+        metadata: message.metadata,
+        extra: Some(message.extra),
+        client_id: idempotency_key.or(message.client_id),
+    };
+    let outcome = state.store.commit_activity(&new).await?;
+    let status = if outcome.duplicate {
+        StatusCode::OK
+    } else {
+        StatusCode::CREATED
+    };
+    Ok((
+        status,
+        Json(json!({"id": outcome.activity.id, "seq": outcome.activity.seq})),
+    ))
+}

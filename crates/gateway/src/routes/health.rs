@@ -1,0 +1,64 @@
+//! Liveness, readiness and metrics.
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+use crate::auth::secrets_match;
+use crate::error::ApiError;
+use crate::state::AppState;
+
+/// `GET /health/live`: the process answers.
+pub(crate) async fn live() -> Json<serde_json::Value> {
+    Json(json!({"status": "ok"}))
+}
+
+/// `GET /health/ready`: 200 when the database answers and the node is not draining.
+pub(crate) async fn ready(State(state): State<AppState>) -> Response {
+    if state.is_draining() {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "draining"})),
+        )
+            .into_response();
+    }
+    match state.store.ping().await {
+        Ok(()) => Json(json!({"status": "ready"})).into_response(),
+        Err(error) => {
+            tracing::warn!(%error, "readiness: database unavailable");
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                Json(json!({"status": "database unavailable"})),
+            )
+                .into_response()
+        }
+    }
+}
+
+/// `GET /metrics`: Prometheus text, behind `metrics_token` when configured.
+pub(crate) async fn metrics(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    let required = &state.config.metrics_token;
+    if !required.is_empty() {
+        let given = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|value| value.to_str().ok())
+            .and_then(|value| value.strip_prefix("Bearer "))
+            .unwrap_or_default();
+        if !secrets_match(given, required) {
+            return Err(ApiError::unauthorized("metrics token required"));
+        }
+    }
+    state.store.record_pool_metrics();
+    let body = state.metrics.render();
+    Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response())
+}
+
+/// Any other path.
+pub(crate) async fn not_found() -> ApiError {
+    ApiError::not_found("route")
+}

@@ -1,0 +1,43 @@
+//! The HTTP routes of PROTOCOL section 6.
+
+mod admin;
+mod body;
+mod channels;
+mod conversations;
+mod health;
+mod tokens;
+
+use axum::Router;
+use axum::extract::DefaultBodyLimit;
+use axum::routing::{get, patch, post};
+
+use crate::state::AppState;
+
+/// The REST surface, with body limit and request metrics applied.
+pub fn router(state: AppState) -> Router {
+    let body_limit = state.config.limits.max_frame_bytes;
+    Router::new()
+        .route("/api/v1/admin/tenants", post(admin::create_tenant))
+        .route(
+            "/api/v1/channels",
+            post(channels::create).get(channels::list),
+        )
+        .route("/api/v1/channels/{id}", patch(channels::update))
+        .route("/api/v1/converger/tokens/generate", post(tokens::generate))
+        .route("/api/v1/converger/tokens/refresh", post(tokens::refresh))
+        .route(
+            "/api/v1/converger/conversations",
+            post(conversations::create),
+        )
+        .route(
+            "/api/v1/converger/conversations/{id}/activities",
+            get(conversations::list_activities).post(conversations::post_activity),
+        )
+        .route("/health/live", get(health::live))
+        .route("/health/ready", get(health::ready))
+        .route("/metrics", get(health::metrics))
+        .fallback(health::not_found)
+        .layer(DefaultBodyLimit::max(body_limit))
+        .layer(axum::middleware::from_fn(crate::metrics::track_http))
+        .with_state(state)
+}

@@ -1,0 +1,161 @@
+//! Server lifecycle: bind a listener, serve until told to stop, stop cleanly.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+
+use converger_store::Store;
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+use crate::auth::TokenKeys;
+use crate::config::Config;
+use crate::state::AppState;
+
+/// Secrets resolved by the binary (configured, or generated into the state folder).
+#[derive(Clone)]
+pub struct Credentials {
+    /// HS256 signing key.
+    pub secret_key: Vec<u8>,
+    /// Bearer token of the admin API.
+    pub admin_token: String,
+}
+
+/// Errors of the server lifecycle.
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    /// The listener could not be bound.
+    #[error("cannot bind {addr}: {source}")]
+    Bind {
+        /// Requested address.
+        addr: SocketAddr,
+        /// Cause.
+        source: std::io::Error,
+    },
+    /// The signing key is unusable.
+    #[error("invalid secret_key: {0}")]
+    SecretKey(#[from] jsonwebtoken::errors::Error),
+    /// Serving failed.
+    #[error("server failed: {0}")]
+    Serve(#[from] std::io::Error),
+}
+
+/// A bound, not yet serving, node.
+pub struct Server {
+    state: AppState,
+    listener: TcpListener,
+}
+
+impl Server {
+    /// Binds `config.http_addr` (port 0 picks a free port).
+    pub async fn bind(
+        config: Config,
+        store: Store,
+        credentials: Credentials,
+    ) -> Result<Server, GatewayError> {
+        let addr = config.http_addr;
+        let tokens = TokenKeys::new(&credentials.secret_key, config.token_ttl_secs)?;
+        let listener = TcpListener::bind(addr)
+            .await
+            .map_err(|source| GatewayError::Bind { addr, source })?;
+        let state = AppState {
+            tokens,
+            admin_token: Arc::from(credentials.admin_token.as_str()),
+            store,
+            config: Arc::new(config),
+            metrics: crate::metrics::install_recorder(),
+            draining: Arc::new(AtomicBool::new(false)),
+        };
+        Ok(Server { state, listener })
+    }
+
+    /// The address actually bound.
+    pub fn local_addr(&self) -> Result<SocketAddr, GatewayError> {
+        Ok(self.listener.local_addr()?)
+    }
+
+    /// Shared state (tests use it to sign tokens).
+    pub fn state(&self) -> &AppState {
+        &self.state
+    }
+
+    /// Serves until `shutdown` completes, then finishes in-flight requests.
+    pub async fn run(
+        self,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<(), GatewayError> {
+        let app = crate::routes::router(self.state.clone());
+        let draining_state = self.state.clone();
+        let shutdown = async move {
+            shutdown.await;
+            draining_state.start_draining();
+            tracing::info!("shutting down: finishing in-flight requests");
+        };
+        axum::serve(self.listener, app)
+            .with_graceful_shutdown(shutdown)
+            .await?;
+        Ok(())
+    }
+
+    /// Serves in a background task; the handle stops it.
+    pub fn spawn(self) -> Result<ServerHandle, GatewayError> {
+        let addr = self.local_addr()?;
+        let state = self.state.clone();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(self.run(async move {
+            let _ = stopped.await;
+        }));
+        Ok(ServerHandle {
+            addr,
+            state,
+            stop: Some(stop),
+            task,
+        })
+    }
+}
+
+/// A node serving in the background.
+pub struct ServerHandle {
+    addr: SocketAddr,
+    state: AppState,
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<Result<(), GatewayError>>,
+}
+
+impl ServerHandle {
+    /// The address it listens on.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Base URL, e.g. `http://127.0.0.1:41234`.
+    pub fn base_url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Shared state.
+    pub fn state(&self) -> &AppState {
+        &self.state
+    }
+
+    /// Stops serving and waits for in-flight requests.
+    pub async fn shutdown(mut self) -> Result<(), GatewayError> {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        match (&mut self.task).await {
+            Ok(result) => result,
+            Err(join_error) => Err(GatewayError::Serve(std::io::Error::other(join_error))),
+        }
+    }
+}
+
+impl Drop for ServerHandle {
+    fn drop(&mut self) {
+        if self.stop.is_some() {
+            self.task.abort();
+        }
+    }
+}

@@ -1,0 +1,39 @@
+//! State shared by every request handler.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use converger_store::Store;
+use metrics_exporter_prometheus::PrometheusHandle;
+
+use crate::auth::TokenKeys;
+use crate::config::Config;
+
+/// Everything a handler needs; cheap to clone.
+#[derive(Clone)]
+pub struct AppState {
+    /// The database.
+    pub store: Store,
+    /// The validated configuration.
+    pub config: Arc<Config>,
+    /// Token signing and verification.
+    pub tokens: TokenKeys,
+    /// The resolved admin token (configured or generated).
+    pub admin_token: Arc<str>,
+    /// Renders `/metrics`.
+    pub metrics: PrometheusHandle,
+    /// Set when the node drains: readiness and new upgrades answer 503.
+    pub draining: Arc<AtomicBool>,
+}
+
+impl AppState {
+    /// True once the node has started draining.
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Acquire)
+    }
+
+    /// Marks the node as draining.
+    pub fn start_draining(&self) {
+        self.draining.store(true, Ordering::Release);
+    }
+}

@@ -1,0 +1,343 @@
+//! Validation of client message frames (the persistent ones: `text`, `event`, …).
+//!
+//! Used by the REST post and the WebSocket sessions so both refuse the same inputs the same way.
+
+use serde_json::{Map, Value};
+
+use crate::{ErrorCode, Limits};
+
+/// Frame types only the server sends; a client that sends one gets `invalid_message`.
+pub const SERVER_ONLY_TYPES: &[&str] = &[
+    "welcome",
+    "ack",
+    "error",
+    "heartbeat",
+    "replayTruncated",
+    "deliveryStatus",
+    "presence",
+    "tokenRefreshed",
+    "conversationUpdate",
+];
+
+/// Control frame types that are never stored as messages.
+pub const CONTROL_TYPES: &[&str] = &[
+    "hello",
+    "sync",
+    "ping",
+    "typing",
+    "read",
+    "auth",
+    "edit",
+    "regenerate",
+    "resume",
+    "abort",
+    "genui_event",
+    "client_tools",
+    "client_skills",
+    "survey",
+    "turnResult",
+];
+
+/// Top-level fields the server owns or that are never stored with the frame.
+const NOT_STORED_FIELDS: &[&str] = &[
+    "type",
+    "id",
+    "seq",
+    "from",
+    "sender",
+    "timestamp",
+    "clientId",
+    "data",
+    "metadata",
+    "meta",
+    "token",
+];
+
+/// Why a frame was refused: the error code and a human message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FrameError {
+    /// Wire error code.
+    pub code: ErrorCode,
+    /// Human-readable reason.
+    pub message: String,
+}
+
+impl FrameError {
+    fn new(code: ErrorCode, message: impl Into<String>) -> FrameError {
+        FrameError {
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+/// A client message frame that passed validation, split into what is stored.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MessageFrame {
+    /// The frame's `type`.
+    pub kind: String,
+    /// The frame's `id`, when the sender gave one.
+    pub id: Option<String>,
+    /// The frame's `clientId`, when the sender gave one.
+    pub client_id: Option<String>,
+    /// The frame's `data` object.
+    pub data: Value,
+    /// The frame's `metadata` object.
+    pub metadata: Option<Value>,
+    /// The relayed, never stored, `meta` object.
+    pub meta: Option<Value>,
+    /// Other top-level fields, kept as given.
+    pub extra: Map<String, Value>,
+}
+
+/// Checks a message frame against the contract and the limits.
+///
+/// `data` must be an object; a `text` frame needs `data.text` as a string within
+/// `max_text_bytes`; `metadata`, when present, must be an object within `max_metadata_bytes`;
+/// `clientId` (or `id` when `clientId` is absent and `id` has its shape) is the idempotency key.
+pub fn validate_message_frame(frame: &Value, limits: &Limits) -> Result<MessageFrame, FrameError> {
+    let Some(object) = frame.as_object() else {
+        return Err(FrameError::new(
+            ErrorCode::InvalidMessage,
+            "a frame must be a JSON object",
+        ));
+    };
+    let kind = match object.get("type") {
+        Some(Value::String(kind)) if !kind.is_empty() => kind.clone(),
+        Some(_) => {
+            return Err(FrameError::new(
+                ErrorCode::InvalidMessage,
+                "type must be a non-empty string",
+            ));
+        }
+        None => {
+            return Err(FrameError::new(
+                ErrorCode::InvalidMessage,
+                "type is missing",
+            ));
+        }
+    };
+    if kind.len() > 64 {
+        return Err(FrameError::new(
+            ErrorCode::InvalidMessage,
+            "type is longer than 64 bytes",
+        ));
+    }
+    if SERVER_ONLY_TYPES.contains(&kind.as_str()) {
+        return Err(FrameError::new(
+            ErrorCode::InvalidMessage,
+            format!("{kind} is sent only by the server"),
+        ));
+    }
+    if CONTROL_TYPES.contains(&kind.as_str()) {
+        return Err(FrameError::new(
+            ErrorCode::InvalidMessage,
+            format!("{kind} is not a message type"),
+        ));
+    }
+    let data = match object.get("data") {
+        Some(Value::Object(data)) => Value::Object(data.clone()),
+        Some(_) => {
+            return Err(FrameError::new(
+                ErrorCode::InvalidMessage,
+                "data must be an object",
+            ));
+        }
+        None => {
+            return Err(FrameError::new(
+                ErrorCode::InvalidMessage,
+                "data is missing",
+            ));
+        }
+    };
+    if kind == "text" {
+        match data.get("text") {
+            Some(Value::String(text)) if text.len() > limits.max_text_bytes => {
+                return Err(FrameError::new(
+                    ErrorCode::PayloadTooLarge,
+                    format!("data.text is larger than {} bytes", limits.max_text_bytes),
+                ));
+            }
+            Some(Value::String(_)) => {}
+            _ => {
+                return Err(FrameError::new(
+                    ErrorCode::InvalidMessage,
+                    "data.text must be a string",
+                ));
+            }
+        }
+    }
+    let metadata = optional_object(object, "metadata")?;
+    if let Some(metadata) = &metadata
+        && serialized_len(metadata) > limits.max_metadata_bytes
+    {
+        return Err(FrameError::new(
+            ErrorCode::PayloadTooLarge,
+            format!(
+                "metadata is larger than {} bytes",
+                limits.max_metadata_bytes
+            ),
+        ));
+    }
+    let meta = optional_object(object, "meta")?;
+    let id = optional_string(object, "id")?;
+    let client_id = match optional_string(object, "clientId")? {
+        Some(client_id) if crate::is_valid_client_id(&client_id) => Some(client_id),
+        Some(_) => {
+            return Err(FrameError::new(
+                ErrorCode::InvalidMessage,
+                "clientId must be 1-128 characters of A-Za-z0-9._:~-",
+            ));
+        }
+        // A mekik client's `id` doubles as its idempotency key when it has the right shape.
+        None => id.clone().filter(|id| crate::is_valid_client_id(id)),
+    };
+    if let Some(id) = &id
+        && (id.is_empty() || id.len() > 128)
+    {
+        return Err(FrameError::new(
+            ErrorCode::InvalidMessage,
+            "id must be 1-128 bytes",
+        ));
+    }
+    let extra: Map<String, Value> = object
+        .iter()
+        .filter(|(key, _)| !NOT_STORED_FIELDS.contains(&key.as_str()))
+        .map(|(key, value)| (key.clone(), value.clone()))
+        .collect();
+    Ok(MessageFrame {
+        kind,
+        id,
+        client_id,
+        data,
+        metadata,
+        meta,
+        extra,
+    })
+}
+
+fn optional_object(object: &Map<String, Value>, field: &str) -> Result<Option<Value>, FrameError> {
+    match object.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Object(inner)) => Ok(Some(Value::Object(inner.clone()))),
+        Some(_) => Err(FrameError::new(
+            ErrorCode::InvalidMessage,
+            format!("{field} must be an object"),
+        )),
+    }
+}
+
+fn optional_string(object: &Map<String, Value>, field: &str) -> Result<Option<String>, FrameError> {
+    match object.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(value)) => Ok(Some(value.clone())),
+        Some(_) => Err(FrameError::new(
+            ErrorCode::InvalidMessage,
+            format!("{field} must be a string"),
+        )),
+    }
+}
+
+fn serialized_len(value: &Value) -> usize {
+    serde_json::to_vec(value)
+        .map(|bytes| bytes.len())
+        .unwrap_or(usize::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use serde_json::json;
+
+    fn check(frame: Value) -> Result<MessageFrame, FrameError> {
+        validate_message_frame(&frame, &Limits::default())
+    }
+
+    #[test]
+    fn text_frame_splits_into_stored_parts() {
+        let frame = check(json!({
+            "type": "text", "clientId": "c-1", "data": {"text": "hi"},
+            "metadata": {"k": 1}, "meta": {"m": true}, "actions": [1], "seq": 99, "sender": "x"
+        }))
+        .unwrap();
+        assert_eq!(frame.kind, "text");
+        assert_eq!(frame.client_id.as_deref(), Some("c-1"));
+        assert_eq!(frame.metadata, Some(json!({"k": 1})));
+        assert_eq!(frame.meta, Some(json!({"m": true})));
+        assert_eq!(Value::Object(frame.extra), json!({"actions": [1]}));
+    }
+
+    #[test]
+    fn mekik_id_counts_as_client_id() {
+        let frame = check(json!({"type": "text", "id": "m-1", "data": {"text": "hi"}})).unwrap();
+        assert_eq!(frame.client_id.as_deref(), Some("m-1"));
+        let frame =
+            check(json!({"type": "text", "id": "not valid!", "data": {"text": "hi"}})).unwrap();
+        assert_eq!(frame.client_id, None);
+    }
+
+    #[test]
+    fn refusals_carry_the_documented_codes() {
+        let cases = [
+            (json!([1]), ErrorCode::InvalidMessage),
+            (json!({"data": {}}), ErrorCode::InvalidMessage),
+            (json!({"type": 3, "data": {}}), ErrorCode::InvalidMessage),
+            (
+                json!({"type": "ack", "data": {}}),
+                ErrorCode::InvalidMessage,
+            ),
+            (
+                json!({"type": "hello", "data": {}}),
+                ErrorCode::InvalidMessage,
+            ),
+            (
+                json!({"type": "text", "data": "hi"}),
+                ErrorCode::InvalidMessage,
+            ),
+            (
+                json!({"type": "text", "data": {"text": 5}}),
+                ErrorCode::InvalidMessage,
+            ),
+            (
+                json!({"type": "text", "data": {"text": "x".repeat(20_000)}}),
+                ErrorCode::PayloadTooLarge,
+            ),
+            (
+                json!({"type": "text", "data": {"text": "x"}, "metadata": []}),
+                ErrorCode::InvalidMessage,
+            ),
+            (
+                json!({"type": "text", "data": {"text": "x"}, "metadata": {"k": "v".repeat(5000)}}),
+                ErrorCode::PayloadTooLarge,
+            ),
+            (
+                json!({"type": "text", "data": {"text": "x"}, "clientId": "bad id"}),
+                ErrorCode::InvalidMessage,
+            ),
+            (
+                json!({"type": "text", "data": {"text": "x"}, "clientId": 7}),
+                ErrorCode::InvalidMessage,
+            ),
+        ];
+        for (frame, code) in cases {
+            let refused = check(frame.clone()).expect_err(&frame.to_string());
+            assert_eq!(refused.code, code, "{frame}");
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn arbitrary_json_never_panics(text in ".{0,40}", n in any::<i64>(), key in "[a-zA-Z]{1,8}") {
+            let frames = [
+                json!({"type": text.clone(), "data": {key.clone(): n}}),
+                json!({"type": "text", "data": {"text": text.clone()}, key.clone(): n}),
+                json!({key.clone(): text.clone()}),
+                json!(text.clone()),
+            ];
+            for frame in frames {
+                let _ = check(frame);
+            }
+        }
+    }
+}

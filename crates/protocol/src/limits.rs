@@ -1,0 +1,129 @@
+//! Per-connection limits, configured by the operator and announced in `welcome.limits`.
+
+use serde::{Deserialize, Serialize};
+
+/// The limits a node enforces. Serde names are the configuration keys (snake_case);
+/// `to_wire` gives the camelCase object of `welcome.data.limits`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Limits {
+    /// Largest accepted text message or REST body; larger gets `payload_too_large` / 413.
+    pub max_frame_bytes: usize,
+    /// Above this a WebSocket message closes the connection with 1009.
+    pub hard_frame_bytes: usize,
+    /// Largest `data.text` of a message frame, in bytes.
+    pub max_text_bytes: usize,
+    /// Largest serialized `metadata` object, in bytes.
+    pub max_metadata_bytes: usize,
+    /// Unacked sends allowed per connection.
+    pub max_in_flight: usize,
+    /// Interval of server pings and `heartbeat` frames.
+    pub heartbeat_interval_ms: u64,
+    /// No inbound data for this long closes the connection with 4408.
+    pub idle_timeout_ms: u64,
+    /// Frames per replay batch.
+    pub replay_batch: usize,
+    /// Frames replayed at most before `replayTruncated` (converger profile).
+    pub replay_max: usize,
+    /// Conversations a channel-scope connection may hold at once.
+    pub max_conversations: usize,
+    /// Inbound frames per second allowed per connection.
+    pub max_frames_per_sec: u32,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_frame_bytes: 64 * 1024,
+            hard_frame_bytes: 1024 * 1024,
+            max_text_bytes: 16 * 1024,
+            max_metadata_bytes: 4 * 1024,
+            max_in_flight: 32,
+            heartbeat_interval_ms: 25_000,
+            idle_timeout_ms: 60_000,
+            replay_batch: 200,
+            replay_max: 1_000,
+            max_conversations: 10_000,
+            max_frames_per_sec: 50,
+        }
+    }
+}
+
+impl Limits {
+    /// The `welcome.data.limits` object (`maxConversations` only for channel scope).
+    pub fn to_wire(&self, channel_scope: bool) -> serde_json::Value {
+        let mut wire = serde_json::json!({
+            "maxFrameBytes": self.max_frame_bytes,
+            "maxTextBytes": self.max_text_bytes,
+            "maxMetadataBytes": self.max_metadata_bytes,
+            "maxInFlight": self.max_in_flight,
+            "heartbeatIntervalMs": self.heartbeat_interval_ms,
+            "idleTimeoutMs": self.idle_timeout_ms,
+            "replayBatch": self.replay_batch,
+            "replayMax": self.replay_max,
+        });
+        if channel_scope {
+            wire["maxConversations"] = serde_json::Value::from(self.max_conversations);
+        }
+        wire
+    }
+
+    /// Checks the relations between limits; the error names the offending key.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.max_frame_bytes == 0 {
+            return Err("limits.max_frame_bytes must be greater than 0".into());
+        }
+        if self.hard_frame_bytes < self.max_frame_bytes {
+            return Err("limits.hard_frame_bytes must be at least limits.max_frame_bytes".into());
+        }
+        if self.max_text_bytes > self.max_frame_bytes {
+            return Err("limits.max_text_bytes must not exceed limits.max_frame_bytes".into());
+        }
+        if self.max_metadata_bytes > self.max_frame_bytes {
+            return Err("limits.max_metadata_bytes must not exceed limits.max_frame_bytes".into());
+        }
+        if self.heartbeat_interval_ms == 0 || self.heartbeat_interval_ms * 2 > self.idle_timeout_ms
+        {
+            return Err(
+                "limits.heartbeat_interval_ms must be positive and at most limits.idle_timeout_ms / 2"
+                    .into(),
+            );
+        }
+        if self.replay_batch == 0 || self.replay_max == 0 {
+            return Err("limits.replay_batch and limits.replay_max must be greater than 0".into());
+        }
+        if self.max_in_flight == 0 {
+            return Err("limits.max_in_flight must be greater than 0".into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid_and_wire_names_are_camel_case() {
+        let limits = Limits::default();
+        limits.validate().unwrap();
+        let wire = limits.to_wire(false);
+        assert_eq!(wire["maxFrameBytes"], 64 * 1024);
+        assert!(wire.get("heartbeatIntervalMs").is_some());
+        assert!(wire.get("maxConversations").is_none());
+        assert!(limits.to_wire(true).get("maxConversations").is_some());
+    }
+
+    #[test]
+    fn heartbeat_above_half_idle_is_refused() {
+        let limits = Limits {
+            heartbeat_interval_ms: 40_000,
+            ..Limits::default()
+        };
+        let message = limits.validate().unwrap_err();
+        assert!(
+            message.contains("limits.heartbeat_interval_ms"),
+            "{message}"
+        );
+    }
+}

@@ -1,0 +1,148 @@
+//! Channels: where agents and end users of one tenant meet, authenticated by a channel secret.
+
+use chrono::{DateTime, Utc};
+use uuid::Uuid;
+
+use crate::secrets::{generate_secret, hash_secret};
+use crate::{Store, StoreError};
+
+/// Whether a channel accepts connections and tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChannelStatus {
+    /// Accepts tokens and connections.
+    Active,
+    /// Refuses its tokens; its sockets are closed.
+    Inactive,
+}
+
+impl ChannelStatus {
+    /// The stored and wire form.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ChannelStatus::Active => "active",
+            ChannelStatus::Inactive => "inactive",
+        }
+    }
+
+    /// Parses the stored and wire form.
+    pub fn parse(status: &str) -> Option<ChannelStatus> {
+        match status {
+            "active" => Some(ChannelStatus::Active),
+            "inactive" => Some(ChannelStatus::Inactive),
+            _ => None,
+        }
+    }
+}
+
+/// A channel row (never includes the secret).
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct Channel {
+    /// Channel id.
+    pub id: Uuid,
+    /// Owning tenant.
+    pub tenant_id: Uuid,
+    /// Display name.
+    pub name: String,
+    /// `active` or `inactive`.
+    pub status: String,
+    /// Creation time.
+    pub created_at: DateTime<Utc>,
+}
+
+impl Channel {
+    /// True when the channel accepts tokens and connections.
+    pub fn is_active(&self) -> bool {
+        self.status == ChannelStatus::Active.as_str()
+    }
+}
+
+const CHANNEL_COLUMNS: &str = "id, tenant_id, name, status, created_at";
+
+impl Store {
+    /// Creates a channel of a tenant and returns it with its secret, shown only this once.
+    pub async fn create_channel(
+        &self,
+        tenant_id: Uuid,
+        name: &str,
+    ) -> Result<(Channel, String), StoreError> {
+        let secret = generate_secret("cvg_sec_");
+        let created = self
+            .timed("create_channel", async {
+                sqlx::query_as::<_, Channel>(
+                    "INSERT INTO channels (id, tenant_id, name, secret_hash)
+                     SELECT $1, id, $3, $4 FROM tenants WHERE id = $2
+                     RETURNING id, tenant_id, name, status, created_at",
+                )
+                .bind(Uuid::now_v7())
+                .bind(tenant_id)
+                .bind(name)
+                .bind(hash_secret(&secret))
+                .fetch_optional(&self.pool)
+                .await
+            })
+            .await?;
+        let channel = created.ok_or(StoreError::TenantNotFound)?;
+        Ok((channel, secret))
+    }
+
+    /// The channels of one tenant, oldest first.
+    pub async fn list_channels(&self, tenant_id: Uuid) -> Result<Vec<Channel>, StoreError> {
+        self.timed("list_channels", async {
+            sqlx::query_as::<_, Channel>(sqlx::AssertSqlSafe(format!(
+                "SELECT {CHANNEL_COLUMNS} FROM channels WHERE tenant_id = $1 ORDER BY created_at, id"
+            )))
+            .bind(tenant_id)
+            .fetch_all(&self.pool)
+            .await
+        })
+        .await
+    }
+
+    /// Sets a channel's status; `None` when the tenant has no such channel.
+    pub async fn set_channel_status(
+        &self,
+        tenant_id: Uuid,
+        channel_id: Uuid,
+        status: ChannelStatus,
+    ) -> Result<Option<Channel>, StoreError> {
+        self.timed("set_channel_status", async {
+            sqlx::query_as::<_, Channel>(sqlx::AssertSqlSafe(format!(
+                "UPDATE channels SET status = $3, updated_at = now()
+                 WHERE id = $1 AND tenant_id = $2
+                 RETURNING {CHANNEL_COLUMNS}"
+            )))
+            .bind(channel_id)
+            .bind(tenant_id)
+            .bind(status.as_str())
+            .fetch_optional(&self.pool)
+            .await
+        })
+        .await
+    }
+
+    /// The channel a secret belongs to, whatever its status.
+    pub async fn channel_by_secret(&self, secret: &str) -> Result<Option<Channel>, StoreError> {
+        self.timed("channel_by_secret", async {
+            sqlx::query_as::<_, Channel>(sqlx::AssertSqlSafe(format!(
+                "SELECT {CHANNEL_COLUMNS} FROM channels WHERE secret_hash = $1"
+            )))
+            .bind(hash_secret(secret))
+            .fetch_optional(&self.pool)
+            .await
+        })
+        .await
+    }
+
+    /// A channel by id, whatever its status.
+    pub async fn channel(&self, channel_id: Uuid) -> Result<Option<Channel>, StoreError> {
+        self.timed("channel", async {
+            sqlx::query_as::<_, Channel>(sqlx::AssertSqlSafe(format!(
+                "SELECT {CHANNEL_COLUMNS} FROM channels WHERE id = $1"
+            )))
+            .bind(channel_id)
+            .fetch_optional(&self.pool)
+            .await
+        })
+        .await
+    }
+}

@@ -1,0 +1,157 @@
+//! The Postgres store: migrations, the transactions behind every observable write, and the
+//! embedded development database. Every query is runtime-checked (`sqlx::query_as`) and runs
+//! under both a client-side deadline and a server-side `statement_timeout`.
+#![forbid(unsafe_code)]
+
+mod activities;
+mod channels;
+mod conversations;
+pub mod embedded;
+mod error;
+mod secrets;
+mod tenants;
+
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+
+pub use activities::{Activity, CommitOutcome, NewActivity, Sender, SenderRole, Viewer};
+pub use channels::{Channel, ChannelStatus};
+pub use conversations::Conversation;
+pub use error::StoreError;
+pub use secrets::hash_secret;
+pub use tenants::Tenant;
+
+/// Postgres channel every commit notifies; payloads are small JSON ids, never bodies.
+pub const NOTIFY_CHANNEL: &str = "converger_events";
+
+static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations");
+
+/// How to reach the database and how long to wait for it.
+#[derive(Debug, Clone)]
+pub struct StoreOptions {
+    /// Postgres connection URL.
+    pub url: String,
+    /// Upper bound of pooled connections.
+    pub max_connections: u32,
+    /// Longest wait for a free pooled connection.
+    pub acquire_timeout: Duration,
+    /// Server-side limit for one statement, and the client-side deadline of one query.
+    pub statement_timeout: Duration,
+}
+
+/// Handle to the database; cheap to clone.
+#[derive(Clone, Debug)]
+pub struct Store {
+    pool: PgPool,
+    query_deadline: Duration,
+}
+
+/// What `Store::migrate` did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MigrationReport {
+    /// Versions applied by this call (empty when the schema was already current).
+    pub applied: Vec<i64>,
+}
+
+impl Store {
+    /// Connects a pool; fails fast when the database does not answer.
+    pub async fn connect(options: &StoreOptions) -> Result<Store, StoreError> {
+        let statement_timeout_ms = options.statement_timeout.as_millis().to_string();
+        let connect_options: PgConnectOptions = options
+            .url
+            .parse::<PgConnectOptions>()
+            .map_err(|source| StoreError::Config(format!("invalid database url: {source}")))?
+            .application_name("converger")
+            .options([("statement_timeout", statement_timeout_ms.as_str())]);
+        let pool = PgPoolOptions::new()
+            .max_connections(options.max_connections)
+            .acquire_timeout(options.acquire_timeout)
+            .connect_with(connect_options)
+            .await?;
+        Ok(Store {
+            pool,
+            // The server cancels a statement at statement_timeout; the client deadline adds
+            // slack for the network so both rarely race.
+            query_deadline: options.statement_timeout + Duration::from_secs(1),
+        })
+    }
+
+    /// The underlying pool, for the event bus listener and tests.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// Applies pending migrations; a no-op when the schema is current.
+    pub async fn migrate(&self) -> Result<MigrationReport, StoreError> {
+        let before = self.applied_versions().await?;
+        MIGRATOR.run(&self.pool).await?;
+        let after = self.applied_versions().await?;
+        let applied = after
+            .into_iter()
+            .filter(|version| !before.contains(version))
+            .collect();
+        Ok(MigrationReport { applied })
+    }
+
+    async fn applied_versions(&self) -> Result<Vec<i64>, StoreError> {
+        let table_exists: bool = self
+            .timed("migrations_table_exists", async {
+                sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL")
+                    .fetch_one(&self.pool)
+                    .await
+            })
+            .await?;
+        if !table_exists {
+            return Ok(Vec::new());
+        }
+        self.timed("applied_versions", async {
+            sqlx::query_scalar(
+                "SELECT version FROM _sqlx_migrations WHERE success ORDER BY version",
+            )
+            .fetch_all(&self.pool)
+            .await
+        })
+        .await
+    }
+
+    /// One round trip to the database; readiness uses it.
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        self.timed("ping", async {
+            sqlx::query("SELECT 1").execute(&self.pool).await
+        })
+        .await
+        .map(|_| ())
+    }
+
+    /// Publishes pool gauges; called when metrics are scraped.
+    pub fn record_pool_metrics(&self) {
+        let size = self.pool.size();
+        let idle = self.pool.num_idle() as u32;
+        metrics::gauge!("converger_db_pool_connections").set(f64::from(size));
+        metrics::gauge!("converger_db_pool_idle_connections").set(f64::from(idle));
+        metrics::gauge!("converger_db_pool_in_use_connections")
+            .set(f64::from(size.saturating_sub(idle)));
+    }
+
+    /// Runs one database operation under the client deadline and records its latency.
+    async fn timed<T>(
+        &self,
+        operation: &'static str,
+        query: impl Future<Output = Result<T, sqlx::Error>>,
+    ) -> Result<T, StoreError> {
+        let started = Instant::now();
+        let outcome = tokio::time::timeout(self.query_deadline, query).await;
+        let elapsed = started.elapsed().as_secs_f64();
+        let result = match outcome {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(error)) => Err(StoreError::from(error)),
+            Err(_) => Err(StoreError::Timeout { operation }),
+        };
+        let status = if result.is_ok() { "ok" } else { "error" };
+        metrics::histogram!("converger_db_query_seconds", "operation" => operation, "status" => status)
+            .record(elapsed);
+        result
+    }
+}
