@@ -1,4 +1,4 @@
--- converger schema, version 1. See DESIGN.md section 3 and docs/adr/0002-store-schema.md.
+-- converger schema, version 1. See DESIGN.md section 3 and docs/adr/0002-one-statement-commit.md.
 
 CREATE TABLE tenants (
     id           uuid PRIMARY KEY,

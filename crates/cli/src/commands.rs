@@ -1,8 +1,8 @@
 //! The subcommands.
 
 use anyhow::Context;
-use converger_gateway::auth::{Scope, TokenKeys};
-use converger_gateway::{Config, Server};
+use converger_gateway::auth::TokenKeys;
+use converger_gateway::{Config, Server, TokenGrant, issue_for_channel};
 use converger_store::Store;
 use converger_store::embedded::Role;
 use serde_json::json;
@@ -101,19 +101,13 @@ pub async fn create_channel(config: Config, tenant: Uuid, name: &str) -> anyhow:
     .await
 }
 
-/// `converger token issue --channel ID [--user U] [--conversation C] [--scope S]`.
+/// `converger token issue --channel ID [--user U] [--conversation C] [--scope S]`: the same
+/// rules as `POST /api/v1/converger/tokens/generate`.
 pub async fn issue_token(
     config: Config,
     channel_id: Uuid,
-    user: Option<String>,
-    conversation: Option<Uuid>,
-    scope: Option<&str>,
+    grant: TokenGrant,
 ) -> anyhow::Result<()> {
-    let scope = match scope {
-        Some("channel") => Some(Scope::Channel),
-        Some("conversation") => Some(Scope::Conversation),
-        _ => None,
-    };
     let credentials = crate::secrets::resolve(&config)?;
     let keys = TokenKeys::new(&credentials.secret_key, config.token_ttl_secs)
         .context("invalid secret_key")?;
@@ -123,9 +117,9 @@ pub async fn issue_token(
             .await?
             .context("channel not found")?;
         anyhow::ensure!(channel.is_active(), "channel is inactive");
-        let token = keys
-            .issue(channel.tenant_id, channel.id, conversation, user, scope)
-            .map_err(|error| anyhow::anyhow!(error.message))?;
+        let token = issue_for_channel(&store, &keys, &channel, grant)
+            .await
+            .map_err(|error| anyhow::anyhow!("{}: {}", error.code, error.message))?;
         Ok(json!({"token": token, "expires_in": keys.ttl_secs()}))
     })
     .await

@@ -2,7 +2,7 @@
 
 use anyhow::Context;
 use converger_gateway::Config;
-use converger_store::embedded::{EmbeddedPostgres, Role};
+use converger_store::embedded::{EmbeddedError, EmbeddedPostgres, Role};
 use converger_store::{Store, StoreOptions};
 use std::time::Duration;
 
@@ -18,10 +18,7 @@ impl Database {
     /// Connects to `database_url`, or starts/reuses the embedded cluster (as `role`).
     pub async fn open(config: &Config, role: Role) -> anyhow::Result<Database> {
         let (url, embedded) = if config.database_url.is_empty() {
-            let dir = config.state_dir.join("postgres");
-            let embedded = EmbeddedPostgres::start(&dir, role)
-                .await
-                .with_context(|| format!("embedded database in {}", dir.display()))?;
+            let embedded = start_embedded(config, role).await?;
             (embedded.url().to_owned(), Some(embedded))
         } else {
             (config.database_url.clone(), None)
@@ -55,4 +52,34 @@ impl Database {
         }
         Ok(())
     }
+}
+
+/// Starts the embedded cluster under `state_dir/postgres`. When running as root inside a folder
+/// the unprivileged server user cannot enter (a clone under /root, say), falls back to a
+/// per-checkout folder under /var/tmp so the first README command still works.
+async fn start_embedded(config: &Config, role: Role) -> anyhow::Result<EmbeddedPostgres> {
+    let dir = config.state_dir.join("postgres");
+    match EmbeddedPostgres::start(&dir, role).await {
+        Ok(embedded) => Ok(embedded),
+        Err(EmbeddedError::DirectoryNotSearchable { directory, user }) => {
+            let fallback = fallback_dir(&dir);
+            tracing::warn!(
+                unreachable = %directory.display(),
+                %user,
+                fallback = %fallback.display(),
+                "the embedded database's server user cannot enter the state folder; using a folder under /var/tmp"
+            );
+            EmbeddedPostgres::start(&fallback, role)
+                .await
+                .with_context(|| format!("embedded database in {}", fallback.display()))
+        }
+        Err(error) => Err(error).with_context(|| format!("embedded database in {}", dir.display())),
+    }
+}
+
+/// A stable folder per absolute state path, so restarts find the same cluster.
+fn fallback_dir(dir: &std::path::Path) -> std::path::PathBuf {
+    let absolute = std::path::absolute(dir).unwrap_or_else(|_| dir.to_owned());
+    let digest = converger_store::hash_secret(&absolute.to_string_lossy());
+    std::path::PathBuf::from("/var/tmp").join(format!("converger-postgres-{}", &digest[..16]))
 }

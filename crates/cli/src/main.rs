@@ -130,7 +130,14 @@ fn main() -> ExitCode {
                         conversation,
                         scope,
                     },
-            } => commands::issue_token(config, channel, user, conversation, scope.as_deref()).await,
+            } => {
+                let grant = converger_gateway::TokenGrant {
+                    user_id: user,
+                    scope,
+                    conversation_id: conversation.map(|id| id.to_string()),
+                };
+                commands::issue_token(config, channel, grant).await
+            }
         }
     });
     match outcome {

@@ -42,7 +42,7 @@ fn read_or_generate(path: &Path) -> anyhow::Result<String> {
         std::fs::create_dir_all(parent)
             .with_context(|| format!("cannot create {}", parent.display()))?;
     }
-    let value = random_hex(32);
+    let value = converger_store::generate_secret("");
     // create_new: if two processes race, one loses and reads the winner's value.
     let created = std::fs::OpenOptions::new()
         .write(true)
@@ -63,13 +63,6 @@ fn read_or_generate(path: &Path) -> anyhow::Result<String> {
         }
         Err(error) => Err(error).with_context(|| format!("cannot create {}", path.display())),
     }
-}
-
-fn random_hex(bytes: usize) -> String {
-    // Two v4 uuids give 244 random bits from the OS generator per 32 hex characters.
-    (0..bytes.div_ceil(16))
-        .map(|_| uuid::Uuid::new_v4().simple().to_string())
-        .collect::<String>()
 }
 
 #[cfg(test)]

@@ -149,10 +149,9 @@ impl TokenKeys {
     }
 }
 
-/// The bearer credential of a request, if any.
-fn bearer(parts: &Parts) -> Option<&str> {
-    let header = parts
-        .headers
+/// The bearer credential of a request, if any (scheme matched case-insensitively).
+pub(crate) fn bearer(headers: &axum::http::HeaderMap) -> Option<&str> {
+    let header = headers
         .get(axum::http::header::AUTHORIZATION)?
         .to_str()
         .ok()?;
@@ -179,7 +178,8 @@ impl FromRequestParts<AppState> for AdminAuth {
         parts: &mut Parts,
         state: &AppState,
     ) -> Result<Self, Self::Rejection> {
-        let given = bearer(parts).ok_or_else(|| ApiError::unauthorized("admin token required"))?;
+        let given =
+            bearer(&parts.headers).ok_or_else(|| ApiError::unauthorized("admin token required"))?;
         if secrets_match(given, &state.admin_token) {
             return Ok(AdminAuth);
         }
@@ -222,8 +222,8 @@ impl FromRequestParts<AppState> for ChannelSecretAuth {
         parts: &mut Parts,
         state: &AppState,
     ) -> Result<Self, Self::Rejection> {
-        let secret =
-            bearer(parts).ok_or_else(|| ApiError::unauthorized("channel secret required"))?;
+        let secret = bearer(&parts.headers)
+            .ok_or_else(|| ApiError::unauthorized("channel secret required"))?;
         let channel = state
             .store
             .channel_by_secret(secret)
@@ -247,7 +247,8 @@ impl FromRequestParts<AppState> for TokenAuth {
         parts: &mut Parts,
         state: &AppState,
     ) -> Result<Self, Self::Rejection> {
-        let token = bearer(parts).ok_or_else(|| ApiError::unauthorized("bearer token required"))?;
+        let token = bearer(&parts.headers)
+            .ok_or_else(|| ApiError::unauthorized("bearer token required"))?;
         let claims = state
             .tokens
             .verify(token)

@@ -12,5 +12,6 @@ pub mod state;
 
 pub use config::{Config, DatabaseConfig, LogFormat};
 pub use routes::router;
+pub use routes::tokens::{TokenGrant, issue_for_channel};
 pub use server::{Credentials, GatewayError, Server, ServerHandle};
 pub use state::AppState;

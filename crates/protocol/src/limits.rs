@@ -95,6 +95,12 @@ impl Limits {
         if self.max_in_flight == 0 {
             return Err("limits.max_in_flight must be greater than 0".into());
         }
+        if self.max_frames_per_sec == 0 {
+            return Err("limits.max_frames_per_sec must be greater than 0".into());
+        }
+        if self.max_conversations == 0 {
+            return Err("limits.max_conversations must be greater than 0".into());
+        }
         Ok(())
     }
 }

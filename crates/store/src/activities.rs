@@ -197,7 +197,9 @@ impl Store {
             .filter(|map| !map.is_empty())
             .map(|map| Value::Object(map.clone()));
         // `existing` and `conv` read one snapshot; a racing insert with the same key is caught
-        // by the unique index instead, which aborts this statement as a whole.
+        // by the unique index instead, which aborts this statement as a whole. The timestamp is
+        // read after the row lock is held, so within a conversation it never goes backwards
+        // as seq grows (ownership compares it with members' `since`).
         let sql = format!(
             "WITH existing AS (
                  SELECT {ACTIVITY_COLUMNS} FROM activities
@@ -208,8 +210,8 @@ impl Store {
                  RETURNING id, last_seq
              ), act AS (
                  INSERT INTO activities
-                     (conversation_id, seq, id, type, sender_id, sender_role, data, metadata, extra, client_id)
-                 SELECT conv.id, conv.last_seq, $2, $3, $4, $5, $6, $7, $8, $9 FROM conv
+                     (conversation_id, seq, id, type, sender_id, sender_role, data, metadata, extra, client_id, created_at)
+                 SELECT conv.id, conv.last_seq, $2, $3, $4, $5, $6, $7, $8, $9, clock_timestamp() FROM conv
                  RETURNING {ACTIVITY_COLUMNS}
              ), turn AS (
                  INSERT INTO turns (conversation_id, seq, revision, status, created_at)

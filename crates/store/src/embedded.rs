@@ -86,7 +86,7 @@ pub enum EmbeddedError {
     /// An ancestor of the cluster directory cannot be entered by the account running the server.
     #[error(
         "directory {directory} is not searchable by user {user}, who runs the embedded postgres \
-         server; use a data directory under /tmp or set CONVERGER_EMBEDDED_DIR"
+         server; use a state directory under /tmp (CONVERGER_STATE_DIR) or set CONVERGER_DATABASE_URL"
     )]
     DirectoryNotSearchable {
         /// The first ancestor lacking search permission for `user`.
@@ -1368,7 +1368,7 @@ mod tests {
             }
             other => panic!("unexpected error: {other}"),
         }
-        assert!(message.contains("CONVERGER_EMBEDDED_DIR"), "{message}");
+        assert!(message.contains("CONVERGER_STATE_DIR"), "{message}");
     }
 
     #[test]

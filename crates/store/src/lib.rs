@@ -20,7 +20,7 @@ pub use activities::{Activity, CommitOutcome, NewActivity, Sender, SenderRole, V
 pub use channels::{Channel, ChannelStatus};
 pub use conversations::Conversation;
 pub use error::StoreError;
-pub use secrets::hash_secret;
+pub use secrets::{generate_secret, hash_secret};
 pub use tenants::Tenant;
 
 /// Postgres channel every commit notifies; payloads are small JSON ids, never bodies.

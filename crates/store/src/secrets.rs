@@ -6,8 +6,8 @@
 use rand::Rng;
 use sha2::{Digest, Sha256};
 
-/// A new random secret with a readable prefix (`cvg_key_…`, `cvg_sec_…`).
-pub(crate) fn generate_secret(prefix: &str) -> String {
+/// A new random 256-bit secret in hex after a readable prefix (`cvg_key_…`, `cvg_sec_…`).
+pub fn generate_secret(prefix: &str) -> String {
     let mut bytes = [0u8; 32];
     rand::rng().fill_bytes(&mut bytes);
     format!("{prefix}{}", hex::encode(bytes))

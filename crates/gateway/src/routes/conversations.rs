@@ -48,8 +48,13 @@ pub(crate) async fn create(
         ));
     }
     // A verified user id wins over an asserted one; with neither, the user is anonymous.
-    let user_id = match (&claims.user_id, request.user_id) {
-        (Some(verified), _) => verified.clone(),
+    // A channel-scope token's user_id names the agent, not an end user.
+    let verified_user = match claims.scope() {
+        Scope::Conversation => claims.user_id.clone(),
+        Scope::Channel => None,
+    };
+    let user_id = match (verified_user, request.user_id) {
+        (Some(verified), _) => verified,
         (None, Some(asserted)) => checked_user_id(&asserted)?,
         (None, None) => format!("anon-{}", Uuid::new_v4().simple()),
     };

@@ -6,7 +6,7 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
-use crate::auth::secrets_match;
+use crate::auth::{bearer, secrets_match};
 use crate::error::ApiError;
 use crate::state::AppState;
 
@@ -44,11 +44,7 @@ pub(crate) async fn metrics(
 ) -> Result<Response, ApiError> {
     let required = &state.config.metrics_token;
     if !required.is_empty() {
-        let given = headers
-            .get(header::AUTHORIZATION)
-            .and_then(|value| value.to_str().ok())
-            .and_then(|value| value.strip_prefix("Bearer "))
-            .unwrap_or_default();
+        let given = bearer(&headers).unwrap_or_default();
         if !secrets_match(given, required) {
             return Err(ApiError::unauthorized("metrics token required"));
         }
@@ -61,4 +57,13 @@ pub(crate) async fn metrics(
 /// Any other path.
 pub(crate) async fn not_found() -> ApiError {
     ApiError::not_found("route")
+}
+
+/// A known path with a method it does not serve.
+pub(crate) async fn method_not_allowed() -> ApiError {
+    ApiError {
+        status: StatusCode::METHOD_NOT_ALLOWED,
+        code: "method_not_allowed",
+        message: "method not allowed".into(),
+    }
 }

@@ -5,7 +5,7 @@ mod body;
 mod channels;
 mod conversations;
 mod health;
-mod tokens;
+pub(crate) mod tokens;
 
 use axum::Router;
 use axum::extract::DefaultBodyLimit;
@@ -37,6 +37,7 @@ pub fn router(state: AppState) -> Router {
         .route("/health/ready", get(health::ready))
         .route("/metrics", get(health::metrics))
         .fallback(health::not_found)
+        .method_not_allowed_fallback(health::method_not_allowed)
         .layer(DefaultBodyLimit::max(body_limit))
         .layer(axum::middleware::from_fn(crate::metrics::track_http))
         .with_state(state)

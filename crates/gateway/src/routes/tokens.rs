@@ -6,12 +6,13 @@ use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
 use axum::http::StatusCode;
 use converger_protocol::ErrorCode;
+use converger_store::{Channel, Store};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use uuid::Uuid;
 
 use super::body::parse_json;
-use crate::auth::{ChannelSecretAuth, Scope, TokenAuth};
+use crate::auth::{ChannelSecretAuth, Scope, TokenAuth, TokenKeys};
 use crate::error::ApiError;
 use crate::state::AppState;
 
@@ -56,7 +57,35 @@ pub(crate) async fn generate(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, ApiError> {
     let request: GenerateRequest = parse_json(body, true)?;
-    let scope = match request.scope.as_deref() {
+    let grant = TokenGrant {
+        user_id: request.user.map(|user| user.id),
+        scope: request.scope,
+        conversation_id: request.conversation_id,
+    };
+    let token = issue_for_channel(&state.store, &state.tokens, &channel, grant).await?;
+    Ok(Json(token_json(&state, token)))
+}
+
+/// What a channel-secret holder (REST) or an operator (CLI) asks a token for.
+#[derive(Debug, Clone, Default)]
+pub struct TokenGrant {
+    /// Verified end-user id.
+    pub user_id: Option<String>,
+    /// `conversation` (default) or `channel`.
+    pub scope: Option<String>,
+    /// Bind the token to this conversation of the channel.
+    pub conversation_id: Option<String>,
+}
+
+/// Checks a grant against the channel and signs the token: the one rule set behind
+/// `tokens/generate` and `converger token issue`.
+pub async fn issue_for_channel(
+    store: &Store,
+    keys: &TokenKeys,
+    channel: &Channel,
+    grant: TokenGrant,
+) -> Result<String, ApiError> {
+    let scope = match grant.scope.as_deref() {
         None => None,
         Some("conversation") => Some(Scope::Conversation),
         Some("channel") => Some(Scope::Channel),
@@ -66,11 +95,8 @@ pub(crate) async fn generate(
             ));
         }
     };
-    let user_id = request
-        .user
-        .map(|user| checked_user_id(&user.id))
-        .transpose()?;
-    let conversation_id = match request.conversation_id {
+    let user_id = grant.user_id.as_deref().map(checked_user_id).transpose()?;
+    let conversation_id = match grant.conversation_id {
         None => None,
         Some(_) if scope == Some(Scope::Channel) => {
             return Err(ApiError::bad_request(
@@ -79,8 +105,9 @@ pub(crate) async fn generate(
         }
         Some(raw) => {
             let id = Uuid::parse_str(&raw).map_err(|_| ApiError::conversation_not_found())?;
-            let conversation = state.store.conversation(id).await?;
-            let conversation = conversation
+            let conversation = store
+                .conversation(id)
+                .await?
                 .filter(|conversation| conversation.channel_id == channel.id)
                 .ok_or_else(ApiError::conversation_not_found)?;
             if user_id
@@ -96,14 +123,13 @@ pub(crate) async fn generate(
             Some(conversation.id)
         }
     };
-    let token = state.tokens.issue(
+    keys.issue(
         channel.tenant_id,
         channel.id,
         conversation_id,
         user_id,
         scope,
-    )?;
-    Ok(Json(token_json(&state, token)))
+    )
 }
 
 /// `POST /api/v1/converger/tokens/refresh` (Bearer token): the same claims, a new expiry.

@@ -1,0 +1,39 @@
+//! Migrations on a real, empty database.
+
+mod support;
+
+use support::TestDb;
+
+#[tokio::test]
+async fn migrations_apply_on_an_empty_database_then_are_no_ops() {
+    let db = TestDb::create_empty().await;
+    let store = db.store().await;
+    let first = store.migrate().await.expect("first run applies");
+    assert!(
+        !first.applied.is_empty(),
+        "the first run applies every migration"
+    );
+    let second = store.migrate().await.expect("second run succeeds");
+    assert!(
+        second.applied.is_empty(),
+        "the second run applies nothing: {:?}",
+        second.applied
+    );
+    for table in [
+        "tenants",
+        "channels",
+        "conversations",
+        "activities",
+        "turns",
+        "conversation_runtime",
+        "outbox",
+    ] {
+        let exists = db
+            .count(&format!(
+                "SELECT count(*) FROM information_schema.tables WHERE table_name = '{table}'"
+            ))
+            .await;
+        assert_eq!(exists, 1, "table {table} exists");
+    }
+    store.pool().close().await;
+}

@@ -1,0 +1,292 @@
+//! Test support: one fresh database per test on a real Postgres, and real gateway nodes on
+//! ephemeral ports.
+//!
+//! The Postgres server is `CONVERGER_TEST_DATABASE_URL` (default
+//! `postgres://postgres@127.0.0.1:5432/postgres`); when nothing answers there, the embedded
+//! cluster under `target/converger-test-postgres` is started (or reused) instead.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use converger_client::{RestClient, TokenRequest};
+use converger_gateway::server::Credentials;
+use converger_gateway::{Config, Server, ServerHandle};
+use converger_store::embedded::{EmbeddedPostgres, Role};
+use converger_store::{Store, StoreOptions};
+use sqlx::Connection;
+use sqlx::postgres::PgConnection;
+use tokio::sync::OnceCell;
+use uuid::Uuid;
+
+/// Default Postgres server of the test suite.
+pub const DEFAULT_TEST_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
+
+static SERVER_URL: OnceCell<String> = OnceCell::const_new();
+
+/// The maintenance URL of the Postgres server the tests use.
+pub async fn server_url() -> String {
+    SERVER_URL
+        .get_or_init(|| async {
+            let configured = std::env::var("CONVERGER_TEST_DATABASE_URL")
+                .unwrap_or_else(|_| DEFAULT_TEST_DATABASE_URL.to_owned());
+            if answers(&configured).await {
+                return configured;
+            }
+            eprintln!("nothing answers at {configured}; starting the embedded test cluster");
+            let dir = workspace_root().join("target/converger-test-postgres");
+            let embedded = EmbeddedPostgres::start(&dir, Role::Guest)
+                .await
+                .expect("embedded test cluster starts");
+            embedded.url().to_owned()
+        })
+        .await
+        .clone()
+}
+
+async fn answers(url: &str) -> bool {
+    matches!(
+        tokio::time::timeout(Duration::from_secs(5), PgConnection::connect(url)).await,
+        Ok(Ok(_))
+    )
+}
+
+/// The repository root (where `Cargo.toml` of the workspace is).
+pub fn workspace_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// `url` with its database name replaced.
+pub fn with_database(url: &str, database: &str) -> String {
+    let mut parsed = reqwest::Url::parse(url).expect("test database url parses");
+    parsed.set_path(&format!("/{database}"));
+    parsed.to_string()
+}
+
+/// A database created for one test and dropped when the value is dropped.
+pub struct TestDb {
+    /// Database name.
+    pub name: String,
+    /// Connection URL of this database.
+    pub url: String,
+    server_url: String,
+}
+
+impl TestDb {
+    /// Creates an empty database (no migrations applied).
+    pub async fn create_empty() -> TestDb {
+        let server_url = server_url().await;
+        let name = format!("converger_test_{}", Uuid::new_v4().simple());
+        let mut admin = PgConnection::connect(&server_url)
+            .await
+            .expect("connect to the test server");
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+            .execute(&mut admin)
+            .await
+            .expect("create test database");
+        let url = with_database(&server_url, &name);
+        TestDb {
+            name,
+            url,
+            server_url,
+        }
+    }
+
+    /// Creates a database with the schema applied.
+    pub async fn create() -> TestDb {
+        let db = TestDb::create_empty().await;
+        let store = db.store().await;
+        store.migrate().await.expect("migrations apply");
+        store.pool().close().await;
+        db
+    }
+
+    /// A store connected to this database.
+    pub async fn store(&self) -> Store {
+        Store::connect(&StoreOptions {
+            url: self.url.clone(),
+            max_connections: 4,
+            acquire_timeout: Duration::from_secs(5),
+            statement_timeout: Duration::from_secs(5),
+        })
+        .await
+        .expect("connect to the test database")
+    }
+
+    /// A single connection for assertions.
+    pub async fn connect(&self) -> PgConnection {
+        PgConnection::connect(&self.url)
+            .await
+            .expect("connect to the test database")
+    }
+
+    /// Runs a `SELECT count(*)`-style query returning one bigint.
+    pub async fn count(&self, sql: &str) -> i64 {
+        let mut connection = self.connect().await;
+        sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(sql.to_owned()))
+            .fetch_one(&mut connection)
+            .await
+            .expect("count query")
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        // Drop runs outside any async context we could borrow; a short-lived runtime on its own
+        // thread drops the database (WITH (FORCE) ends leftover connections).
+        let server_url = self.server_url.clone();
+        let name = self.name.clone();
+        let dropped = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            runtime.block_on(async move {
+                let mut admin = PgConnection::connect(&server_url).await?;
+                sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
+                )))
+                .execute(&mut admin)
+                .await?;
+                Ok::<_, sqlx::Error>(())
+            })?;
+            Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+        })
+        .join();
+        if !matches!(dropped, Ok(Ok(()))) {
+            eprintln!("could not drop test database {}", self.name);
+        }
+    }
+}
+
+/// The test configuration: `config/test.toml` over the built-in defaults.
+pub fn test_config() -> Config {
+    let text = std::fs::read_to_string(workspace_root().join("config/test.toml"))
+        .expect("config/test.toml");
+    let config: Config = toml::from_str(&text).expect("config/test.toml parses");
+    config.validate().expect("config/test.toml is valid");
+    config
+}
+
+/// A gateway node on an ephemeral port over its own database.
+pub struct TestNode {
+    /// The running server.
+    pub server: ServerHandle,
+    /// Its database (dropped after the server).
+    pub db: TestDb,
+    /// A REST client for it.
+    pub client: RestClient,
+    /// Admin token of the node.
+    pub admin_token: String,
+    /// Raw HTTP client for requests the typed client cannot make.
+    pub http: reqwest::Client,
+}
+
+impl TestNode {
+    /// A node with the test configuration.
+    pub async fn start() -> TestNode {
+        TestNode::start_with(|_| {}).await
+    }
+
+    /// A node with the test configuration adjusted by `adjust`.
+    pub async fn start_with(adjust: impl FnOnce(&mut Config)) -> TestNode {
+        TestNode::start_on(TestDb::create().await, adjust).await
+    }
+
+    /// A node over an existing (migrated) database.
+    pub async fn start_on(db: TestDb, adjust: impl FnOnce(&mut Config)) -> TestNode {
+        let mut config = test_config();
+        config.database_url = db.url.clone();
+        adjust(&mut config);
+        let credentials = Credentials {
+            secret_key: config.secret_key.clone().into_bytes(),
+            admin_token: config.admin_token.clone(),
+        };
+        let admin_token = config.admin_token.clone();
+        let server = Server::bind(config, db.store().await, credentials)
+            .await
+            .expect("bind")
+            .spawn()
+            .expect("serve");
+        let client = RestClient::new(server.base_url()).expect("client");
+        TestNode {
+            server,
+            db,
+            client,
+            admin_token,
+            http: reqwest::Client::new(),
+        }
+    }
+
+    /// Absolute URL of a path on this node.
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.server.base_url())
+    }
+
+    /// A tenant with one channel: (api key, channel id, channel secret).
+    pub async fn tenant_with_channel(&self, name: &str) -> TenantFixture {
+        let tenant = self
+            .client
+            .create_tenant(&self.admin_token, name)
+            .await
+            .expect("create tenant");
+        let channel = self
+            .client
+            .create_channel(&tenant.api_key, &format!("{name}-web"))
+            .await
+            .expect("create channel");
+        TenantFixture {
+            tenant_id: tenant.id,
+            api_key: tenant.api_key,
+            channel_id: channel.id,
+            secret: channel.secret,
+        }
+    }
+
+    /// A conversation of a user in the fixture's channel: (conversation id, bound token).
+    pub async fn conversation(&self, fixture: &TenantFixture, user_id: &str) -> (Uuid, String) {
+        let token = self
+            .client
+            .generate_token(&fixture.secret, &TokenRequest::for_user(user_id))
+            .await
+            .expect("token");
+        let created = self
+            .client
+            .create_conversation(&token.token)
+            .await
+            .expect("conversation");
+        (created.conversation_id, created.token)
+    }
+}
+
+/// A tenant and its channel.
+pub struct TenantFixture {
+    /// Tenant id.
+    pub tenant_id: Uuid,
+    /// Tenant API key.
+    pub api_key: String,
+    /// Channel id.
+    pub channel_id: Uuid,
+    /// Channel secret.
+    pub secret: String,
+}
+
+/// Path of the `converger` binary built by `cargo test --workspace` (the cli crate's own
+/// integration tests make cargo build it before any test runs).
+pub fn converger_bin() -> PathBuf {
+    if let Ok(explicit) = std::env::var("CONVERGER_BIN") {
+        return PathBuf::from(explicit);
+    }
+    let test_exe = std::env::current_exe().expect("test executable path");
+    // target/<profile>/deps/<test> → target/<profile>/converger
+    let profile_dir = test_exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("target profile dir");
+    let bin = profile_dir.join("converger");
+    assert!(
+        bin.exists(),
+        "{} is missing: run `cargo test --workspace` or `cargo build -p converger-cli` first",
+        bin.display()
+    );
+    bin
+}
