@@ -2,17 +2,23 @@
 //! that both the gateway and clients share. No I/O lives here.
 #![forbid(unsafe_code)]
 
+mod client_frame;
 mod error_code;
 mod frame;
 mod ids;
 mod limits;
+mod server_frame;
 
+pub use client_frame::{
+    ClientFrame, FORWARDED_TYPES, Hello, Refusal, TurnTarget, parse_client_frame, parse_client_text,
+};
 pub use error_code::{CloseCode, ErrorCode};
 pub use frame::{
     CONTROL_TYPES, FrameError, MessageFrame, SERVER_ONLY_TYPES, validate_message_frame,
 };
 pub use ids::{is_valid_client_id, is_valid_group};
 pub use limits::Limits;
+pub use server_frame::{ErrorFrame, retry_close_reason};
 
 /// Protocol identifier a client sends in `hello.protocol` to select the converger profile.
 pub const PROTOCOL_NAME: &str = "converger/1";

@@ -222,7 +222,7 @@ impl Store {
                  RETURNING id, conversation_id, seq_from
              ), notified AS (
                  SELECT pg_notify('{NOTIFY_CHANNEL}',
-                        json_build_object('e', id, 'c', conversation_id, 's', seq_from)::text)::text AS done
+                        json_build_object('k', 'c', 'e', id, 'c', conversation_id, 's', seq_from)::text)::text AS done
                  FROM event
              )
              SELECT {ACTIVITY_COLUMNS}, false AS duplicate FROM act WHERE (SELECT count(*) FROM notified) = 1

@@ -70,3 +70,97 @@ impl Store {
         .await
     }
 }
+
+/// An open interrupt: a persistent `interrupt` with no later `interrupt_resolved` of its id.
+#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
+pub struct PendingInterrupt {
+    /// The interrupt id.
+    pub id: String,
+    /// Its `data`.
+    pub data: serde_json::Value,
+}
+
+/// The catalogs an agent published for a channel (latest wins).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ChannelCatalogs {
+    /// `{hash, components}` of the latest `genui_components`.
+    pub components: Option<serde_json::Value>,
+    /// `{hash, skills}` of the latest `skills`.
+    pub skills: Option<serde_json::Value>,
+}
+
+impl Store {
+    /// The open interrupts of a conversation, oldest first.
+    pub async fn pending_interrupts(&self, conversation_id: Uuid) -> Result<Vec<PendingInterrupt>, StoreError> {
+        self.timed("pending_interrupts", async {
+            sqlx::query_as::<_, PendingInterrupt>(
+                "SELECT asked.id, asked.data FROM activities asked
+                 WHERE asked.conversation_id = $1 AND asked.type = 'interrupt'
+                   AND NOT EXISTS (
+                       SELECT 1 FROM activities resolved
+                       WHERE resolved.conversation_id = asked.conversation_id
+                         AND resolved.id = asked.id
+                         AND resolved.type = 'interrupt_resolved'
+                         AND resolved.seq > asked.seq)
+                 ORDER BY asked.seq",
+            )
+            .bind(conversation_id)
+            .fetch_all(&self.pool)
+            .await
+        })
+        .await
+    }
+
+    /// The channel's latest published catalogs.
+    pub async fn channel_catalogs(&self, channel_id: Uuid) -> Result<ChannelCatalogs, StoreError> {
+        let row: Option<(Option<serde_json::Value>, Option<serde_json::Value>)> = self
+            .timed("channel_catalogs", async {
+                sqlx::query_as(
+                    "SELECT settings -> 'genui_components', settings -> 'skills' FROM channels WHERE id = $1",
+                )
+                .bind(channel_id)
+                .fetch_optional(&self.pool)
+                .await
+            })
+            .await?;
+        let (components, skills) = row.unwrap_or_default();
+        Ok(ChannelCatalogs { components, skills })
+    }
+
+    /// Raises a participant's read position; `Some(seq)` when it moved, `None` when it was
+    /// already at or beyond `seq`.
+    pub async fn record_read(
+        &self,
+        conversation_id: Uuid,
+        participant_id: &str,
+        participant_role: &str,
+        seq: i64,
+    ) -> Result<Option<i64>, StoreError> {
+        self.timed("record_read", async {
+            sqlx::query_scalar::<_, i64>(
+                "INSERT INTO conversation_reads (conversation_id, participant_id, participant_role, read_seq)
+                 VALUES ($1, $2, $3, $4)
+                 ON CONFLICT (conversation_id, participant_id)
+                 DO UPDATE SET read_seq = EXCLUDED.read_seq, updated_at = now()
+                 WHERE conversation_reads.read_seq < EXCLUDED.read_seq
+                 RETURNING read_seq",
+            )
+            .bind(conversation_id)
+            .bind(participant_id)
+            .bind(participant_role)
+            .bind(seq)
+            .fetch_optional(&self.pool)
+            .await
+        })
+        .await
+    }
+
+    /// The conversations of a channel whose id is given, if the conversation belongs to it.
+    pub async fn conversation_in_channel(
+        &self,
+        conversation_id: Uuid,
+        channel_id: Uuid,
+    ) -> Result<Option<Conversation>, StoreError> {
+        Ok(self.conversation(conversation_id).await?.filter(|conversation| conversation.channel_id == channel_id))
+    }
+}

@@ -4,6 +4,7 @@
 #![forbid(unsafe_code)]
 
 mod activities;
+pub mod bus;
 mod channels;
 mod conversations;
 pub mod embedded;
@@ -18,7 +19,7 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 
 pub use activities::{Activity, CommitOutcome, NewActivity, Sender, SenderRole, Viewer};
 pub use channels::{Channel, ChannelStatus};
-pub use conversations::Conversation;
+pub use conversations::{ChannelCatalogs, Conversation, PendingInterrupt};
 pub use error::StoreError;
 pub use secrets::{generate_secret, hash_secret};
 pub use tenants::Tenant;

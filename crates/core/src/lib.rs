@@ -1,0 +1,5 @@
+//! The pure core of converger: state machines that take events and time as values and return
+//! decisions, with no I/O, no clock reads and no randomness, so they can be tested exhaustively.
+#![forbid(unsafe_code)]
+
+pub mod replay;
