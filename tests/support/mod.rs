@@ -6,6 +6,8 @@
 //! cluster under `target/converger-test-postgres` is started (or reused) instead.
 #![allow(dead_code)]
 
+pub mod ws;
+
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -215,6 +217,11 @@ impl TestNode {
             admin_token,
             http: reqwest::Client::new(),
         }
+    }
+
+    /// The WebSocket endpoint with optional query string (`?token=…`).
+    pub fn ws_url(&self, query: &str) -> String {
+        format!("ws://{}/socket/converger/v1{query}", self.server.addr())
     }
 
     /// Absolute URL of a path on this node.

@@ -61,8 +61,18 @@ pub struct ReplayCursor {
 pub fn plan_replay(after: u64, head: u64, cap: Option<u64>) -> ReplayPlan {
     let wanted = head.saturating_sub(after);
     match cap {
-        Some(cap) if wanted > cap => ReplayPlan { after, upto: after + cap, truncated: true, head },
-        _ => ReplayPlan { after, upto: head.max(after), truncated: false, head },
+        Some(cap) if wanted > cap => ReplayPlan {
+            after,
+            upto: after + cap,
+            truncated: true,
+            head,
+        },
+        _ => ReplayPlan {
+            after,
+            upto: head.max(after),
+            truncated: false,
+            head,
+        },
     }
 }
 
@@ -72,7 +82,12 @@ impl ReplayCursor {
     /// frames are the client's to fetch (`sync` or REST), and live frames continue after it.
     pub fn start(watermark: u64, head: u64, cap: Option<u64>) -> (ReplayCursor, ReplayPlan) {
         let plan = plan_replay(watermark, head, cap);
-        (ReplayCursor { last_sent: head.max(watermark) }, plan)
+        (
+            ReplayCursor {
+                last_sent: head.max(watermark),
+            },
+            plan,
+        )
     }
 
     /// Highest seq the subscriber has.
@@ -87,7 +102,10 @@ impl ReplayCursor {
         } else if seq == self.last_sent + 1 {
             LiveDecision::Send
         } else {
-            LiveDecision::FillGap { after: self.last_sent, upto: seq }
+            LiveDecision::FillGap {
+                after: self.last_sent,
+                upto: seq,
+            }
         }
     }
 
@@ -112,9 +130,33 @@ mod tests {
 
     #[test]
     fn plan_caps_and_truncates() {
-        assert_eq!(plan_replay(3, 10, None), ReplayPlan { after: 3, upto: 10, truncated: false, head: 10 });
-        assert_eq!(plan_replay(3, 10, Some(4)), ReplayPlan { after: 3, upto: 7, truncated: true, head: 10 });
-        assert_eq!(plan_replay(3, 7, Some(4)), ReplayPlan { after: 3, upto: 7, truncated: false, head: 7 });
+        assert_eq!(
+            plan_replay(3, 10, None),
+            ReplayPlan {
+                after: 3,
+                upto: 10,
+                truncated: false,
+                head: 10
+            }
+        );
+        assert_eq!(
+            plan_replay(3, 10, Some(4)),
+            ReplayPlan {
+                after: 3,
+                upto: 7,
+                truncated: true,
+                head: 10
+            }
+        );
+        assert_eq!(
+            plan_replay(3, 7, Some(4)),
+            ReplayPlan {
+                after: 3,
+                upto: 7,
+                truncated: false,
+                head: 7
+            }
+        );
         assert!(plan_replay(10, 10, Some(4)).is_empty());
     }
 
@@ -123,7 +165,10 @@ mod tests {
         let (cursor, _) = ReplayCursor::start(0, 5, None);
         assert_eq!(cursor.on_live(5), LiveDecision::Drop);
         assert_eq!(cursor.on_live(6), LiveDecision::Send);
-        assert_eq!(cursor.on_live(9), LiveDecision::FillGap { after: 5, upto: 9 });
+        assert_eq!(
+            cursor.on_live(9),
+            LiveDecision::FillGap { after: 5, upto: 9 }
+        );
     }
 
     #[test]
@@ -153,7 +198,12 @@ mod tests {
 
     /// Simulates subscribe → read head → replay → live with a lossy, repeating bus and a
     /// writer that keeps committing during the replay, then checks what the client received.
-    fn simulate(watermark_back: u64, before: u64, during_replay: &[Step], after: &[Step]) -> Vec<u64> {
+    fn simulate(
+        watermark_back: u64,
+        before: u64,
+        during_replay: &[Step],
+        after: &[Step],
+    ) -> Vec<u64> {
         let mut head = before;
         let mut held_back: Vec<u64> = Vec::new();
         let mut received: Vec<u64> = Vec::new();
@@ -178,7 +228,9 @@ mod tests {
             world(step, &mut head, &mut held_back);
         }
         received.extend(plan.after + 1..=plan.upto);
-        let deliver = |seq: u64, cursor: &mut ReplayCursor, received: &mut Vec<u64>| match cursor.on_live(seq) {
+        let deliver = |seq: u64, cursor: &mut ReplayCursor, received: &mut Vec<u64>| match cursor
+            .on_live(seq)
+        {
             LiveDecision::Drop => {}
             LiveDecision::Send => {
                 received.push(seq);

@@ -45,6 +45,35 @@ pub struct Config {
     pub database: DatabaseConfig,
     /// Per-connection limits, announced in `welcome.limits`.
     pub limits: Limits,
+    /// How a node drains on SIGTERM.
+    pub drain: DrainConfig,
+    /// Outbox rows (the bus's catch-up history) are kept this long, in seconds.
+    pub outbox_retention_secs: u64,
+}
+
+/// Draining: sockets are closed in batches with 1012 and a jittered retry hint.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DrainConfig {
+    /// Sockets closed per batch.
+    pub batch_size: usize,
+    /// Pause between batches, in milliseconds.
+    pub batch_interval_ms: u64,
+    /// Base `retryAfterMs` told to clients (jittered up to twice this); also `Retry-After`.
+    pub retry_after_ms: u64,
+    /// Longest wait for sessions to finish their in-flight sends and close, in milliseconds.
+    pub timeout_ms: u64,
+}
+
+impl Default for DrainConfig {
+    fn default() -> Self {
+        DrainConfig {
+            batch_size: 100,
+            batch_interval_ms: 100,
+            retry_after_ms: 2_000,
+            timeout_ms: 10_000,
+        }
+    }
 }
 
 /// Log output format.
@@ -98,6 +127,8 @@ impl Default for Config {
             log_format: LogFormat::Human,
             database: DatabaseConfig::default(),
             limits: Limits::default(),
+            drain: DrainConfig::default(),
+            outbox_retention_secs: 600,
         }
     }
 }
@@ -139,6 +170,12 @@ impl Config {
             .any(|seed| seed.parse::<SocketAddr>().is_err() && !seed.contains(':'))
         {
             return Err("seeds must be host:port gossip addresses".into());
+        }
+        if self.drain.batch_size == 0 || self.drain.retry_after_ms == 0 {
+            return Err("drain.batch_size and drain.retry_after_ms must be greater than 0".into());
+        }
+        if self.outbox_retention_secs < 60 {
+            return Err("outbox_retention_secs must be at least 60".into());
         }
         self.limits.validate()
     }

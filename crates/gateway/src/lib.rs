@@ -3,14 +3,17 @@
 #![forbid(unsafe_code)]
 
 pub mod auth;
+mod bus_bridge;
 pub mod config;
 pub mod error;
+pub mod hub;
 pub mod metrics;
 mod routes;
 pub mod server;
 pub mod state;
+mod ws;
 
-pub use config::{Config, DatabaseConfig, LogFormat};
+pub use config::{Config, DatabaseConfig, DrainConfig, LogFormat};
 pub use routes::router;
 pub use routes::tokens::{TokenGrant, issue_for_channel};
 pub use server::{Credentials, GatewayError, Server, ServerHandle};

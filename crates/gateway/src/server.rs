@@ -12,6 +12,7 @@ use tokio::task::JoinHandle;
 
 use crate::auth::TokenKeys;
 use crate::config::Config;
+use crate::hub::{Hub, SessionControl};
 use crate::state::AppState;
 
 /// Secrets resolved by the binary (configured, or generated into the state folder).
@@ -57,6 +58,11 @@ impl Server {
     ) -> Result<Server, GatewayError> {
         let addr = config.http_addr;
         let tokens = TokenKeys::new(&credentials.secret_key, config.token_ttl_secs)?;
+        let node_id = if config.node_id.is_empty() {
+            format!("node-{}", &uuid::Uuid::new_v4().simple().to_string()[..8])
+        } else {
+            config.node_id.clone()
+        };
         let listener = TcpListener::bind(addr)
             .await
             .map_err(|source| GatewayError::Bind { addr, source })?;
@@ -67,6 +73,7 @@ impl Server {
             config: Arc::new(config),
             metrics: crate::metrics::install_recorder(),
             draining: Arc::new(AtomicBool::new(false)),
+            hub: Arc::new(Hub::new(node_id)),
         };
         Ok(Server { state, listener })
     }
@@ -81,21 +88,33 @@ impl Server {
         &self.state
     }
 
-    /// Serves until `shutdown` completes, then finishes in-flight requests.
+    /// Serves until `shutdown` completes, then drains: readiness and upgrades answer 503, open
+    /// sockets finish their in-flight sends and close with 1012 in batches, in-flight requests
+    /// finish.
     pub async fn run(
         self,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), GatewayError> {
         let app = crate::routes::router(self.state.clone());
+        let events = self.state.store.spawn_bus_listener();
+        crate::bus_bridge::spawn(
+            self.state.store.clone(),
+            Arc::clone(&self.state.hub),
+            events,
+        );
+        let pruner = spawn_outbox_pruner(self.state.clone());
         let draining_state = self.state.clone();
         let shutdown = async move {
             shutdown.await;
             draining_state.start_draining();
+            drain_sessions(&draining_state).await;
             tracing::info!("shutting down: finishing in-flight requests");
         };
-        axum::serve(self.listener, app)
+        let served = axum::serve(self.listener, app)
             .with_graceful_shutdown(shutdown)
-            .await?;
+            .await;
+        pruner.abort();
+        served?;
         Ok(())
     }
 
@@ -114,6 +133,47 @@ impl Server {
             task,
         })
     }
+}
+
+/// Closes every open session in batches, each after its in-flight sends, then waits for them.
+async fn drain_sessions(state: &AppState) {
+    use rand::RngExt;
+    let drain = &state.config.drain;
+    let controls = state.hub.session_controls();
+    tracing::info!(sessions = controls.len(), "draining sessions");
+    for batch in controls.chunks(drain.batch_size) {
+        for control in batch {
+            // Jitter spreads the reconnects of many clients over time.
+            let retry_after_ms =
+                rand::rng().random_range(drain.retry_after_ms..=drain.retry_after_ms * 2);
+            let _ = control.try_send(SessionControl::Drain { retry_after_ms });
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(drain.batch_interval_ms)).await;
+    }
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_millis(drain.timeout_ms);
+    let left = state.hub.wait_for_no_sessions(deadline).await;
+    if left > 0 {
+        tracing::warn!(
+            sessions = left,
+            "drain timed out; closing the rest with the process"
+        );
+    }
+}
+
+/// Deletes old outbox rows once a minute.
+fn spawn_outbox_pruner(state: AppState) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let retention = std::time::Duration::from_secs(state.config.outbox_retention_secs);
+        let mut every_minute = tokio::time::interval(std::time::Duration::from_secs(60));
+        loop {
+            every_minute.tick().await;
+            match state.store.prune_outbox(retention).await {
+                Ok(0) => {}
+                Ok(pruned) => tracing::debug!(pruned, "outbox pruned"),
+                Err(error) => tracing::warn!(%error, "outbox pruning failed"),
+            }
+        }
+    })
 }
 
 /// A node serving in the background.

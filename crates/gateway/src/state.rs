@@ -8,6 +8,7 @@ use metrics_exporter_prometheus::PrometheusHandle;
 
 use crate::auth::TokenKeys;
 use crate::config::Config;
+use crate::hub::Hub;
 
 /// Everything a handler needs; cheap to clone.
 #[derive(Clone)]
@@ -24,6 +25,8 @@ pub struct AppState {
     pub metrics: PrometheusHandle,
     /// Set when the node drains: readiness and new upgrades answer 503.
     pub draining: Arc<AtomicBool>,
+    /// Live frames and open sessions of this node.
+    pub hub: Arc<Hub>,
 }
 
 impl AppState {

@@ -10,8 +10,14 @@ use crate::frame::{FrameError, MessageFrame, SERVER_ONLY_TYPES, validate_message
 use crate::{ErrorCode, Limits};
 
 /// Client frames relayed, transient, to the owning agent of each group.
-pub const FORWARDED_TYPES: &[&str] =
-    &["resume", "abort", "genui_event", "client_tools", "client_skills", "survey"];
+pub const FORWARDED_TYPES: &[&str] = &[
+    "resume",
+    "abort",
+    "genui_event",
+    "client_tools",
+    "client_skills",
+    "survey",
+];
 
 /// Fields of `hello` (absent or wrongly typed fields are `None`).
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -128,7 +134,11 @@ pub struct Refusal {
     pub frame_type: Option<String>,
 }
 
-fn refuse(code: ErrorCode, message: impl Into<String>, object: Option<&Map<String, Value>>) -> Refusal {
+fn refuse(
+    code: ErrorCode,
+    message: impl Into<String>,
+    object: Option<&Map<String, Value>>,
+) -> Refusal {
     let client_id = object
         .and_then(|object| object.get("clientId"))
         .and_then(Value::as_str)
@@ -138,58 +148,128 @@ fn refuse(code: ErrorCode, message: impl Into<String>, object: Option<&Map<Strin
         .and_then(|object| object.get("type"))
         .and_then(Value::as_str)
         .map(|kind| kind.chars().take(64).collect());
-    Refusal { error: FrameError { code, message: message.into() }, client_id, frame_type }
+    Refusal {
+        error: FrameError {
+            code,
+            message: message.into(),
+        },
+        client_id,
+        frame_type,
+    }
 }
 
 /// Parses the text of one WebSocket message.
 pub fn parse_client_text(text: &str, limits: &Limits) -> Result<ClientFrame, Refusal> {
-    let value: Value = serde_json::from_str(text)
-        .map_err(|error| refuse(ErrorCode::InvalidMessage, format!("malformed JSON: {error}"), None))?;
+    let value: Value = serde_json::from_str(text).map_err(|error| {
+        refuse(
+            ErrorCode::InvalidMessage,
+            format!("malformed JSON: {error}"),
+            None,
+        )
+    })?;
     parse_client_frame(&value, limits)
 }
 
 /// Parses one client frame already decoded as JSON.
 pub fn parse_client_frame(value: &Value, limits: &Limits) -> Result<ClientFrame, Refusal> {
     let Some(object) = value.as_object() else {
-        return Err(refuse(ErrorCode::InvalidMessage, "a frame must be a JSON object", None));
+        return Err(refuse(
+            ErrorCode::InvalidMessage,
+            "a frame must be a JSON object",
+            None,
+        ));
     };
     let kind = match object.get("type") {
         Some(Value::String(kind)) if !kind.is_empty() => kind.as_str(),
-        Some(_) => return Err(refuse(ErrorCode::InvalidMessage, "type must be a non-empty string", Some(object))),
-        None => return Err(refuse(ErrorCode::InvalidMessage, "type is missing", Some(object))),
+        Some(_) => {
+            return Err(refuse(
+                ErrorCode::InvalidMessage,
+                "type must be a non-empty string",
+                Some(object),
+            ));
+        }
+        None => {
+            return Err(refuse(
+                ErrorCode::InvalidMessage,
+                "type is missing",
+                Some(object),
+            ));
+        }
     };
     match kind {
         "hello" => Ok(ClientFrame::Hello(Box::new(parse_hello(object)))),
-        "sync" => Ok(ClientFrame::Sync { watermark: required_seq(object, "watermark")? }),
-        "ping" => Ok(ClientFrame::Ping { nonce: object.get("nonce").cloned() }),
+        "sync" => Ok(ClientFrame::Sync {
+            watermark: required_seq(object, "watermark")?,
+        }),
+        "ping" => Ok(ClientFrame::Ping {
+            nonce: object.get("nonce").cloned(),
+        }),
         "typing" => match object.get("isTyping") {
-            Some(Value::Bool(is_typing)) => Ok(ClientFrame::Typing { is_typing: *is_typing }),
-            _ => Err(refuse(ErrorCode::InvalidMessage, "isTyping must be a boolean", Some(object))),
+            Some(Value::Bool(is_typing)) => Ok(ClientFrame::Typing {
+                is_typing: *is_typing,
+            }),
+            _ => Err(refuse(
+                ErrorCode::InvalidMessage,
+                "isTyping must be a boolean",
+                Some(object),
+            )),
         },
-        "read" => Ok(ClientFrame::Read { watermark: required_seq(object, "watermark")? }),
+        "read" => Ok(ClientFrame::Read {
+            watermark: required_seq(object, "watermark")?,
+        }),
         "auth" => match object.get("token") {
-            Some(Value::String(token)) if !token.is_empty() => Ok(ClientFrame::Auth { token: token.clone() }),
-            _ => Err(refuse(ErrorCode::InvalidMessage, "token must be a non-empty string", Some(object))),
+            Some(Value::String(token)) if !token.is_empty() => Ok(ClientFrame::Auth {
+                token: token.clone(),
+            }),
+            _ => Err(refuse(
+                ErrorCode::InvalidMessage,
+                "token must be a non-empty string",
+                Some(object),
+            )),
         },
         "edit" => {
             let data = match object.get("data") {
                 Some(Value::Object(data)) => Value::Object(data.clone()),
-                _ => return Err(refuse(ErrorCode::InvalidMessage, "data must be an object", Some(object))),
+                _ => {
+                    return Err(refuse(
+                        ErrorCode::InvalidMessage,
+                        "data must be an object",
+                        Some(object),
+                    ));
+                }
             };
-            if serde_json::to_vec(&data).map_or(usize::MAX, |bytes| bytes.len()) > limits.max_frame_bytes {
-                return Err(refuse(ErrorCode::PayloadTooLarge, "data is too large", Some(object)));
+            if serde_json::to_vec(&data).map_or(usize::MAX, |bytes| bytes.len())
+                > limits.max_frame_bytes
+            {
+                return Err(refuse(
+                    ErrorCode::PayloadTooLarge,
+                    "data is too large",
+                    Some(object),
+                ));
             }
             if let Some(Value::String(text)) = data.get("text")
                 && text.len() > limits.max_text_bytes
             {
-                return Err(refuse(ErrorCode::PayloadTooLarge, "data.text is too large", Some(object)));
+                return Err(refuse(
+                    ErrorCode::PayloadTooLarge,
+                    "data.text is too large",
+                    Some(object),
+                ));
             }
-            Ok(ClientFrame::Edit { target: turn_target(object)?, client_id: client_id(object)?, data })
+            Ok(ClientFrame::Edit {
+                target: turn_target(object)?,
+                client_id: client_id(object)?,
+                data,
+            })
         }
-        "regenerate" => Ok(ClientFrame::Regenerate { target: turn_target(object)?, client_id: client_id(object)? }),
-        kind if FORWARDED_TYPES.contains(&kind) => {
-            Ok(ClientFrame::Forwarded { kind: kind.to_owned(), frame: object.clone() })
-        }
+        "regenerate" => Ok(ClientFrame::Regenerate {
+            target: turn_target(object)?,
+            client_id: client_id(object)?,
+        }),
+        kind if FORWARDED_TYPES.contains(&kind) => Ok(ClientFrame::Forwarded {
+            kind: kind.to_owned(),
+            frame: object.clone(),
+        }),
         kind if SERVER_ONLY_TYPES.contains(&kind) || kind == "turnResult" => Err(refuse(
             ErrorCode::InvalidMessage,
             format!("{kind} is not sent by end users"),
@@ -197,8 +277,13 @@ pub fn parse_client_frame(value: &Value, limits: &Limits) -> Result<ClientFrame,
         )),
         _ if object.contains_key("data") => validate_message_frame(value, limits)
             .map(|message| ClientFrame::Message(Box::new(message)))
-            .map_err(|error| Refusal { error, ..refuse(ErrorCode::InvalidMessage, "", Some(object)) }),
-        kind => Ok(ClientFrame::Unknown { kind: kind.chars().take(64).collect() }),
+            .map_err(|error| Refusal {
+                error,
+                ..refuse(ErrorCode::InvalidMessage, "", Some(object))
+            }),
+        kind => Ok(ClientFrame::Unknown {
+            kind: kind.chars().take(64).collect(),
+        }),
     }
 }
 
@@ -214,8 +299,14 @@ fn parse_hello(object: &Map<String, Value>) -> Hello {
         group: object.get("group").cloned(),
         watermarks: object.get("watermarks").and_then(Value::as_object).cloned(),
         meta: object_field("meta"),
-        tools: object.get("tools").filter(|value| value.is_array() || value.is_object()).cloned(),
-        skills: object.get("skills").filter(|value| value.is_array() || value.is_object()).cloned(),
+        tools: object
+            .get("tools")
+            .filter(|value| value.is_array() || value.is_object())
+            .cloned(),
+        skills: object
+            .get("skills")
+            .filter(|value| value.is_array() || value.is_object())
+            .cloned(),
         components_hash: string("componentsHash"),
         skills_hash: string("skillsHash"),
         claim: string("claim"),
@@ -224,10 +315,13 @@ fn parse_hello(object: &Map<String, Value>) -> Hello {
 }
 
 fn required_seq(object: &Map<String, Value>, field: &str) -> Result<u64, Refusal> {
-    object
-        .get(field)
-        .and_then(Value::as_u64)
-        .ok_or_else(|| refuse(ErrorCode::InvalidMessage, format!("{field} must be a non-negative integer"), Some(object)))
+    object.get(field).and_then(Value::as_u64).ok_or_else(|| {
+        refuse(
+            ErrorCode::InvalidMessage,
+            format!("{field} must be a non-negative integer"),
+            Some(object),
+        )
+    })
 }
 
 fn client_id(object: &Map<String, Value>) -> Result<Option<String>, Refusal> {
@@ -246,13 +340,23 @@ fn turn_target(object: &Map<String, Value>) -> Result<TurnTarget, Refusal> {
     let seq = match object.get("seq") {
         None | Some(Value::Null) => None,
         Some(value) => Some(value.as_u64().filter(|seq| *seq > 0).ok_or_else(|| {
-            refuse(ErrorCode::InvalidMessage, "seq must be a positive integer", Some(object))
+            refuse(
+                ErrorCode::InvalidMessage,
+                "seq must be a positive integer",
+                Some(object),
+            )
         })?),
     };
     let message_id = match object.get("messageId") {
         None | Some(Value::Null) => None,
         Some(Value::String(id)) if !id.is_empty() && id.len() <= 128 => Some(id.clone()),
-        Some(_) => return Err(refuse(ErrorCode::InvalidMessage, "messageId must be a string", Some(object))),
+        Some(_) => {
+            return Err(refuse(
+                ErrorCode::InvalidMessage,
+                "messageId must be a string",
+                Some(object),
+            ));
+        }
     };
     Ok(TurnTarget { seq, message_id })
 }
@@ -269,20 +373,41 @@ mod tests {
 
     #[test]
     fn commands_parse() {
-        assert_eq!(parse(json!({"type": "sync", "watermark": 3})), Ok(ClientFrame::Sync { watermark: 3 }));
-        assert_eq!(parse(json!({"type": "ping"})), Ok(ClientFrame::Ping { nonce: None }));
-        assert_eq!(parse(json!({"type": "typing", "isTyping": true})), Ok(ClientFrame::Typing { is_typing: true }));
-        assert_eq!(parse(json!({"type": "read", "watermark": 0})), Ok(ClientFrame::Read { watermark: 0 }));
-        assert!(matches!(parse(json!({"type": "resume", "data": {}})), Ok(ClientFrame::Forwarded { .. })));
-        assert!(matches!(parse(json!({"type": "whatever"})), Ok(ClientFrame::Unknown { .. })));
-        assert!(matches!(parse(json!({"type": "text", "data": {"text": "x"}})), Ok(ClientFrame::Message(_))));
+        assert_eq!(
+            parse(json!({"type": "sync", "watermark": 3})),
+            Ok(ClientFrame::Sync { watermark: 3 })
+        );
+        assert_eq!(
+            parse(json!({"type": "ping"})),
+            Ok(ClientFrame::Ping { nonce: None })
+        );
+        assert_eq!(
+            parse(json!({"type": "typing", "isTyping": true})),
+            Ok(ClientFrame::Typing { is_typing: true })
+        );
+        assert_eq!(
+            parse(json!({"type": "read", "watermark": 0})),
+            Ok(ClientFrame::Read { watermark: 0 })
+        );
+        assert!(matches!(
+            parse(json!({"type": "resume", "data": {}})),
+            Ok(ClientFrame::Forwarded { .. })
+        ));
+        assert!(matches!(
+            parse(json!({"type": "whatever"})),
+            Ok(ClientFrame::Unknown { .. })
+        ));
+        assert!(matches!(
+            parse(json!({"type": "text", "data": {"text": "x"}})),
+            Ok(ClientFrame::Message(_))
+        ));
     }
 
     #[test]
     fn wrongly_typed_hello_fields_are_absent() {
-        let Ok(ClientFrame::Hello(hello)) =
-            parse(json!({"type": "hello", "protocol": 1, "watermark": "12", "conversationId": ["x"], "token": ""}))
-        else {
+        let Ok(ClientFrame::Hello(hello)) = parse(
+            json!({"type": "hello", "protocol": 1, "watermark": "12", "conversationId": ["x"], "token": ""}),
+        ) else {
             panic!("hello parses");
         };
         assert_eq!(hello.protocol, None);
@@ -293,7 +418,8 @@ mod tests {
 
     #[test]
     fn refusals_echo_client_id_and_type() {
-        let refused = parse(json!({"type": "text", "clientId": "c-1", "data": {"text": 5}})).unwrap_err();
+        let refused =
+            parse(json!({"type": "text", "clientId": "c-1", "data": {"text": 5}})).unwrap_err();
         assert_eq!(refused.error.code, ErrorCode::InvalidMessage);
         assert_eq!(refused.client_id.as_deref(), Some("c-1"));
         assert_eq!(refused.frame_type.as_deref(), Some("text"));
@@ -307,8 +433,9 @@ mod tests {
 
     #[test]
     fn edit_targets() {
-        let Ok(ClientFrame::Edit { target, client_id, .. }) =
-            parse(json!({"type": "edit", "seq": 4, "clientId": "e-1", "data": {"text": "new"}}))
+        let Ok(ClientFrame::Edit {
+            target, client_id, ..
+        }) = parse(json!({"type": "edit", "seq": 4, "clientId": "e-1", "data": {"text": "new"}}))
         else {
             panic!("edit parses");
         };

@@ -29,6 +29,13 @@ pub struct Limits {
     pub max_conversations: usize,
     /// Inbound frames per second allowed per connection.
     pub max_frames_per_sec: u32,
+    /// Frames queued for one connection before it counts as a slow consumer (not announced).
+    pub outbound_queue_frames: usize,
+    /// A write to a socket that takes longer than this ends the connection (not announced).
+    pub write_timeout_ms: u64,
+    /// Typing frames of one connection are relayed at most once per this interval unless the
+    /// state changes (not announced).
+    pub typing_throttle_ms: u64,
 }
 
 impl Default for Limits {
@@ -45,6 +52,9 @@ impl Default for Limits {
             replay_max: 1_000,
             max_conversations: 10_000,
             max_frames_per_sec: 50,
+            outbound_queue_frames: 512,
+            write_timeout_ms: 10_000,
+            typing_throttle_ms: 1_000,
         }
     }
 }
@@ -97,6 +107,12 @@ impl Limits {
         }
         if self.max_frames_per_sec == 0 {
             return Err("limits.max_frames_per_sec must be greater than 0".into());
+        }
+        if self.outbound_queue_frames == 0 || self.write_timeout_ms == 0 {
+            return Err(
+                "limits.outbound_queue_frames and limits.write_timeout_ms must be greater than 0"
+                    .into(),
+            );
         }
         if self.max_conversations == 0 {
             return Err("limits.max_conversations must be greater than 0".into());

@@ -24,7 +24,14 @@ pub struct ErrorFrame {
 impl ErrorFrame {
     /// An error with only a code and a message.
     pub fn new(code: ErrorCode, message: impl Into<String>) -> ErrorFrame {
-        ErrorFrame { code, message: message.into(), client_id: None, frame_type: None, retry_after_ms: None, details: None }
+        ErrorFrame {
+            code,
+            message: message.into(),
+            client_id: None,
+            frame_type: None,
+            retry_after_ms: None,
+            details: None,
+        }
     }
 
     /// The frame as JSON.
@@ -79,7 +86,11 @@ mod tests {
 
     #[test]
     fn close_reason_is_json() {
-        let reason: Value = serde_json::from_str(&retry_close_reason(ErrorCode::Unavailable, 1500)).unwrap();
-        assert_eq!(reason, json!({"reason": "unavailable", "retryAfterMs": 1500}));
+        let reason: Value =
+            serde_json::from_str(&retry_close_reason(ErrorCode::Unavailable, 1500)).unwrap();
+        assert_eq!(
+            reason,
+            json!({"reason": "unavailable", "retryAfterMs": 1500})
+        );
     }
 }

@@ -119,11 +119,13 @@ impl Store {
             frame: frame.clone(),
             origin: origin.cloned(),
         };
-        let text = serde_json::to_string(&payload).map_err(|error| StoreError::Config(error.to_string()))?;
+        let text = serde_json::to_string(&payload)
+            .map_err(|error| StoreError::Config(error.to_string()))?;
         if text.len() <= INLINE_PAYLOAD_LIMIT {
             return self.notify(&text).await;
         }
-        let stored = serde_json::to_value(&payload).map_err(|error| StoreError::Config(error.to_string()))?;
+        let stored = serde_json::to_value(&payload)
+            .map_err(|error| StoreError::Config(error.to_string()))?;
         self.timed("publish_transient_ref", async {
             sqlx::query(sqlx::AssertSqlSafe(format!(
                 "WITH event AS (
@@ -141,9 +143,19 @@ impl Store {
     }
 
     /// Publishes a channel status change to every node.
-    pub async fn publish_channel_status(&self, node: &str, channel_id: Uuid, status: &str) -> Result<(), StoreError> {
-        let payload = Payload::ChannelStatus { node: node.to_owned(), channel_id, status: status.to_owned() };
-        let text = serde_json::to_string(&payload).map_err(|error| StoreError::Config(error.to_string()))?;
+    pub async fn publish_channel_status(
+        &self,
+        node: &str,
+        channel_id: Uuid,
+        status: &str,
+    ) -> Result<(), StoreError> {
+        let payload = Payload::ChannelStatus {
+            node: node.to_owned(),
+            channel_id,
+            status: status.to_owned(),
+        };
+        let text = serde_json::to_string(&payload)
+            .map_err(|error| StoreError::Config(error.to_string()))?;
         self.notify(&text).await
     }
 
@@ -163,10 +175,12 @@ impl Store {
     pub async fn prune_outbox(&self, retention: Duration) -> Result<u64, StoreError> {
         let result = self
             .timed("prune_outbox", async {
-                sqlx::query("DELETE FROM outbox WHERE created_at < now() - make_interval(secs => $1)")
-                    .bind(retention.as_secs_f64())
-                    .execute(&self.pool)
-                    .await
+                sqlx::query(
+                    "DELETE FROM outbox WHERE created_at < now() - make_interval(secs => $1)",
+                )
+                .bind(retention.as_secs_f64())
+                .execute(&self.pool)
+                .await
             })
             .await?;
         Ok(result.rows_affected())
@@ -186,7 +200,13 @@ impl Store {
                 .await
             })
             .await?;
-        Ok(rows.into_iter().map(|(conversation_id, seq)| BusEvent::Committed { conversation_id, seq }).collect())
+        Ok(rows
+            .into_iter()
+            .map(|(conversation_id, seq)| BusEvent::Committed {
+                conversation_id,
+                seq,
+            })
+            .collect())
     }
 
     async fn transient_by_ref(&self, outbox_id: i64) -> Result<Option<Payload>, StoreError> {
@@ -212,11 +232,33 @@ impl Store {
 
 fn to_event(payload: Payload) -> Option<BusEvent> {
     match payload {
-        Payload::Committed { conversation_id, seq } => Some(BusEvent::Committed { conversation_id, seq }),
-        Payload::Transient { node, conversation_id, frame, origin } => {
-            Some(BusEvent::Transient { node, conversation_id, frame, origin })
-        }
-        Payload::ChannelStatus { node, channel_id, status } => Some(BusEvent::ChannelStatus { node, channel_id, status }),
+        Payload::Committed {
+            conversation_id,
+            seq,
+        } => Some(BusEvent::Committed {
+            conversation_id,
+            seq,
+        }),
+        Payload::Transient {
+            node,
+            conversation_id,
+            frame,
+            origin,
+        } => Some(BusEvent::Transient {
+            node,
+            conversation_id,
+            frame,
+            origin,
+        }),
+        Payload::ChannelStatus {
+            node,
+            channel_id,
+            status,
+        } => Some(BusEvent::ChannelStatus {
+            node,
+            channel_id,
+            status,
+        }),
         Payload::TransientRef { .. } => None,
     }
 }
@@ -247,18 +289,23 @@ async fn run_listener(store: Store, events: mpsc::UnboundedSender<BusEvent>) {
             Ok(Some(notification)) => {
                 backoff = Duration::from_millis(100);
                 let Ok(payload) = serde_json::from_str::<Payload>(notification.payload()) else {
-                    tracing::warn!(payload = notification.payload(), "event bus: unreadable notification");
+                    tracing::warn!(
+                        payload = notification.payload(),
+                        "event bus: unreadable notification"
+                    );
                     continue;
                 };
                 let payload = match payload {
-                    Payload::TransientRef { outbox_id } => match store.transient_by_ref(outbox_id).await {
-                        Ok(Some(payload)) => payload,
-                        Ok(None) => continue,
-                        Err(error) => {
-                            tracing::warn!(%error, outbox_id, "event bus: transient payload unreadable");
-                            continue;
+                    Payload::TransientRef { outbox_id } => {
+                        match store.transient_by_ref(outbox_id).await {
+                            Ok(Some(payload)) => payload,
+                            Ok(None) => continue,
+                            Err(error) => {
+                                tracing::warn!(%error, outbox_id, "event bus: transient payload unreadable");
+                                continue;
+                            }
                         }
-                    },
+                    }
                     payload => payload,
                 };
                 if let Some(event) = to_event(payload)
@@ -271,9 +318,13 @@ async fn run_listener(store: Store, events: mpsc::UnboundedSender<BusEvent>) {
             // whatever was notified in between is read back from the outbox.
             Ok(None) => {
                 let since = trouble_since.take().unwrap_or_else(Instant::now);
-                tracing::warn!("event bus: listener connection was lost; catching up from the outbox");
+                tracing::warn!(
+                    "event bus: listener connection was lost; catching up from the outbox"
+                );
                 metrics::counter!("converger_bus_reconnects_total").increment(1);
-                if let Err(error) = catch_up(&store, &events, since.elapsed() + CATCH_UP_MARGIN).await {
+                if let Err(error) =
+                    catch_up(&store, &events, since.elapsed() + CATCH_UP_MARGIN).await
+                {
                     tracing::warn!(%error, "event bus: catch-up failed; will retry");
                     trouble_since = Some(since);
                 }
@@ -314,9 +365,17 @@ mod tests {
     #[test]
     fn payloads_round_trip() {
         let conversation_id = Uuid::nil();
-        let committed: Payload =
-            serde_json::from_str(&format!(r#"{{"k":"c","e":7,"c":"{conversation_id}","s":3}}"#)).unwrap();
-        assert_eq!(to_event(committed), Some(BusEvent::Committed { conversation_id, seq: 3 }));
+        let committed: Payload = serde_json::from_str(&format!(
+            r#"{{"k":"c","e":7,"c":"{conversation_id}","s":3}}"#
+        ))
+        .unwrap();
+        assert_eq!(
+            to_event(committed),
+            Some(BusEvent::Committed {
+                conversation_id,
+                seq: 3
+            })
+        );
         let transient = Payload::Transient {
             node: "n1".into(),
             conversation_id,

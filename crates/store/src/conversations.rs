@@ -91,7 +91,10 @@ pub struct ChannelCatalogs {
 
 impl Store {
     /// The open interrupts of a conversation, oldest first.
-    pub async fn pending_interrupts(&self, conversation_id: Uuid) -> Result<Vec<PendingInterrupt>, StoreError> {
+    pub async fn pending_interrupts(
+        &self,
+        conversation_id: Uuid,
+    ) -> Result<Vec<PendingInterrupt>, StoreError> {
         self.timed("pending_interrupts", async {
             sqlx::query_as::<_, PendingInterrupt>(
                 "SELECT asked.id, asked.data FROM activities asked
@@ -161,6 +164,9 @@ impl Store {
         conversation_id: Uuid,
         channel_id: Uuid,
     ) -> Result<Option<Conversation>, StoreError> {
-        Ok(self.conversation(conversation_id).await?.filter(|conversation| conversation.channel_id == channel_id))
+        Ok(self
+            .conversation(conversation_id)
+            .await?
+            .filter(|conversation| conversation.channel_id == channel_id))
     }
 }

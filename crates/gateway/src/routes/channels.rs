@@ -91,5 +91,18 @@ pub(crate) async fn update(
         .await?
         .ok_or_else(|| ApiError::not_found("channel"))?;
     tracing::info!(tenant_id = %tenant.id, channel_id = %channel.id, status = status.as_str(), "channel updated");
+    if status == ChannelStatus::Inactive {
+        // Close this node's sockets now; the other nodes hear it from the bus.
+        state
+            .hub
+            .close_channel(channel.id, crate::bus_bridge::channel_inactive_close());
+        if let Err(error) = state
+            .store
+            .publish_channel_status(state.hub.node_id(), channel.id, status.as_str())
+            .await
+        {
+            tracing::warn!(%error, channel_id = %channel.id, "channel deactivation not published to other nodes");
+        }
+    }
     Ok(Json(channel_json(&channel)))
 }

@@ -33,6 +33,7 @@ pub fn router(state: AppState) -> Router {
             "/api/v1/converger/conversations/{id}/activities",
             get(conversations::list_activities).post(conversations::post_activity),
         )
+        .route("/socket/converger/v1", get(crate::ws::upgrade))
         .route("/health/live", get(health::live))
         .route("/health/ready", get(health::ready))
         .route("/metrics", get(health::metrics))

@@ -1,0 +1,77 @@
+//! Feeds the node-local hub from the cross-node event bus.
+
+use std::sync::Arc;
+
+use converger_protocol::{CloseCode, ErrorCode, ErrorFrame};
+use converger_store::Store;
+use converger_store::bus::BusEvent;
+use tokio::sync::mpsc;
+
+use crate::hub::{Hub, HubEvent, SessionControl};
+
+/// Consumes bus events until the bus closes.
+pub fn spawn(store: Store, hub: Arc<Hub>, mut events: mpsc::UnboundedReceiver<BusEvent>) {
+    tokio::spawn(async move {
+        while let Some(event) = events.recv().await {
+            dispatch(&store, &hub, event).await;
+        }
+    });
+}
+
+async fn dispatch(store: &Store, hub: &Hub, event: BusEvent) {
+    match event {
+        BusEvent::Committed {
+            conversation_id,
+            seq,
+        } => {
+            if !hub.wants_committed(conversation_id, seq) {
+                return;
+            }
+            // One read per node and commit; the sessions share the frame.
+            let activity = match store.list_activities(conversation_id, seq - 1, 1).await {
+                Ok(mut rows) => rows.pop().filter(|row| row.seq == seq).map(Arc::new),
+                Err(error) => {
+                    tracing::warn!(%error, %conversation_id, seq, "bus: committed frame unreadable; sessions will read it");
+                    None
+                }
+            };
+            hub.publish(conversation_id, HubEvent::Committed { seq, activity });
+        }
+        BusEvent::Transient {
+            node,
+            conversation_id,
+            frame,
+            origin,
+        } => {
+            if node == hub.node_id() {
+                return;
+            }
+            hub.publish(
+                conversation_id,
+                HubEvent::Transient {
+                    frame: Arc::new(frame),
+                    origin: origin.map(Arc::new),
+                },
+            );
+        }
+        BusEvent::ChannelStatus {
+            channel_id, status, ..
+        } => {
+            if status == "inactive" {
+                hub.close_channel(channel_id, channel_inactive_close());
+            }
+        }
+    }
+}
+
+/// The close every session of a deactivated channel receives.
+pub fn channel_inactive_close() -> SessionControl {
+    SessionControl::Close {
+        error: Some(ErrorFrame::new(
+            ErrorCode::ChannelInactive,
+            "channel is inactive",
+        )),
+        code: CloseCode::ChannelInactive.number(),
+        reason: ErrorCode::ChannelInactive.as_str().to_owned(),
+    }
+}

@@ -1,0 +1,254 @@
+//! The node-local hub: live frames per conversation for the sessions of this node, the registry
+//! of open sessions (for draining and channel deactivation), and per-node presence counts.
+//!
+//! Committed frames reach the hub twice on the committing node (directly after the commit, and
+//! through the bus) and once on the others (through the bus); sessions drop what they already
+//! have, so the hub never has to de-duplicate for correctness.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use converger_protocol::ErrorFrame;
+use converger_store::Activity;
+use converger_store::bus::Origin;
+use serde_json::Value;
+use tokio::sync::{broadcast, mpsc};
+use uuid::Uuid;
+
+/// Live events buffered per conversation; a session that falls further behind reads the gap
+/// back from the database.
+const CONVERSATION_BUFFER: usize = 256;
+
+/// A live event of one conversation.
+#[derive(Debug, Clone)]
+pub enum HubEvent {
+    /// `seq` was committed; `activity` is attached when this node has it at hand.
+    Committed {
+        /// The committed seq.
+        seq: i64,
+        /// The frame, when known.
+        activity: Option<Arc<Activity>>,
+    },
+    /// A transient frame for end users.
+    Transient {
+        /// The frame.
+        frame: Arc<Value>,
+        /// Its author, when any.
+        origin: Option<Arc<Origin>>,
+    },
+}
+
+/// An order to a session from outside its connection.
+#[derive(Debug, Clone)]
+pub enum SessionControl {
+    /// Send the error (if any) and close with this code and reason.
+    Close {
+        /// Error frame sent first.
+        error: Option<ErrorFrame>,
+        /// Close code.
+        code: u16,
+        /// Close reason.
+        reason: String,
+    },
+    /// Stop reading, finish in-flight sends, then close 1012 with this retry hint.
+    Drain {
+        /// The jittered `retryAfterMs`.
+        retry_after_ms: u64,
+    },
+}
+
+struct SessionEntry {
+    channel_id: Uuid,
+    control: mpsc::Sender<SessionControl>,
+}
+
+/// The live feed of one conversation on this node.
+struct Topic {
+    sender: broadcast::Sender<HubEvent>,
+    /// Highest seq published as committed, so the bus echo of a local commit is not re-read.
+    last_committed: i64,
+}
+
+/// Node-local fan-out and session registry.
+pub struct Hub {
+    node_id: String,
+    conversations: Mutex<HashMap<Uuid, Topic>>,
+    sessions: Mutex<HashMap<Uuid, SessionEntry>>,
+    sessions_closed: tokio::sync::Notify,
+    presence: Mutex<HashMap<(Uuid, String), usize>>,
+}
+
+impl std::fmt::Debug for Hub {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Hub")
+            .field("node_id", &self.node_id)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Recovers the data of a poisoned lock: every critical section here leaves maps consistent.
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl Hub {
+    /// An empty hub for node `node_id`.
+    pub fn new(node_id: impl Into<String>) -> Hub {
+        Hub {
+            node_id: node_id.into(),
+            conversations: Mutex::new(HashMap::new()),
+            sessions: Mutex::new(HashMap::new()),
+            sessions_closed: tokio::sync::Notify::new(),
+            presence: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// This node's id.
+    pub fn node_id(&self) -> &str {
+        &self.node_id
+    }
+
+    /// Live events of a conversation from now on.
+    pub fn subscribe(&self, conversation_id: Uuid) -> broadcast::Receiver<HubEvent> {
+        let mut conversations = lock(&self.conversations);
+        conversations
+            .entry(conversation_id)
+            .or_insert_with(|| Topic {
+                sender: broadcast::channel(CONVERSATION_BUFFER).0,
+                last_committed: 0,
+            })
+            .sender
+            .subscribe()
+    }
+
+    /// True when a session of this node follows the conversation and `seq` was not published
+    /// as committed yet: the bus bridge then reads the frame and publishes it.
+    pub fn wants_committed(&self, conversation_id: Uuid, seq: i64) -> bool {
+        lock(&self.conversations)
+            .get(&conversation_id)
+            .is_some_and(|topic| topic.sender.receiver_count() > 0 && seq > topic.last_committed)
+    }
+
+    /// Hands an event to the conversation's sessions on this node.
+    pub fn publish(&self, conversation_id: Uuid, event: HubEvent) {
+        let mut conversations = lock(&self.conversations);
+        let Some(topic) = conversations.get_mut(&conversation_id) else {
+            return;
+        };
+        if let HubEvent::Committed { seq, .. } = &event {
+            topic.last_committed = topic.last_committed.max(*seq);
+        }
+        if topic.sender.send(event).is_err() {
+            // Nobody listens any more: forget the conversation.
+            conversations.remove(&conversation_id);
+        }
+    }
+
+    /// Registers a session; the guard unregisters it when dropped.
+    pub fn register(
+        self: &Arc<Self>,
+        channel_id: Uuid,
+        control: mpsc::Sender<SessionControl>,
+    ) -> SessionGuard {
+        let connection_id = Uuid::new_v4();
+        lock(&self.sessions).insert(
+            connection_id,
+            SessionEntry {
+                channel_id,
+                control,
+            },
+        );
+        metrics::gauge!("converger_ws_sessions").increment(1.0);
+        SessionGuard {
+            hub: Arc::clone(self),
+            connection_id,
+        }
+    }
+
+    /// Number of open sessions on this node.
+    pub fn session_count(&self) -> usize {
+        lock(&self.sessions).len()
+    }
+
+    /// Waits until no session is open or the deadline passes; returns the sessions left.
+    pub async fn wait_for_no_sessions(&self, deadline: tokio::time::Instant) -> usize {
+        loop {
+            let closed = self.sessions_closed.notified();
+            let open = self.session_count();
+            if open == 0 {
+                return 0;
+            }
+            if tokio::time::timeout_at(deadline, closed).await.is_err() {
+                return self.session_count();
+            }
+        }
+    }
+
+    /// The control senders of every open session (for draining).
+    pub fn session_controls(&self) -> Vec<mpsc::Sender<SessionControl>> {
+        lock(&self.sessions)
+            .values()
+            .map(|entry| entry.control.clone())
+            .collect()
+    }
+
+    /// Tells every session of a channel to close.
+    pub fn close_channel(&self, channel_id: Uuid, control: SessionControl) {
+        let targets: Vec<_> = lock(&self.sessions)
+            .values()
+            .filter(|entry| entry.channel_id == channel_id)
+            .map(|entry| entry.control.clone())
+            .collect();
+        for target in targets {
+            let _ = target.try_send(control.clone());
+        }
+    }
+
+    /// Counts a participant's connection in; returns the new count.
+    pub fn presence_join(&self, conversation_id: Uuid, participant_id: &str) -> usize {
+        let mut presence = lock(&self.presence);
+        let count = presence
+            .entry((conversation_id, participant_id.to_owned()))
+            .or_insert(0);
+        *count += 1;
+        *count
+    }
+
+    /// Counts a participant's connection out; returns the new count.
+    pub fn presence_leave(&self, conversation_id: Uuid, participant_id: &str) -> usize {
+        let mut presence = lock(&self.presence);
+        let key = (conversation_id, participant_id.to_owned());
+        let Some(count) = presence.get_mut(&key) else {
+            return 0;
+        };
+        *count = count.saturating_sub(1);
+        let left = *count;
+        if left == 0 {
+            presence.remove(&key);
+        }
+        left
+    }
+}
+
+/// Keeps a session registered while alive.
+pub struct SessionGuard {
+    hub: Arc<Hub>,
+    connection_id: Uuid,
+}
+
+impl SessionGuard {
+    /// The connection id given to the session.
+    pub fn connection_id(&self) -> Uuid {
+        self.connection_id
+    }
+}
+
+impl Drop for SessionGuard {
+    fn drop(&mut self) {
+        lock(&self.hub.sessions).remove(&self.connection_id);
+        metrics::gauge!("converger_ws_sessions").decrement(1.0);
+        self.hub.sessions_closed.notify_waiters();
+    }
+}

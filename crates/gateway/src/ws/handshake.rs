@@ -1,0 +1,221 @@
+//! `hello` → an established conversation-scope session, or the documented refusal.
+
+use converger_protocol::{CloseCode, ErrorCode, ErrorFrame, Hello, PROTOCOL_NAME};
+use converger_store::Conversation;
+use serde_json::json;
+use uuid::Uuid;
+
+use super::UpgradeRequest;
+use crate::auth::{Claims, Scope, TokenRejection};
+use crate::state::AppState;
+
+/// Which dialect the client speaks (PROTOCOL section 3.1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Profile {
+    /// `hello.protocol: "converger/1"`.
+    Converger,
+    /// `hello` without `protocol`: an unmodified mekik/1 client.
+    Mekik,
+}
+
+/// A session ready to start.
+#[derive(Debug)]
+pub(crate) struct Established {
+    pub profile: Profile,
+    pub claims: Claims,
+    pub conversation: Conversation,
+    pub user_id: String,
+    /// The client's watermark (0 when a new conversation was created for it).
+    pub watermark: u64,
+    pub hello: Hello,
+}
+
+/// A refused hello: the error to send and the close that follows, if any.
+#[derive(Debug)]
+pub(crate) struct Refused {
+    pub error: ErrorFrame,
+    pub close: Option<CloseCode>,
+}
+
+impl Refused {
+    fn new(code: ErrorCode, message: &str) -> Refused {
+        Refused {
+            error: ErrorFrame::new(code, message),
+            close: code.close_code(),
+        }
+    }
+
+    fn closing(code: ErrorCode, message: &str, close: CloseCode) -> Refused {
+        Refused {
+            error: ErrorFrame::new(code, message),
+            close: Some(close),
+        }
+    }
+}
+
+/// Checks the profile, the credential and the channel, then adopts or creates the conversation.
+pub(crate) async fn establish(
+    state: &AppState,
+    request: &UpgradeRequest,
+    hello: Hello,
+) -> Result<Established, Refused> {
+    let profile = match hello.protocol.as_deref() {
+        None => Profile::Mekik,
+        Some(PROTOCOL_NAME) => Profile::Converger,
+        Some(_) => {
+            return Err(Refused::new(
+                ErrorCode::UnsupportedProtocol,
+                "unsupported protocol; use converger/1",
+            ));
+        }
+    };
+    // First found wins: hello.token, ?token=, Authorization: Bearer.
+    let token = hello
+        .token
+        .clone()
+        .or_else(|| request.query_token.clone())
+        .or_else(|| request.header_token.clone());
+    let Some(token) = token else {
+        return Err(Refused::new(ErrorCode::Unauthorized, "a token is required"));
+    };
+    let claims = match state.tokens.verify(&token) {
+        Ok(claims) => claims,
+        Err(rejection) => {
+            let mut refused = Refused::new(ErrorCode::Unauthorized, "invalid or expired token");
+            if rejection == TokenRejection::Expired {
+                refused.error.details = Some(json!({"reason": "token_expired"}));
+            }
+            return Err(refused);
+        }
+    };
+    let channel = state
+        .store
+        .channel(claims.channel_id)
+        .await
+        .map_err(internal)?;
+    match channel {
+        Some(channel) if channel.tenant_id == claims.tenant_id && channel.is_active() => {}
+        Some(channel) if channel.tenant_id == claims.tenant_id => {
+            return Err(Refused::new(
+                ErrorCode::ChannelInactive,
+                "channel is inactive",
+            ));
+        }
+        _ => return Err(Refused::new(ErrorCode::Unauthorized, "invalid token")),
+    }
+    if claims.scope() == Scope::Channel {
+        return Err(Refused::closing(
+            ErrorCode::BadRequest,
+            "channel-scope sessions are not served by this version",
+            CloseCode::Protocol,
+        ));
+    }
+    let asserted_watermark = hello.watermark.or(request.watermark).unwrap_or(0);
+    let asserted_conversation = hello
+        .conversation_id
+        .clone()
+        .or_else(|| request.conversation_id.clone());
+    let asserted_user = hello
+        .user_id
+        .clone()
+        .or_else(|| request.user_id.clone())
+        .filter(|user| valid_user_id(user));
+
+    if let Some(bound) = claims.conversation_id {
+        let conversation = state
+            .store
+            .conversation_in_channel(bound, claims.channel_id)
+            .await
+            .map_err(internal)?
+            .ok_or_else(|| {
+                Refused::closing(
+                    ErrorCode::ConversationNotFound,
+                    "conversation not found",
+                    CloseCode::Protocol,
+                )
+            })?;
+        let user_id = claims
+            .user_id
+            .clone()
+            .unwrap_or_else(|| conversation.user_id.clone());
+        if user_id != conversation.user_id {
+            return Err(Refused::closing(
+                ErrorCode::Forbidden,
+                "the token's user does not own this conversation",
+                CloseCode::Auth,
+            ));
+        }
+        return Ok(Established {
+            profile,
+            claims,
+            conversation,
+            user_id,
+            watermark: asserted_watermark,
+            hello,
+        });
+    }
+
+    if let Some(adopted) = adoptable(state, &claims, asserted_conversation.as_deref()).await? {
+        let user_id = adopted.user_id.clone();
+        return Ok(Established {
+            profile,
+            claims,
+            conversation: adopted,
+            user_id,
+            watermark: asserted_watermark,
+            hello,
+        });
+    }
+
+    // A verified user wins over an asserted one; with neither, the user is anonymous.
+    let user_id = claims
+        .user_id
+        .clone()
+        .or(asserted_user)
+        .unwrap_or_else(|| format!("anon-{}", Uuid::new_v4().simple()));
+    let conversation = state
+        .store
+        .create_conversation(claims.channel_id, &user_id)
+        .await
+        .map_err(internal)?;
+    // The client asked for another conversation (or none): its watermark means nothing here.
+    Ok(Established {
+        profile,
+        claims,
+        conversation,
+        user_id,
+        watermark: 0,
+        hello,
+    })
+}
+
+/// The asserted conversation, when it belongs to the token's channel (and user, when verified).
+async fn adoptable(
+    state: &AppState,
+    claims: &Claims,
+    asserted: Option<&str>,
+) -> Result<Option<Conversation>, Refused> {
+    let Some(id) = asserted.and_then(|raw| Uuid::parse_str(raw).ok()) else {
+        return Ok(None);
+    };
+    let conversation = state
+        .store
+        .conversation_in_channel(id, claims.channel_id)
+        .await
+        .map_err(internal)?;
+    Ok(conversation.filter(|conversation| {
+        claims
+            .user_id
+            .as_ref()
+            .is_none_or(|user| *user == conversation.user_id)
+    }))
+}
+
+fn valid_user_id(user_id: &str) -> bool {
+    !user_id.is_empty() && user_id.len() <= crate::routes::tokens::MAX_USER_ID_BYTES
+}
+
+fn internal(error: converger_store::StoreError) -> Refused {
+    tracing::error!(%error, "handshake: store error");
+    Refused::closing(ErrorCode::Internal, "internal error", CloseCode::Internal)
+}

@@ -1,0 +1,112 @@
+//! The WebSocket endpoint `GET /socket/converger/v1` (PROTOCOL sections 1–3).
+//!
+//! The upgrade itself never fails for credential reasons: credentials are checked when `hello`
+//! arrives so every client can read the reason (error frame, then close 4401).
+
+mod conversation;
+mod handshake;
+pub(crate) mod outbound;
+mod rate;
+mod writer;
+
+use std::collections::HashMap;
+
+use axum::extract::ws::{WebSocketUpgrade, rejection::WebSocketUpgradeRejection};
+use axum::extract::{Query, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use converger_protocol::{ErrorCode, SUBPROTOCOL};
+
+use crate::error::ApiError;
+use crate::state::AppState;
+
+/// What the upgrade request carried besides the socket.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct UpgradeRequest {
+    /// `?token=`.
+    pub query_token: Option<String>,
+    /// `Authorization: Bearer`.
+    pub header_token: Option<String>,
+    /// `?conversationId=`.
+    pub conversation_id: Option<String>,
+    /// `?userId=`.
+    pub user_id: Option<String>,
+    /// `?watermark=`.
+    pub watermark: Option<u64>,
+}
+
+/// `GET /socket/converger/v1`.
+pub(crate) async fn upgrade(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Query(query): Query<HashMap<String, String>>,
+    upgrade: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
+) -> Response {
+    if state.is_draining() {
+        let mut response = ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            ErrorCode::Unavailable,
+            "node is draining",
+        )
+        .into_response();
+        let retry_secs = state.config.drain.retry_after_ms.div_ceil(1000).max(1);
+        if let Ok(value) = HeaderValue::from_str(&retry_secs.to_string()) {
+            response.headers_mut().insert(header::RETRY_AFTER, value);
+        }
+        return response;
+    }
+    let upgrade = match upgrade {
+        Ok(upgrade) => upgrade,
+        Err(rejection) => return refuse_upgrade(rejection),
+    };
+    let offered: Vec<String> = upgrade
+        .requested_protocols()
+        .filter_map(|value| value.to_str().ok())
+        .map(str::to_owned)
+        .collect();
+    let upgrade = if offered.is_empty() {
+        upgrade
+    } else if offered.iter().any(|protocol| protocol == SUBPROTOCOL) {
+        upgrade.protocols([SUBPROTOCOL])
+    } else {
+        return ApiError::bad_request(format!(
+            "unsupported subprotocol; offer {SUBPROTOCOL} or none"
+        ))
+        .into_response();
+    };
+    let request = UpgradeRequest {
+        query_token: query
+            .get("token")
+            .filter(|token| !token.is_empty())
+            .cloned(),
+        header_token: crate::auth::bearer(&headers).map(str::to_owned),
+        conversation_id: query.get("conversationId").cloned(),
+        user_id: query.get("userId").cloned(),
+        watermark: query.get("watermark").and_then(|raw| raw.parse().ok()),
+    };
+    let limits = &state.config.limits;
+    upgrade
+        .max_message_size(limits.hard_frame_bytes)
+        .max_frame_size(limits.hard_frame_bytes)
+        .on_upgrade(move |socket| conversation::serve(socket, state, request))
+}
+
+fn refuse_upgrade(rejection: WebSocketUpgradeRejection) -> Response {
+    match rejection {
+        WebSocketUpgradeRejection::InvalidConnectionHeader(_)
+        | WebSocketUpgradeRejection::InvalidUpgradeHeader(_)
+        | WebSocketUpgradeRejection::ConnectionNotUpgradable(_) => {
+            let mut response = ApiError {
+                status: StatusCode::UPGRADE_REQUIRED,
+                code: "upgrade_required",
+                message: "this endpoint speaks WebSocket only".into(),
+            }
+            .into_response();
+            response
+                .headers_mut()
+                .insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+            response
+        }
+        other => ApiError::bad_request(other.body_text()).into_response(),
+    }
+}

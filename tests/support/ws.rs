@@ -1,0 +1,201 @@
+//! A raw WebSocket client for the tests: JSON frames in and out, close codes, and a ping
+//! barrier to prove that nothing else was sent.
+
+use std::time::Duration;
+
+use futures::{SinkExt, StreamExt};
+use serde_json::{Value, json};
+use tokio::net::TcpStream;
+use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::http::HeaderValue;
+use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
+
+/// How long a test waits for an expected frame.
+pub const FRAME_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// One client connection.
+pub struct WsClient {
+    stream: WebSocketStream<MaybeTlsStream<TcpStream>>,
+    /// The subprotocol the server selected.
+    pub subprotocol: Option<String>,
+    nonce: u64,
+}
+
+/// What ended a connection.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Closed {
+    /// Close code (1005 when the frame had none, 1006 when there was no close frame).
+    pub code: u16,
+    /// Close reason.
+    pub reason: String,
+}
+
+impl WsClient {
+    /// Connects to `url` (ws://…), offering `subprotocols` and sending `bearer` as Authorization.
+    pub async fn connect_with(url: &str, subprotocols: &[&str], bearer: Option<&str>) -> WsClient {
+        let mut request = url.into_client_request().expect("ws request");
+        if !subprotocols.is_empty() {
+            let offered = HeaderValue::from_str(&subprotocols.join(", ")).unwrap();
+            request
+                .headers_mut()
+                .insert("sec-websocket-protocol", offered);
+        }
+        if let Some(token) = bearer {
+            request.headers_mut().insert(
+                "authorization",
+                HeaderValue::from_str(&format!("Bearer {token}")).unwrap(),
+            );
+        }
+        let (stream, response) = tokio_tungstenite::connect_async(request)
+            .await
+            .expect("websocket connects");
+        let subprotocol = response
+            .headers()
+            .get("sec-websocket-protocol")
+            .and_then(|value| value.to_str().ok())
+            .map(str::to_owned);
+        WsClient {
+            stream,
+            subprotocol,
+            nonce: 0,
+        }
+    }
+
+    /// Connects offering `converger.v1`.
+    pub async fn connect(url: &str) -> WsClient {
+        WsClient::connect_with(url, &["converger.v1"], None).await
+    }
+
+    /// Sends a JSON frame.
+    pub async fn send(&mut self, frame: Value) {
+        self.send_text(&frame.to_string()).await;
+    }
+
+    /// Sends raw text.
+    pub async fn send_text(&mut self, text: &str) {
+        self.stream
+            .send(Message::Text(text.into()))
+            .await
+            .expect("send frame");
+    }
+
+    /// Sends a binary message.
+    pub async fn send_binary(&mut self, bytes: Vec<u8>) {
+        self.stream
+            .send(Message::Binary(bytes.into()))
+            .await
+            .expect("send binary");
+    }
+
+    /// The next JSON text frame; panics on timeout or close.
+    pub async fn recv(&mut self) -> Value {
+        match self.next_event(FRAME_TIMEOUT).await {
+            Ok(frame) => frame,
+            Err(closed) => panic!("connection closed while a frame was expected: {closed:?}"),
+        }
+    }
+
+    /// The next text frame, or how the connection ended.
+    pub async fn next_event(&mut self, timeout: Duration) -> Result<Value, Closed> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let next = tokio::time::timeout_at(deadline, self.stream.next())
+                .await
+                .unwrap_or_else(|_| panic!("no frame within {timeout:?}"));
+            match next {
+                Some(Ok(Message::Text(text))) => {
+                    return Ok(serde_json::from_str(text.as_str()).expect("server sends JSON"));
+                }
+                Some(Ok(Message::Close(frame))) => {
+                    return Err(frame.map_or(
+                        Closed {
+                            code: 1005,
+                            reason: String::new(),
+                        },
+                        |frame| Closed {
+                            code: frame.code.into(),
+                            reason: frame.reason.to_string(),
+                        },
+                    ));
+                }
+                Some(Ok(_)) => continue,
+                Some(Err(_)) | None => {
+                    return Err(Closed {
+                        code: 1006,
+                        reason: String::new(),
+                    });
+                }
+            }
+        }
+    }
+
+    /// Frames until one of type `kind` (returned last).
+    pub async fn recv_until(&mut self, kind: &str) -> Vec<Value> {
+        let mut seen = Vec::new();
+        loop {
+            let frame = self.recv().await;
+            let done = frame["type"] == kind;
+            seen.push(frame);
+            if done {
+                return seen;
+            }
+        }
+    }
+
+    /// Frames of type `kind`, skipping heartbeats.
+    pub async fn recv_type(&mut self, kind: &str) -> Value {
+        loop {
+            let frame = self.recv().await;
+            if frame["type"] == kind {
+                return frame;
+            }
+            assert_eq!(frame["type"], "heartbeat", "expected {kind}, got {frame}");
+        }
+    }
+
+    /// Sends `ping` with a fresh nonce and returns every frame received before its heartbeat:
+    /// the server handles frames in order, so anything it was going to send for earlier frames
+    /// (or had queued) is in this list.
+    pub async fn barrier(&mut self) -> Vec<Value> {
+        self.nonce += 1;
+        let nonce = format!("barrier-{}", self.nonce);
+        self.send(json!({"type": "ping", "nonce": nonce})).await;
+        let mut before = Vec::new();
+        loop {
+            let frame = self.recv().await;
+            if frame["type"] == "heartbeat" && frame["nonce"] == nonce.as_str() {
+                return before;
+            }
+            before.push(frame);
+        }
+    }
+
+    /// Reads until the connection closes; returns the frames read before and the close.
+    pub async fn recv_until_closed(&mut self) -> (Vec<Value>, Closed) {
+        let mut frames = Vec::new();
+        loop {
+            match self.next_event(FRAME_TIMEOUT).await {
+                Ok(frame) => frames.push(frame),
+                Err(closed) => return (frames, closed),
+            }
+        }
+    }
+
+    /// Sends a converger hello with `token` plus `extra` fields; returns the welcome.
+    pub async fn hello(&mut self, token: &str, extra: Value) -> Value {
+        let mut hello = json!({"type": "hello", "protocol": "converger/1", "token": token});
+        if let Value::Object(fields) = extra {
+            for (key, value) in fields {
+                hello[key] = value;
+            }
+        }
+        self.send(hello).await;
+        self.recv_type("welcome").await
+    }
+
+    /// Closes the connection from the client side.
+    pub async fn close(mut self) {
+        let _ = self.stream.close(None).await;
+    }
+}
