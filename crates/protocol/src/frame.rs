@@ -78,7 +78,7 @@ pub struct MessageFrame {
     pub kind: String,
     /// The frame's `id`, when the sender gave one.
     pub id: Option<String>,
-    /// The frame's `clientId`, when the sender gave one.
+    /// The frame's explicit `clientId`, when the sender gave one.
     pub client_id: Option<String>,
     /// The frame's `data` object.
     pub data: Value,
@@ -90,11 +90,21 @@ pub struct MessageFrame {
     pub extra: Map<String, Value>,
 }
 
+impl MessageFrame {
+    /// The idempotency key of an end user's frame: `clientId`, or a mekik `id` of the same
+    /// shape when `clientId` is absent. (An agent's `id` is the frame id, never a key.)
+    pub fn user_idempotency_key(&self) -> Option<&str> {
+        self.client_id
+            .as_deref()
+            .or_else(|| self.id.as_deref().filter(|id| crate::is_valid_client_id(id)))
+    }
+}
+
 /// Checks a message frame against the contract and the limits.
 ///
 /// `data` must be an object; a `text` frame needs `data.text` as a string within
 /// `max_text_bytes`; `metadata`, when present, must be an object within `max_metadata_bytes`;
-/// `clientId` (or `id` when `clientId` is absent and `id` has its shape) is the idempotency key.
+/// `clientId`, when present, must have the clientId shape.
 pub fn validate_message_frame(frame: &Value, limits: &Limits) -> Result<MessageFrame, FrameError> {
     let Some(object) = frame.as_object() else {
         return Err(FrameError::new(
@@ -189,8 +199,7 @@ pub fn validate_message_frame(frame: &Value, limits: &Limits) -> Result<MessageF
                 "clientId must be 1-128 characters of A-Za-z0-9._:~-",
             ));
         }
-        // A mekik client's `id` doubles as its idempotency key when it has the right shape.
-        None => id.clone().filter(|id| crate::is_valid_client_id(id)),
+        None => None,
     };
     if let Some(id) = &id
         && (id.is_empty() || id.len() > 128)

@@ -216,6 +216,10 @@ pub(crate) async fn post_activity(
             )
         }
     };
+    let frame_key = match claims.scope() {
+        Scope::Conversation => message.user_idempotency_key().map(str::to_owned),
+        Scope::Channel => message.client_id.clone(),
+    };
     let new = NewActivity {
         conversation_id: conversation.id,
         id: frame_id,
@@ -224,7 +228,7 @@ pub(crate) async fn post_activity(
         data: message.data,
         metadata: message.metadata,
         extra: Some(message.extra),
-        client_id: idempotency_key.or(message.client_id),
+        client_id: idempotency_key.or(frame_key),
     };
     let outcome = state.store.commit_activity(&new).await?;
     let status = if outcome.duplicate {

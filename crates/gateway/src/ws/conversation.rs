@@ -649,7 +649,7 @@ impl Session<'_> {
                 >= self.state.config.limits.max_in_flight
         {
             return self.push_error(ErrorFrame {
-                client_id: frame.client_id.clone(),
+                client_id: frame.user_idempotency_key().map(str::to_owned),
                 frame_type: Some(frame.kind.clone()),
                 retry_after_ms: Some(100),
                 ..ErrorFrame::new(ErrorCode::TooManyInFlight, "too many unacknowledged sends")
@@ -662,6 +662,7 @@ impl Session<'_> {
     fn start_commit(&self, send: PendingSend) -> CommitFuture {
         let store = self.state.store.clone();
         let frame = send.frame;
+        let client_id = frame.user_idempotency_key().map(str::to_owned);
         let new = NewActivity {
             conversation_id: self.conversation_id,
             // A user's `id` is its idempotency key (mekik), never the stored frame id.
@@ -674,9 +675,8 @@ impl Session<'_> {
             data: frame.data,
             metadata: frame.metadata,
             extra: Some(frame.extra),
-            client_id: frame.client_id.clone(),
+            client_id: client_id.clone(),
         };
-        let client_id = frame.client_id;
         let frame_type = frame.kind;
         Box::pin(async move {
             let result = store.commit_activity(&new).await;
