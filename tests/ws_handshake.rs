@@ -18,11 +18,18 @@ async fn setup(node: &TestNode) -> (TenantFixture, Uuid, String) {
 
 async fn post_text(node: &TestNode, token: &str, conversation_id: Uuid, text: &str) -> i64 {
     let frame = json!({"type": "text", "data": {"text": text}});
-    node.client.post_activity(token, conversation_id, &frame, None).await.expect("post").seq
+    node.client
+        .post_activity(token, conversation_id, &frame, None)
+        .await
+        .expect("post")
+        .seq
 }
 
 fn seqs(frames: &[Value]) -> Vec<i64> {
-    frames.iter().filter_map(|frame| frame["seq"].as_i64()).collect()
+    frames
+        .iter()
+        .filter_map(|frame| frame["seq"].as_i64())
+        .collect()
 }
 
 #[tokio::test]
@@ -41,17 +48,32 @@ async fn subprotocol_is_selected_when_offered_and_optional() {
 async fn unsupported_subprotocols_plain_gets_and_draining_nodes_are_refused_over_http() {
     let node = TestNode::start().await;
     let mut request = node.ws_url("").into_client_request().unwrap();
-    request.headers_mut().insert("sec-websocket-protocol", "graphql-ws".parse().unwrap());
-    let refused = tokio_tungstenite::connect_async(request).await.expect_err("upgrade refused");
-    let tokio_tungstenite::tungstenite::Error::Http(response) = refused else { panic!("http error expected: {refused}") };
+    request
+        .headers_mut()
+        .insert("sec-websocket-protocol", "graphql-ws".parse().unwrap());
+    let refused = tokio_tungstenite::connect_async(request)
+        .await
+        .expect_err("upgrade refused");
+    let tokio_tungstenite::tungstenite::Error::Http(response) = refused else {
+        panic!("http error expected: {refused}")
+    };
     assert_eq!(response.status(), 400);
 
-    let plain = node.http.get(node.url("/socket/converger/v1")).send().await.unwrap();
+    let plain = node
+        .http
+        .get(node.url("/socket/converger/v1"))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(plain.status(), 426);
 
     node.server.state().start_draining();
-    let refused = tokio_tungstenite::connect_async(node.ws_url("")).await.expect_err("upgrade refused");
-    let tokio_tungstenite::tungstenite::Error::Http(response) = refused else { panic!("http error expected") };
+    let refused = tokio_tungstenite::connect_async(node.ws_url(""))
+        .await
+        .expect_err("upgrade refused");
+    let tokio_tungstenite::tungstenite::Error::Http(response) = refused else {
+        panic!("http error expected")
+    };
     assert_eq!(response.status(), 503);
     assert!(response.headers().get("retry-after").is_some());
 }
@@ -62,17 +84,31 @@ async fn each_credential_source_works_and_hello_token_wins() {
     let (_, conversation_id, token) = setup(&node).await;
 
     let mut by_query = WsClient::connect(&node.ws_url(&format!("?token={token}"))).await;
-    by_query.send(json!({"type": "hello", "protocol": "converger/1"})).await;
-    assert_eq!(by_query.recv_type("welcome").await["data"]["conversationId"], conversation_id.to_string());
+    by_query
+        .send(json!({"type": "hello", "protocol": "converger/1"}))
+        .await;
+    assert_eq!(
+        by_query.recv_type("welcome").await["data"]["conversationId"],
+        conversation_id.to_string()
+    );
 
-    let mut by_header = WsClient::connect_with(&node.ws_url(""), &["converger.v1"], Some(&token)).await;
-    by_header.send(json!({"type": "hello", "protocol": "converger/1"})).await;
-    assert_eq!(by_header.recv_type("welcome").await["data"]["conversationId"], conversation_id.to_string());
+    let mut by_header =
+        WsClient::connect_with(&node.ws_url(""), &["converger.v1"], Some(&token)).await;
+    by_header
+        .send(json!({"type": "hello", "protocol": "converger/1"}))
+        .await;
+    assert_eq!(
+        by_header.recv_type("welcome").await["data"]["conversationId"],
+        conversation_id.to_string()
+    );
 
     // hello.token first, then the query, then the header: a bad query token loses to hello's.
     let mut both = WsClient::connect(&node.ws_url("?token=garbage")).await;
     let welcome = both.hello(&token, json!({})).await;
-    assert_eq!(welcome["data"]["conversationId"], conversation_id.to_string());
+    assert_eq!(
+        welcome["data"]["conversationId"],
+        conversation_id.to_string()
+    );
 }
 
 #[tokio::test]
@@ -80,8 +116,15 @@ async fn missing_bad_and_expired_credentials_close_4401_after_the_upgrade() {
     let node = TestNode::start().await;
     let (_, _, token) = setup(&node).await;
     let claims = node.server.state().tokens.verify(&token).unwrap();
-    let expired =
-        node.server.state().tokens.sign(&Claims { exp: chrono::Utc::now().timestamp() - 10, ..claims }).unwrap();
+    let expired = node
+        .server
+        .state()
+        .tokens
+        .sign(&Claims {
+            exp: chrono::Utc::now().timestamp() - 10,
+            ..claims
+        })
+        .unwrap();
     for credential in [None, Some("not-a-token".to_owned()), Some(expired)] {
         let mut client = WsClient::connect(&node.ws_url("")).await;
         let mut hello = json!({"type": "hello", "protocol": "converger/1"});
@@ -106,7 +149,9 @@ async fn frames_before_hello_get_no_session_and_the_connection_stays() {
     client.send(json!({"type": "ping"})).await;
     let error = client.recv().await;
     assert_eq!(error["data"]["code"], "no_session");
-    client.send(json!({"type": "text", "clientId": "early", "data": {"text": "x"}})).await;
+    client
+        .send(json!({"type": "text", "clientId": "early", "data": {"text": "x"}}))
+        .await;
     assert_eq!(client.recv().await["data"]["code"], "no_session");
     let welcome = client.hello(&token, json!({})).await;
     assert_eq!(welcome["data"]["watermark"], 0);
@@ -118,15 +163,26 @@ async fn frames_sent_right_after_hello_are_processed_in_order_after_welcome() {
     let node = TestNode::start().await;
     let (_, _, token) = setup(&node).await;
     let mut client = WsClient::connect(&node.ws_url("")).await;
-    client.send(json!({"type": "hello", "protocol": "converger/1", "token": token})).await;
-    client.send(json!({"type": "text", "clientId": "a", "data": {"text": "1"}})).await;
-    client.send(json!({"type": "text", "clientId": "b", "data": {"text": "2"}})).await;
-    client.send(json!({"type": "hello", "protocol": "converger/1", "token": "ignored"})).await;
+    client
+        .send(json!({"type": "hello", "protocol": "converger/1", "token": token}))
+        .await;
+    client
+        .send(json!({"type": "text", "clientId": "a", "data": {"text": "1"}}))
+        .await;
+    client
+        .send(json!({"type": "text", "clientId": "b", "data": {"text": "2"}}))
+        .await;
+    client
+        .send(json!({"type": "hello", "protocol": "converger/1", "token": "ignored"}))
+        .await;
     let frames = client.recv_until("ack").await;
     assert_eq!(frames[0]["type"], "welcome");
     assert_eq!(frames.last().unwrap()["clientId"], "a");
     let second = client.recv_type("ack").await;
-    assert_eq!((second["clientId"].as_str(), second["seq"].as_i64()), (Some("b"), Some(2)));
+    assert_eq!(
+        (second["clientId"].as_str(), second["seq"].as_i64()),
+        (Some("b"), Some(2))
+    );
     // The second hello was ignored: the session still answers.
     assert!(client.barrier().await.is_empty());
 }
@@ -142,11 +198,15 @@ async fn protocol_field_selects_the_profile() {
 
     // A wrongly typed protocol is absent: mekik again.
     let mut typed = WsClient::connect(&node.ws_url("")).await;
-    typed.send(json!({"type": "hello", "protocol": 1, "token": token})).await;
+    typed
+        .send(json!({"type": "hello", "protocol": 1, "token": token}))
+        .await;
     assert_eq!(typed.recv().await["data"]["protocol"], "mekik/1");
 
     let mut unknown = WsClient::connect(&node.ws_url("")).await;
-    unknown.send(json!({"type": "hello", "protocol": "converger/9", "token": token})).await;
+    unknown
+        .send(json!({"type": "hello", "protocol": "converger/9", "token": token}))
+        .await;
     let (frames, closed) = unknown.recv_until_closed().await;
     assert_eq!(frames[0]["data"]["code"], "unsupported_protocol");
     assert_eq!(closed.code, 4400);
@@ -159,9 +219,15 @@ async fn bound_tokens_pin_the_conversation_and_asserted_ids_are_ignored() {
     let (other_conversation, _) = node.conversation(&acme, "alice").await;
     let mut client = WsClient::connect(&node.ws_url("")).await;
     let welcome = client
-        .hello(&token, json!({"conversationId": other_conversation.to_string(), "userId": "mallory"}))
+        .hello(
+            &token,
+            json!({"conversationId": other_conversation.to_string(), "userId": "mallory"}),
+        )
         .await;
-    assert_eq!(welcome["data"]["conversationId"], conversation_id.to_string());
+    assert_eq!(
+        welcome["data"]["conversationId"],
+        conversation_id.to_string()
+    );
     assert_eq!(welcome["data"]["userId"], "alice");
 }
 
@@ -169,34 +235,71 @@ async fn bound_tokens_pin_the_conversation_and_asserted_ids_are_ignored() {
 async fn asserted_conversations_are_adopted_only_within_channel_and_user() {
     let node = TestNode::start().await;
     let (acme, alice_conversation, _) = setup(&node).await;
-    let alice = node.client.generate_token(&acme.secret, &TokenRequest::for_user("alice")).await.unwrap().token;
-    let bob = node.client.generate_token(&acme.secret, &TokenRequest::for_user("bob")).await.unwrap().token;
-    let anonymous = node.client.generate_token(&acme.secret, &TokenRequest::default()).await.unwrap().token;
+    let alice = node
+        .client
+        .generate_token(&acme.secret, &TokenRequest::for_user("alice"))
+        .await
+        .unwrap()
+        .token;
+    let bob = node
+        .client
+        .generate_token(&acme.secret, &TokenRequest::for_user("bob"))
+        .await
+        .unwrap()
+        .token;
+    let anonymous = node
+        .client
+        .generate_token(&acme.secret, &TokenRequest::default())
+        .await
+        .unwrap()
+        .token;
     let asserted = json!({"conversationId": alice_conversation.to_string(), "userId": "eve"});
 
     let mut as_alice = WsClient::connect(&node.ws_url("")).await;
     let welcome = as_alice.hello(&alice, asserted.clone()).await;
-    assert_eq!(welcome["data"]["conversationId"], alice_conversation.to_string());
+    assert_eq!(
+        welcome["data"]["conversationId"],
+        alice_conversation.to_string()
+    );
     assert_eq!(welcome["data"]["userId"], "alice");
 
     // Another verified user gets a new conversation of their own.
     let mut as_bob = WsClient::connect(&node.ws_url("")).await;
     let welcome = as_bob.hello(&bob, asserted.clone()).await;
-    assert_ne!(welcome["data"]["conversationId"], alice_conversation.to_string());
+    assert_ne!(
+        welcome["data"]["conversationId"],
+        alice_conversation.to_string()
+    );
     assert_eq!(welcome["data"]["userId"], "bob");
 
     // Without a verified user the conversation of the channel is adopted as its own user's.
     let mut anonymous_client = WsClient::connect(&node.ws_url("")).await;
     let welcome = anonymous_client.hello(&anonymous, asserted).await;
-    assert_eq!(welcome["data"]["conversationId"], alice_conversation.to_string());
+    assert_eq!(
+        welcome["data"]["conversationId"],
+        alice_conversation.to_string()
+    );
     assert_eq!(welcome["data"]["userId"], "alice");
 
     // Another channel's conversation is never adopted; the asserted user is kept for the new one.
     let globex = node.tenant_with_channel("globex").await;
-    let foreign = node.client.generate_token(&globex.secret, &TokenRequest::default()).await.unwrap().token;
+    let foreign = node
+        .client
+        .generate_token(&globex.secret, &TokenRequest::default())
+        .await
+        .unwrap()
+        .token;
     let mut outsider = WsClient::connect(&node.ws_url("")).await;
-    let welcome = outsider.hello(&foreign, json!({"conversationId": alice_conversation.to_string(), "userId": "eve"})).await;
-    assert_ne!(welcome["data"]["conversationId"], alice_conversation.to_string());
+    let welcome = outsider
+        .hello(
+            &foreign,
+            json!({"conversationId": alice_conversation.to_string(), "userId": "eve"}),
+        )
+        .await;
+    assert_ne!(
+        welcome["data"]["conversationId"],
+        alice_conversation.to_string()
+    );
     assert_eq!(welcome["data"]["userId"], "eve");
 }
 
@@ -207,16 +310,28 @@ async fn query_fields_are_used_and_hello_fields_win() {
     for n in 1..=3 {
         post_text(&node, &token, conversation_id, &format!("m{n}")).await;
     }
-    let anonymous = node.client.generate_token(&acme.secret, &TokenRequest::default()).await.unwrap().token;
+    let anonymous = node
+        .client
+        .generate_token(&acme.secret, &TokenRequest::default())
+        .await
+        .unwrap()
+        .token;
     let query = format!("?token={anonymous}&conversationId={conversation_id}&watermark=1");
     let mut from_query = WsClient::connect(&node.ws_url(&query)).await;
-    from_query.send(json!({"type": "hello", "protocol": "converger/1"})).await;
+    from_query
+        .send(json!({"type": "hello", "protocol": "converger/1"}))
+        .await;
     let frames = from_query.recv_until("welcome").await;
-    assert_eq!(frames.last().unwrap()["data"]["conversationId"], conversation_id.to_string());
+    assert_eq!(
+        frames.last().unwrap()["data"]["conversationId"],
+        conversation_id.to_string()
+    );
     assert_eq!(seqs(&from_query.barrier().await), vec![2, 3]);
 
     let mut hello_wins = WsClient::connect(&node.ws_url(&query)).await;
-    hello_wins.send(json!({"type": "hello", "protocol": "converger/1", "watermark": 2})).await;
+    hello_wins
+        .send(json!({"type": "hello", "protocol": "converger/1", "watermark": 2}))
+        .await;
     hello_wins.recv_type("welcome").await;
     assert_eq!(seqs(&hello_wins.barrier().await), vec![3]);
 }
@@ -235,11 +350,20 @@ async fn welcome_announces_the_head_limits_and_expiry_then_replays_after_the_wat
     assert_eq!(data["compat"], json!(["mekik/1"]));
     assert_eq!(data["watermark"], 5);
     assert_eq!(data["pending"], json!([]));
-    assert!(data["connectionId"].as_str().unwrap().parse::<Uuid>().is_ok());
+    assert!(
+        data["connectionId"]
+            .as_str()
+            .unwrap()
+            .parse::<Uuid>()
+            .is_ok()
+    );
     let claims = node.server.state().tokens.verify(&token).unwrap();
     assert_eq!(data["expiresAt"].as_i64(), Some(claims.exp * 1000));
     let limits = &node.server.state().config.limits;
-    assert_eq!(data["limits"]["maxFrameBytes"].as_u64(), Some(limits.max_frame_bytes as u64));
+    assert_eq!(
+        data["limits"]["maxFrameBytes"].as_u64(),
+        Some(limits.max_frame_bytes as u64)
+    );
     assert_eq!(data["limits"]["replayMax"], 1000);
     assert!(data["limits"].get("maxConversations").is_none());
     for capability in ["acks", "typing", "receipts", "presence"] {
@@ -269,11 +393,24 @@ async fn watermark_above_the_head_is_refused_without_replay_and_the_session_stay
 async fn a_new_conversation_ignores_the_asserted_watermark() {
     let node = TestNode::start().await;
     let (acme, _, _) = setup(&node).await;
-    let bob = node.client.generate_token(&acme.secret, &TokenRequest::for_user("bob")).await.unwrap().token;
+    let bob = node
+        .client
+        .generate_token(&acme.secret, &TokenRequest::for_user("bob"))
+        .await
+        .unwrap()
+        .token;
     let mut client = WsClient::connect(&node.ws_url("")).await;
-    let welcome = client.hello(&bob, json!({"conversationId": Uuid::new_v4().to_string(), "watermark": 40})).await;
+    let welcome = client
+        .hello(
+            &bob,
+            json!({"conversationId": Uuid::new_v4().to_string(), "watermark": 40}),
+        )
+        .await;
     assert_eq!(welcome["data"]["watermark"], 0);
-    assert!(client.barrier().await.is_empty(), "no invalid_watermark for a watermark that was reset");
+    assert!(
+        client.barrier().await.is_empty(),
+        "no invalid_watermark for a watermark that was reset"
+    );
 }
 
 #[tokio::test]
@@ -301,7 +438,9 @@ async fn replay_is_capped_by_replay_max_with_replay_truncated_but_not_for_mekik(
     assert_eq!(seqs(&client.barrier().await), vec![5, 6, 7]);
 
     let mut mekik = WsClient::connect_with(&node.ws_url(""), &[], None).await;
-    mekik.send(json!({"type": "hello", "token": token, "watermark": 1})).await;
+    mekik
+        .send(json!({"type": "hello", "token": token, "watermark": 1}))
+        .await;
     assert_eq!(mekik.recv().await["type"], "welcome");
     let mut replayed = Vec::new();
     while replayed.len() < 7 {
@@ -314,13 +453,21 @@ async fn replay_is_capped_by_replay_max_with_replay_truncated_but_not_for_mekik(
 async fn welcome_lists_open_interrupts_and_sends_the_channel_catalogs() {
     let node = TestNode::start().await;
     let (acme, conversation_id, token) = setup(&node).await;
-    let agent = node.client.generate_token(&acme.secret, &TokenRequest::channel_scope()).await.unwrap().token;
+    let agent = node
+        .client
+        .generate_token(&acme.secret, &TokenRequest::channel_scope())
+        .await
+        .unwrap()
+        .token;
     for frame in [
         json!({"type": "interrupt", "id": "int-1", "data": {"question": "a?"}}),
         json!({"type": "interrupt", "id": "int-2", "data": {"question": "b?"}}),
         json!({"type": "interrupt_resolved", "id": "int-1", "data": {"answer": "yes"}}),
     ] {
-        node.client.post_activity(&agent, conversation_id, &frame, None).await.unwrap();
+        node.client
+            .post_activity(&agent, conversation_id, &frame, None)
+            .await
+            .unwrap();
     }
     let mut db = node.db.connect().await;
     sqlx::query(
@@ -333,10 +480,21 @@ async fn welcome_lists_open_interrupts_and_sends_the_channel_catalogs() {
     .unwrap();
 
     let mut client = WsClient::connect(&node.ws_url("")).await;
-    let welcome = client.hello(&token, json!({"watermark": 3, "skillsHash": "s1"})).await;
-    assert_eq!(welcome["data"]["pending"], json!([{"id": "int-2", "data": {"question": "b?"}}]));
+    let welcome = client
+        .hello(&token, json!({"watermark": 3, "skillsHash": "s1"}))
+        .await;
+    assert_eq!(
+        welcome["data"]["pending"],
+        json!([{"id": "int-2", "data": {"question": "b?"}}])
+    );
     let after = client.barrier().await;
-    assert_eq!(after[0], json!({"type": "genui_components", "hash": "h1", "components": ["card"]}));
-    assert_eq!(after[1], json!({"type": "skills", "hash": "s1", "unchanged": true}));
+    assert_eq!(
+        after[0],
+        json!({"type": "genui_components", "hash": "h1", "components": ["card"]})
+    );
+    assert_eq!(
+        after[1],
+        json!({"type": "skills", "hash": "s1", "unchanged": true})
+    );
     assert_eq!(after.len(), 2);
 }

@@ -219,6 +219,21 @@ impl TestNode {
         }
     }
 
+    /// Another node over the same database and secrets (a second gateway instance).
+    pub async fn start_peer(&self) -> ServerHandle {
+        let mut config = test_config();
+        config.database_url = self.db.url.clone();
+        let credentials = Credentials {
+            secret_key: config.secret_key.clone().into_bytes(),
+            admin_token: config.admin_token.clone(),
+        };
+        Server::bind(config, self.db.store().await, credentials)
+            .await
+            .expect("bind")
+            .spawn()
+            .expect("serve")
+    }
+
     /// The WebSocket endpoint with optional query string (`?token=…`).
     pub fn ws_url(&self, query: &str) -> String {
         format!("ws://{}/socket/converger/v1{query}", self.server.addr())

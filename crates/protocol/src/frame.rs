@@ -94,9 +94,11 @@ impl MessageFrame {
     /// The idempotency key of an end user's frame: `clientId`, or a mekik `id` of the same
     /// shape when `clientId` is absent. (An agent's `id` is the frame id, never a key.)
     pub fn user_idempotency_key(&self) -> Option<&str> {
-        self.client_id
-            .as_deref()
-            .or_else(|| self.id.as_deref().filter(|id| crate::is_valid_client_id(id)))
+        self.client_id.as_deref().or_else(|| {
+            self.id
+                .as_deref()
+                .filter(|id| crate::is_valid_client_id(id))
+        })
     }
 }
 

@@ -270,6 +270,7 @@ async fn run_listener(store: Store, events: mpsc::UnboundedSender<BusEvent>) {
     let mut listener = loop {
         match connect_listener(&store).await {
             Ok(listener) => break listener,
+            Err(StoreError::Database(sqlx::Error::PoolClosed)) => return,
             Err(error) => {
                 tracing::warn!(%error, "event bus: cannot listen yet");
                 if events.is_closed() {
@@ -329,6 +330,8 @@ async fn run_listener(store: Store, events: mpsc::UnboundedSender<BusEvent>) {
                     trouble_since = Some(since);
                 }
             }
+            // The store is shutting down: release the connection so the pool can close.
+            Err(sqlx::Error::PoolClosed) => return,
             Err(error) => {
                 trouble_since.get_or_insert_with(Instant::now);
                 tracing::warn!(%error, "event bus: listener error");

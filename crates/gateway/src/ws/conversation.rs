@@ -108,8 +108,17 @@ pub(crate) async fn serve(socket: WebSocket, state: AppState, request: UpgradeRe
         Ending::Close { code, reason } => outbound.close(code, reason),
         Ending::CloseNow { code, reason } => outbound.close_now(code, reason),
     }
-    // Give the writer a moment to flush the close frame; a peer that does not read loses it.
-    let _ = tokio::time::timeout(Duration::from_secs(2), writer).await;
+    // Finish the closing handshake: the writer flushes the close frame while the reader waits
+    // for the peer's close (a peer that does not answer within the grace period is dropped).
+    let closing_handshake = async move {
+        let _ = writer.await;
+        while let Some(Ok(message)) = stream.next().await {
+            if matches!(message, Message::Close(_)) {
+                break;
+            }
+        }
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(2), closing_handshake).await;
 }
 
 fn push_error(outbound: &Outbound, error: &ErrorFrame) {
@@ -460,7 +469,10 @@ impl Session<'_> {
             tokio::time::interval_at(Instant::now() + heartbeat_every, heartbeat_every);
         let mut in_flight: Option<CommitFuture> = None;
         loop {
+            // Live frames already waiting go first, so a client that keeps sending still sees
+            // the conversation.
             if in_flight.is_none()
+                && live.is_empty()
                 && let Some(next) = self.sends.pop_front()
             {
                 in_flight = Some(self.start_commit(next));
@@ -487,7 +499,9 @@ impl Session<'_> {
             let idle_deadline = self.last_inbound + idle_after;
             let outcome = tokio::select! {
                 message = stream.next(), if reading => self.on_message(message).await,
-                event = live.recv() => self.on_live(event).await,
+                // While this connection's own send commits, live frames wait: the commit's bus
+                // echo must not arrive before the seq is known to be this connection's own.
+                event = live.recv(), if in_flight.is_none() => self.on_live(event).await,
                 control = controls.recv() => self.on_control(control),
                 done = async { match in_flight.as_mut() { Some(commit) => commit.await, None => std::future::pending().await } } => {
                     in_flight = None;
@@ -804,9 +818,12 @@ impl Session<'_> {
                 .get("type")
                 .and_then(Value::as_str)
                 .unwrap_or_default();
-            // Typing is for the other participants, never the author's own tabs (a mekik client
-            // shows any typing as the bot typing).
-            if kind == "typing" && origin.id == self.user_id && origin.role == USER_ROLE {
+            // Typing and presence are for the other participants, never the author's own tabs
+            // (a mekik client shows any typing as the bot typing).
+            if matches!(kind, "typing" | "presence")
+                && origin.id == self.user_id
+                && origin.role == USER_ROLE
+            {
                 return Ok(());
             }
         }

@@ -1,0 +1,280 @@
+//! Delivery across reconnects, nodes and a lost LISTEN connection: every committed frame reaches
+//! every subscriber exactly once, in order.
+
+mod support;
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use converger_client::RestClient;
+use serde_json::{Value, json};
+use support::TestNode;
+use support::ws::WsClient;
+use uuid::Uuid;
+
+fn seq_of(frame: &Value) -> Option<i64> {
+    frame["seq"].as_i64().filter(|_| frame["type"] != "ack")
+}
+
+/// Reads until `last` has been seen, returning the persistent seqs in arrival order.
+async fn read_until_seq(client: &mut WsClient, last: i64) -> Vec<i64> {
+    let mut seen = Vec::new();
+    while seen.last().copied() != Some(last) {
+        let frame = client.recv().await;
+        if let Some(seq) = seq_of(&frame) {
+            seen.push(seq);
+        }
+    }
+    seen
+}
+
+#[tokio::test]
+async fn a_frame_committed_on_one_node_reaches_a_client_on_another() {
+    let node = TestNode::start().await;
+    let peer = node.start_peer().await;
+    let acme = node.tenant_with_channel("acme").await;
+    let (conversation_id, token) = node.conversation(&acme, "alice").await;
+
+    let mut on_peer = WsClient::connect(&format!("ws://{}/socket/converger/v1", peer.addr())).await;
+    on_peer.hello(&token, json!({})).await;
+    let mut on_node = WsClient::connect(&node.ws_url("")).await;
+    on_node.hello(&token, json!({})).await;
+
+    // Over REST on the first node, and over a socket on the first node.
+    node.client
+        .post_activity(
+            &token,
+            conversation_id,
+            &json!({"type": "text", "data": {"text": "rest"}}),
+            None,
+        )
+        .await
+        .unwrap();
+    on_node
+        .send(json!({"type": "text", "clientId": "ws-1", "data": {"text": "socket"}}))
+        .await;
+    assert_eq!(on_node.recv_until("ack").await.last().unwrap()["seq"], 2);
+    let first = on_peer.recv().await;
+    let second = on_peer.recv().await;
+    assert_eq!(
+        (first["seq"].as_i64(), first["data"]["text"].as_str()),
+        (Some(1), Some("rest"))
+    );
+    assert_eq!(
+        (second["seq"].as_i64(), second["clientId"].as_str()),
+        (Some(2), Some("ws-1"))
+    );
+
+    // And the other way round: committed on the peer, seen on the first node.
+    let peer_client = RestClient::new(peer.base_url()).unwrap();
+    peer_client
+        .post_activity(
+            &token,
+            conversation_id,
+            &json!({"type": "text", "data": {"text": "peer"}}),
+            None,
+        )
+        .await
+        .unwrap();
+    let frames = on_node.recv_until("text").await;
+    assert_eq!(frames.last().unwrap()["seq"], 3);
+    assert!(
+        on_peer
+            .barrier()
+            .await
+            .iter()
+            .all(|frame| frame["seq"] == 3)
+    );
+}
+
+#[tokio::test]
+async fn killing_the_listen_backend_loses_no_frame() {
+    let node = TestNode::start().await;
+    let peer = node.start_peer().await;
+    let acme = node.tenant_with_channel("acme").await;
+    let (conversation_id, token) = node.conversation(&acme, "alice").await;
+    let mut on_peer = WsClient::connect(&format!("ws://{}/socket/converger/v1", peer.addr())).await;
+    on_peer.hello(&token, json!({})).await;
+
+    let mut db = node.db.connect().await;
+    let listeners: Vec<i32> = sqlx::query_scalar(
+        "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND query ILIKE 'LISTEN%'",
+    )
+    .fetch_all(&mut db)
+    .await
+    .unwrap();
+    assert_eq!(listeners.len(), 2, "one LISTEN connection per node");
+    for pid in &listeners {
+        let terminated: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+            .bind(pid)
+            .fetch_one(&mut db)
+            .await
+            .unwrap();
+        assert!(terminated);
+    }
+    // Commits right after the kill: some of their notifications are sent while nobody listens.
+    let frame = json!({"type": "text", "data": {"text": "during"}});
+    for _ in 0..10 {
+        node.client
+            .post_activity(&token, conversation_id, &frame, None)
+            .await
+            .unwrap();
+    }
+    assert_eq!(
+        read_until_seq(&mut on_peer, 10).await,
+        (1..=10).collect::<Vec<_>>()
+    );
+    // The listeners noticed the loss and read the outbox back over the gap.
+    let metrics = node
+        .http
+        .get(node.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let reconnects: f64 = metrics
+        .lines()
+        .find(|line| line.starts_with("converger_bus_reconnects_total"))
+        .and_then(|line| line.rsplit(' ').next())
+        .and_then(|value| value.parse().ok())
+        .unwrap_or(0.0);
+    assert!(
+        reconnects >= 2.0,
+        "both listeners caught up after the loss ({reconnects})"
+    );
+
+    // Both listeners came back.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let count: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND query ILIKE 'LISTEN%'",
+        )
+        .fetch_one(&mut db)
+        .await
+        .unwrap();
+        if count == 2 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "listeners did not reconnect"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_client_reconnecting_twenty_times_during_ten_writers_sees_every_seq_once_in_order() {
+    let node = TestNode::start_with(|config| config.limits.max_frames_per_sec = 1_000).await;
+    let acme = node.tenant_with_channel("acme").await;
+    let (conversation_id, token) = node.conversation(&acme, "alice").await;
+    const WRITERS: usize = 10;
+    const PER_WRITER: usize = 30;
+    let total = (WRITERS * PER_WRITER) as i64;
+
+    let writers: Vec<_> = (0..WRITERS)
+        .map(|writer| {
+            let client = node.client.clone();
+            let token = token.clone();
+            tokio::spawn(async move {
+                for n in 0..PER_WRITER {
+                    let frame = json!({"type": "text", "data": {"text": format!("w{writer}-{n}")}});
+                    let key = format!("w{writer}-{n}");
+                    client
+                        .post_activity(&token, conversation_id, &frame, Some(&key))
+                        .await
+                        .expect("post");
+                }
+            })
+        })
+        .collect();
+
+    let mut received: Vec<i64> = Vec::new();
+    let mut watermark = 0;
+    for _ in 0..20 {
+        let mut client = WsClient::connect(&node.ws_url("")).await;
+        client.hello(&token, json!({"watermark": watermark})).await;
+        // Take a few frames on this connection, then drop it abruptly or politely.
+        for _ in 0..5 {
+            match client.next_event(Duration::from_secs(10)).await {
+                Ok(frame) => {
+                    if let Some(seq) = seq_of(&frame) {
+                        received.push(seq);
+                        watermark = seq;
+                    }
+                }
+                Err(closed) => panic!("unexpected close {closed:?}"),
+            }
+            if watermark == total {
+                break;
+            }
+        }
+        client.close().await;
+    }
+    for writer in writers {
+        writer.await.unwrap();
+    }
+    let mut client = WsClient::connect(&node.ws_url("")).await;
+    client.hello(&token, json!({"watermark": watermark})).await;
+    if watermark < total {
+        received.extend(read_until_seq(&mut client, total).await);
+    }
+    assert_eq!(
+        received,
+        (1..=total).collect::<Vec<_>>(),
+        "every seq exactly once, in order"
+    );
+    let distinct: BTreeSet<i64> = received.iter().copied().collect();
+    assert_eq!(distinct.len() as i64, total);
+}
+
+#[tokio::test]
+async fn draining_finishes_in_flight_sends_then_closes_1012_with_a_jittered_retry_hint() {
+    let node = TestNode::start_with(|config| {
+        config.drain.retry_after_ms = 1_000;
+        config.drain.batch_size = 1;
+        config.drain.batch_interval_ms = 10;
+    })
+    .await;
+    let acme = node.tenant_with_channel("acme").await;
+    let mut clients = Vec::new();
+    for user in ["alice", "bob", "carol"] {
+        let (_, token) = node.conversation(&acme, user).await;
+        let mut client = WsClient::connect(&node.ws_url("")).await;
+        client.hello(&token, json!({})).await;
+        clients.push(client);
+    }
+    clients[0]
+        .send(json!({"type": "text", "clientId": "last-words", "data": {"text": "bye"}}))
+        .await;
+    let TestNode { server, db, .. } = node;
+    let stopping = tokio::spawn(server.shutdown());
+    for (index, client) in clients.iter_mut().enumerate() {
+        let (frames, closed) = client.recv_until_closed().await;
+        if index == 0 {
+            assert_eq!(
+                frames[0]["type"], "ack",
+                "the in-flight send finished before the close"
+            );
+        }
+        let error = frames.last().unwrap();
+        assert_eq!(error["data"]["code"], "unavailable");
+        assert_eq!(closed.code, 1012);
+        let reason: Value = serde_json::from_str(&closed.reason).unwrap();
+        assert_eq!(reason["reason"], "unavailable");
+        let retry = reason["retryAfterMs"].as_u64().unwrap();
+        assert!(
+            (1_000..=2_000).contains(&retry),
+            "jittered between the base and twice it: {retry}"
+        );
+    }
+    stopping.await.unwrap().unwrap();
+    assert_eq!(
+        db.count("SELECT count(*) FROM activities WHERE client_id = 'last-words'")
+            .await,
+        1
+    );
+    let _ = Uuid::nil();
+}
