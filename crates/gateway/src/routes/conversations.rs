@@ -231,6 +231,15 @@ pub(crate) async fn post_activity(
         client_id: idempotency_key.or(frame_key),
     };
     let outcome = state.store.commit_activity(&new).await?;
+    if !outcome.duplicate {
+        // This node's sessions get it at once; other nodes hear it from the bus.
+        let activity = std::sync::Arc::new(outcome.activity.clone());
+        let event = crate::hub::HubEvent::Committed {
+            seq: activity.seq,
+            activity: Some(activity),
+        };
+        state.hub.publish(conversation.id, event);
+    }
     let status = if outcome.duplicate {
         StatusCode::OK
     } else {
