@@ -7,3 +7,6 @@ CREATE TABLE conversation_reads (
     updated_at      timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (conversation_id, participant_id)
 );
+
+-- Channel status events have no conversation; they stay in the outbox for catch-ups.
+ALTER TABLE outbox ALTER COLUMN conversation_id DROP NOT NULL;

@@ -232,6 +232,26 @@ async fn bound_tokens_pin_the_conversation_and_asserted_ids_are_ignored() {
 }
 
 #[tokio::test]
+async fn a_watermark_asserted_for_another_conversation_is_reset() {
+    let node = TestNode::start().await;
+    let (acme, conversation_id, token) = setup(&node).await;
+    let (other_conversation, _) = node.conversation(&acme, "alice").await;
+    post_text(&node, &token, conversation_id, "m1").await;
+    let mut client = WsClient::connect(&node.ws_url("")).await;
+    client
+        .hello(
+            &token,
+            json!({"conversationId": other_conversation.to_string(), "watermark": 1}),
+        )
+        .await;
+    assert_eq!(
+        seqs(&client.barrier().await),
+        vec![1],
+        "replayed from 0 in the bound conversation"
+    );
+}
+
+#[tokio::test]
 async fn asserted_conversations_are_adopted_only_within_channel_and_user() {
     let node = TestNode::start().await;
     let (acme, alice_conversation, _) = setup(&node).await;

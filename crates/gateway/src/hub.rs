@@ -17,7 +17,7 @@ use uuid::Uuid;
 
 /// Live events buffered per conversation; a session that falls further behind reads the gap
 /// back from the database.
-const CONVERSATION_BUFFER: usize = 256;
+const CONVERSATION_BUFFER: usize = 32;
 
 /// A live event of one conversation.
 #[derive(Debug, Clone)]

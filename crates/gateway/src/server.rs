@@ -96,7 +96,15 @@ impl Server {
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), GatewayError> {
         let app = crate::routes::router(self.state.clone());
-        let events = self.state.store.spawn_bus_listener();
+        let (events, listening) = self.state.store.spawn_bus_listener();
+        // Serve once this node hears other nodes' commits (or give up waiting and let the
+        // catch-up cover the start).
+        if tokio::time::timeout(std::time::Duration::from_secs(5), listening)
+            .await
+            .is_err()
+        {
+            tracing::warn!("event bus not listening yet; serving anyway");
+        }
         crate::bus_bridge::spawn(
             self.state.store.clone(),
             Arc::clone(&self.state.hub),
@@ -146,7 +154,8 @@ async fn drain_sessions(state: &AppState) {
             // Jitter spreads the reconnects of many clients over time.
             let retry_after_ms =
                 rand::rng().random_range(drain.retry_after_ms..=drain.retry_after_ms * 2);
-            let _ = control.try_send(SessionControl::Drain { retry_after_ms });
+            let order = control.send(SessionControl::Drain { retry_after_ms });
+            let _ = tokio::time::timeout(std::time::Duration::from_millis(100), order).await;
         }
         tokio::time::sleep(std::time::Duration::from_millis(drain.batch_interval_ms)).await;
     }

@@ -282,10 +282,15 @@ mod tests {
     #[test]
     fn mekik_id_counts_as_client_id() {
         let frame = check(json!({"type": "text", "id": "m-1", "data": {"text": "hi"}})).unwrap();
-        assert_eq!(frame.client_id.as_deref(), Some("m-1"));
+        assert_eq!(frame.client_id, None, "an id is not an explicit clientId");
+        assert_eq!(frame.user_idempotency_key(), Some("m-1"));
         let frame =
             check(json!({"type": "text", "id": "not valid!", "data": {"text": "hi"}})).unwrap();
-        assert_eq!(frame.client_id, None);
+        assert_eq!(frame.user_idempotency_key(), None);
+        let frame =
+            check(json!({"type": "text", "id": "m-1", "clientId": "c-1", "data": {"text": "hi"}}))
+                .unwrap();
+        assert_eq!(frame.user_idempotency_key(), Some("c-1"));
     }
 
     #[test]

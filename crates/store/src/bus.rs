@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use sqlx::postgres::PgListener;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use uuid::Uuid;
 
 use crate::{NOTIFY_CHANNEL, Store, StoreError};
@@ -142,7 +142,8 @@ impl Store {
         Ok(())
     }
 
-    /// Publishes a channel status change to every node.
+    /// Publishes a channel status change to every node. It is kept in the outbox as well, so a
+    /// node whose listener was down at that moment still learns it from the catch-up.
     pub async fn publish_channel_status(
         &self,
         node: &str,
@@ -154,9 +155,19 @@ impl Store {
             channel_id,
             status: status.to_owned(),
         };
-        let text = serde_json::to_string(&payload)
+        let stored = serde_json::to_value(&payload)
             .map_err(|error| StoreError::Config(error.to_string()))?;
-        self.notify(&text).await
+        self.timed("publish_channel_status", async {
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "WITH event AS (INSERT INTO outbox (payload) VALUES ($1) RETURNING payload)
+                 SELECT pg_notify('{NOTIFY_CHANNEL}', payload::text)::text FROM event"
+            )))
+            .bind(stored)
+            .execute(&self.pool)
+            .await
+        })
+        .await?;
+        Ok(())
     }
 
     async fn notify(&self, payload: &str) -> Result<(), StoreError> {
@@ -186,27 +197,35 @@ impl Store {
         Ok(result.rows_affected())
     }
 
-    /// Committed events of the last `window` (by the database clock), for a catch-up.
-    async fn committed_since(&self, window: Duration) -> Result<Vec<BusEvent>, StoreError> {
-        let rows: Vec<(Uuid, i64)> = self
+    /// Events of the last `window` (by the database clock) that a catch-up replays: the
+    /// highest committed seq per conversation, and channel status changes.
+    async fn events_since(&self, window: Duration) -> Result<Vec<BusEvent>, StoreError> {
+        let rows: Vec<(Option<Uuid>, Option<i64>, Option<Value>)> = self
             .timed("outbox_catch_up", async {
                 sqlx::query_as(
-                    "SELECT conversation_id, max(seq_to) FROM outbox
+                    "SELECT conversation_id, max(seq_to), NULL::jsonb FROM outbox
                      WHERE seq_to IS NOT NULL AND created_at >= now() - make_interval(secs => $1)
-                     GROUP BY conversation_id",
+                     GROUP BY conversation_id
+                     UNION ALL
+                     SELECT NULL, NULL, payload FROM outbox
+                     WHERE payload ->> 'k' = 'ch' AND created_at >= now() - make_interval(secs => $1)",
                 )
                 .bind(window.as_secs_f64())
                 .fetch_all(&self.pool)
                 .await
             })
             .await?;
-        Ok(rows
-            .into_iter()
-            .map(|(conversation_id, seq)| BusEvent::Committed {
+        let events = rows.into_iter().filter_map(|row| match row {
+            (Some(conversation_id), Some(seq), _) => Some(BusEvent::Committed {
                 conversation_id,
                 seq,
-            })
-            .collect())
+            }),
+            (_, _, Some(payload)) => serde_json::from_value::<Payload>(payload)
+                .ok()
+                .and_then(to_event),
+            _ => None,
+        });
+        Ok(events.collect())
     }
 
     async fn transient_by_ref(&self, outbox_id: i64) -> Result<Option<Payload>, StoreError> {
@@ -223,10 +242,12 @@ impl Store {
     }
 
     /// Starts this node's listener; events arrive on the returned channel until it is dropped.
-    pub fn spawn_bus_listener(&self) -> mpsc::UnboundedReceiver<BusEvent> {
+    /// The oneshot fires once the first LISTEN is in place.
+    pub fn spawn_bus_listener(&self) -> (mpsc::UnboundedReceiver<BusEvent>, oneshot::Receiver<()>) {
         let (events, receiver) = mpsc::unbounded_channel();
-        tokio::spawn(run_listener(self.clone(), events));
-        receiver
+        let (listening, ready) = oneshot::channel();
+        tokio::spawn(run_listener(self.clone(), events, listening));
+        (receiver, ready)
     }
 }
 
@@ -263,7 +284,11 @@ fn to_event(payload: Payload) -> Option<BusEvent> {
     }
 }
 
-async fn run_listener(store: Store, events: mpsc::UnboundedSender<BusEvent>) {
+async fn run_listener(
+    store: Store,
+    events: mpsc::UnboundedSender<BusEvent>,
+    listening: oneshot::Sender<()>,
+) {
     let mut backoff = Duration::from_millis(100);
     // Set when the connection was (or may have been) lost; the catch-up covers since then.
     let mut trouble_since: Option<Instant> = None;
@@ -282,6 +307,7 @@ async fn run_listener(store: Store, events: mpsc::UnboundedSender<BusEvent>) {
         }
     };
     tracing::info!(channel = NOTIFY_CHANNEL, "event bus listening");
+    let _ = listening.send(());
     loop {
         if events.is_closed() {
             return;
@@ -289,46 +315,17 @@ async fn run_listener(store: Store, events: mpsc::UnboundedSender<BusEvent>) {
         match listener.try_recv().await {
             Ok(Some(notification)) => {
                 backoff = Duration::from_millis(100);
-                let Ok(payload) = serde_json::from_str::<Payload>(notification.payload()) else {
-                    tracing::warn!(
-                        payload = notification.payload(),
-                        "event bus: unreadable notification"
-                    );
-                    continue;
-                };
-                let payload = match payload {
-                    Payload::TransientRef { outbox_id } => {
-                        match store.transient_by_ref(outbox_id).await {
-                            Ok(Some(payload)) => payload,
-                            Ok(None) => continue,
-                            Err(error) => {
-                                tracing::warn!(%error, outbox_id, "event bus: transient payload unreadable");
-                                continue;
-                            }
-                        }
-                    }
-                    payload => payload,
-                };
-                if let Some(event) = to_event(payload)
+                if let Some(event) = decode(&store, notification.payload()).await
                     && events.send(event).is_err()
                 {
                     return;
                 }
             }
-            // The connection was lost and (eagerly) re-established with LISTEN issued again:
-            // whatever was notified in between is read back from the outbox.
+            // The connection was lost and (eagerly) re-established with LISTEN issued again.
             Ok(None) => {
-                let since = trouble_since.take().unwrap_or_else(Instant::now);
-                tracing::warn!(
-                    "event bus: listener connection was lost; catching up from the outbox"
-                );
+                trouble_since.get_or_insert_with(Instant::now);
                 metrics::counter!("converger_bus_reconnects_total").increment(1);
-                if let Err(error) =
-                    catch_up(&store, &events, since.elapsed() + CATCH_UP_MARGIN).await
-                {
-                    tracing::warn!(%error, "event bus: catch-up failed; will retry");
-                    trouble_since = Some(since);
-                }
+                tracing::warn!("event bus: listener connection was lost and re-established");
             }
             // The store is shutting down: release the connection so the pool can close.
             Err(sqlx::Error::PoolClosed) => return,
@@ -337,9 +334,50 @@ async fn run_listener(store: Store, events: mpsc::UnboundedSender<BusEvent>) {
                 tracing::warn!(%error, "event bus: listener error");
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(5));
+                // Reconnect now rather than at the next notification, so the catch-up below is
+                // not delayed until traffic resumes.
+                if let Err(error) = relisten(&mut listener).await {
+                    tracing::warn!(%error, "event bus: cannot listen again yet");
+                    continue;
+                }
+                metrics::counter!("converger_bus_reconnects_total").increment(1);
+            }
+        }
+        // Listening again after trouble: read back whatever was notified in between.
+        if let Some(since) = trouble_since {
+            match catch_up(&store, &events, since.elapsed() + CATCH_UP_MARGIN).await {
+                Ok(()) => trouble_since = None,
+                Err(error) => {
+                    tracing::warn!(%error, "event bus: catch-up failed; retrying after the next event")
+                }
             }
         }
     }
+}
+
+/// Re-establishes the connection (if it is gone) and the LISTEN.
+async fn relisten(listener: &mut PgListener) -> Result<(), sqlx::Error> {
+    listener.unlisten(NOTIFY_CHANNEL).await?;
+    listener.listen(NOTIFY_CHANNEL).await
+}
+
+/// Turns a notification payload into an event (reading large transient payloads back).
+async fn decode(store: &Store, text: &str) -> Option<BusEvent> {
+    let Ok(payload) = serde_json::from_str::<Payload>(text) else {
+        tracing::warn!(payload = text, "event bus: unreadable notification");
+        return None;
+    };
+    let payload = match payload {
+        Payload::TransientRef { outbox_id } => match store.transient_by_ref(outbox_id).await {
+            Ok(payload) => payload?,
+            Err(error) => {
+                tracing::warn!(%error, outbox_id, "event bus: transient payload unreadable");
+                return None;
+            }
+        },
+        payload => payload,
+    };
+    to_event(payload)
 }
 
 async fn connect_listener(store: &Store) -> Result<PgListener, StoreError> {
@@ -353,7 +391,7 @@ async fn catch_up(
     events: &mpsc::UnboundedSender<BusEvent>,
     window: Duration,
 ) -> Result<(), StoreError> {
-    for event in store.committed_since(window).await? {
+    for event in store.events_since(window).await? {
         if events.send(event).is_err() {
             break;
         }

@@ -149,7 +149,8 @@ async fn await_hello(
                     reason: "idle".into(),
                 });
             }
-            Ok(None) | Ok(Some(Err(_))) => return Err(Ending::Gone),
+            Ok(None) => return Err(Ending::Gone),
+            Ok(Some(Err(error))) => return Err(read_failure(&error)),
             Ok(Some(Ok(message))) => message,
         };
         let text = match message {
@@ -200,6 +201,9 @@ struct Session<'a> {
     own_seqs: BTreeSet<i64>,
     sends: VecDeque<PendingSend>,
     in_flight: bool,
+    /// `sync` watermarks waiting for the sends before them to be acked, so a replay never
+    /// shows this connection a frame of its own before its ack.
+    deferred_syncs: VecDeque<u64>,
     rate: TokenBucket,
     last_inbound: Instant,
     last_outbound: Instant,
@@ -264,6 +268,7 @@ async fn run_session(
         own_seqs: BTreeSet::new(),
         sends: VecDeque::new(),
         in_flight: false,
+        deferred_syncs: VecDeque::new(),
         rate: TokenBucket::new(limits.max_frames_per_sec, now.into_std()),
         last_inbound: now,
         last_outbound: now,
@@ -330,8 +335,9 @@ impl Session<'_> {
         }
     }
 
+    /// Errors are never dropped under pressure: a client may be waiting on one for its send.
     fn push_error(&mut self, error: ErrorFrame) -> Result<(), Ending> {
-        self.push(&error.to_json(), true)
+        self.push(&error.to_json(), false)
     }
 
     fn viewer(&self) -> Viewer<'_> {
@@ -478,6 +484,15 @@ impl Session<'_> {
                 in_flight = Some(self.start_commit(next));
                 self.in_flight = true;
             }
+            if in_flight.is_none()
+                && self.sends.is_empty()
+                && let Some(watermark) = self.deferred_syncs.pop_front()
+            {
+                if let Err(ending) = self.on_sync(watermark).await {
+                    return ending;
+                }
+                continue;
+            }
             if let Some(retry_after_ms) = self.draining
                 && in_flight.is_none()
                 && self.sends.is_empty()
@@ -618,6 +633,10 @@ impl Session<'_> {
             // A second hello is ignored.
             ClientFrame::Hello(_) | ClientFrame::Unknown { .. } => Ok(()),
             ClientFrame::Message(message) => self.on_send(*message),
+            ClientFrame::Sync { watermark } if self.in_flight || !self.sends.is_empty() => {
+                self.deferred_syncs.push_back(watermark);
+                Ok(())
+            }
             ClientFrame::Sync { watermark } => self.on_sync(watermark).await,
             ClientFrame::Ping { nonce } => {
                 if !self.is_converger() {
@@ -714,7 +733,6 @@ impl Session<'_> {
                 let code = match error {
                     StoreError::ConversationClosed => ErrorCode::ConversationClosed,
                     StoreError::ConversationNotFound => ErrorCode::ConversationNotFound,
-                    StoreError::Timeout { .. } => ErrorCode::Unavailable,
                     _ => ErrorCode::Internal,
                 };
                 if code == ErrorCode::Internal {
@@ -836,7 +854,7 @@ impl Session<'_> {
             Ok(None) => return Err(internal_close(self.outbound)),
             Err(error) => {
                 tracing::warn!(%error, "sync: cannot read the head");
-                return self.push_error(ErrorFrame::new(ErrorCode::Unavailable, "try again"));
+                return self.push_error(ErrorFrame::new(ErrorCode::Internal, "try again"));
             }
         };
         if watermark > head {
@@ -924,7 +942,7 @@ impl Session<'_> {
             Err(error) => {
                 tracing::warn!(%error, "read position not stored");
                 return self.push_error(ErrorFrame::new(
-                    ErrorCode::Unavailable,
+                    ErrorCode::Internal,
                     "read position not stored; retry",
                 ));
             }

@@ -145,12 +145,21 @@ pub(crate) async fn establish(
                 CloseCode::Auth,
             ));
         }
+        // A watermark asserted for another conversation means nothing in this one.
+        let asked_for_another = asserted_conversation
+            .as_deref()
+            .is_some_and(|asked| Uuid::parse_str(asked).ok() != Some(conversation.id));
+        let watermark = if asked_for_another {
+            0
+        } else {
+            asserted_watermark
+        };
         return Ok(Established {
             profile,
             claims,
             conversation,
             user_id,
-            watermark: asserted_watermark,
+            watermark,
             hello,
         });
     }

@@ -20,6 +20,9 @@ use converger_protocol::{ErrorCode, SUBPROTOCOL};
 use crate::error::ApiError;
 use crate::state::AppState;
 
+/// Initial read buffer of a socket.
+const READ_BUFFER_BYTES: usize = 4 * 1024;
+
 /// What the upgrade request carried besides the socket.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct UpgradeRequest {
@@ -85,7 +88,11 @@ pub(crate) async fn upgrade(
         watermark: query.get("watermark").and_then(|raw| raw.parse().ok()),
     };
     let limits = &state.config.limits;
+    // Small buffers: an idle session should cost kilobytes, not the 128 KiB defaults. Reads
+    // grow the buffer as needed; writes go straight to the socket (each send is flushed anyway).
     upgrade
+        .read_buffer_size(READ_BUFFER_BYTES)
+        .write_buffer_size(0)
         .max_message_size(limits.hard_frame_bytes)
         .max_frame_size(limits.hard_frame_bytes)
         .on_upgrade(move |socket| conversation::serve(socket, state, request))

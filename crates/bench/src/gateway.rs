@@ -1,0 +1,122 @@
+//! Starting a `converger serve` process on a fresh database for a measurement.
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use sqlx::Connection;
+use sqlx::postgres::PgConnection;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+/// Default Postgres server of measurements (the same as the test suite's).
+pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
+/// Admin token the measured gateway is started with.
+pub const ADMIN_TOKEN: &str = "bench-admin-token-0123456789";
+const SECRET_KEY: &str = "bench-secret-key-0123456789abcdef0123456789";
+
+/// A running gateway process and the database created for it.
+pub struct Gateway {
+    child: Child,
+    /// `http://127.0.0.1:PORT`.
+    pub base_url: String,
+    /// `ws://127.0.0.1:PORT/socket/converger/v1`.
+    pub ws_url: String,
+    server_url: String,
+    database: String,
+}
+
+/// The `converger` binary next to this one (build both with `--release`).
+pub fn default_binary() -> PathBuf {
+    std::env::current_exe()
+        .ok()
+        .and_then(|exe| exe.parent().map(|dir| dir.join("converger")))
+        .unwrap_or_else(|| PathBuf::from("converger"))
+}
+
+impl Gateway {
+    /// Creates a database on `server_url` and starts `binary serve` on it with `env` added.
+    pub async fn start(
+        binary: &PathBuf,
+        server_url: &str,
+        env: &[(&str, String)],
+    ) -> anyhow::Result<Gateway> {
+        let database = format!("converger_bench_{}", uuid::Uuid::new_v4().simple());
+        let mut admin = PgConnection::connect(server_url)
+            .await
+            .context("connect to the benchmark database server")?;
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {database}")))
+            .execute(&mut admin)
+            .await?;
+        let mut url = server_url
+            .rsplit_once('/')
+            .map(|(base, _)| base.to_owned())
+            .unwrap_or_default();
+        url.push('/');
+        url.push_str(&database);
+        let mut command = Command::new(binary);
+        command
+            .arg("serve")
+            .env("CONVERGER_DATABASE_URL", &url)
+            .env("CONVERGER_HTTP_ADDR", "127.0.0.1:0")
+            .env("CONVERGER_LOG_FORMAT", "json")
+            .env("CONVERGER_SECRET_KEY", SECRET_KEY)
+            .env("CONVERGER_ADMIN_TOKEN", ADMIN_TOKEN)
+            .env("CONVERGER_STATE_DIR", std::env::temp_dir().join(&database))
+            .env("RUST_LOG", "warn,converger=info,converger_gateway=info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        for (key, value) in env {
+            command.env(key, value);
+        }
+        let mut child = command
+            .spawn()
+            .with_context(|| format!("start {}", binary.display()))?;
+        let stderr = child.stderr.take().context("stderr")?;
+        let mut lines = BufReader::new(stderr).lines();
+        let addr = tokio::time::timeout(Duration::from_secs(60), async {
+            while let Some(line) = lines.next_line().await? {
+                let Ok(entry) = serde_json::from_str::<serde_json::Value>(&line) else {
+                    continue;
+                };
+                if entry["fields"]["message"] == "converger listening" {
+                    return Ok(entry["fields"]["addr"].as_str().map(str::to_owned));
+                }
+            }
+            Ok::<_, std::io::Error>(None)
+        })
+        .await
+        .context("the gateway did not start in time")??;
+        let Some(addr) = addr else {
+            bail!("the gateway exited before listening")
+        };
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        Ok(Gateway {
+            child,
+            base_url: format!("http://{addr}"),
+            ws_url: format!("ws://{addr}/socket/converger/v1"),
+            server_url: server_url.to_owned(),
+            database,
+        })
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id().unwrap_or(0)
+    }
+
+    /// Stops the process and drops its database.
+    pub async fn stop(mut self) -> anyhow::Result<()> {
+        let _ = self.child.kill().await;
+        let mut admin = PgConnection::connect(&self.server_url).await?;
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+            self.database
+        )))
+        .execute(&mut admin)
+        .await?;
+        Ok(())
+    }
+}

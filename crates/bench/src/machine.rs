@@ -1,0 +1,37 @@
+//! Facts about the machine a figure was measured on.
+
+use serde_json::{Value, json};
+
+/// CPU count, memory and kernel, as printed with every result.
+pub fn describe() -> Value {
+    let cpus = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(0);
+    let memory_kib = read_field("/proc/meminfo", "MemTotal:");
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .unwrap_or_default()
+        .trim()
+        .to_owned();
+    let cpu_model = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|text| {
+            text.lines()
+                .find(|line| line.starts_with("model name"))
+                .map(str::to_owned)
+        })
+        .and_then(|line| line.split(':').nth(1).map(|model| model.trim().to_owned()))
+        .unwrap_or_default();
+    json!({"cpus": cpus, "cpu_model": cpu_model, "memory_kib": memory_kib, "kernel": kernel})
+}
+
+/// The first number after `field` in a `/proc` key-value file.
+pub fn read_field(path: &str, field: &str) -> Option<u64> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let line = text.lines().find(|line| line.starts_with(field))?;
+    line[field.len()..].split_whitespace().next()?.parse().ok()
+}
+
+/// Resident set size of a process, in KiB.
+pub fn rss_kib(pid: u32) -> Option<u64> {
+    read_field(&format!("/proc/{pid}/status"), "VmRSS:")
+}
