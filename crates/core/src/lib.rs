@@ -2,4 +2,5 @@
 //! decisions, with no I/O, no clock reads and no randomness, so they can be tested exhaustively.
 #![forbid(unsafe_code)]
 
+pub mod groups;
 pub mod replay;
