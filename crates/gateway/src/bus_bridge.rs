@@ -23,6 +23,7 @@ async fn dispatch(store: &Store, hub: &Hub, event: BusEvent) {
         BusEvent::Committed {
             conversation_id,
             seq,
+            ..
         } => {
             if !hub.wants_committed(conversation_id, seq) {
                 return;

@@ -116,7 +116,7 @@ pub enum Viewer<'a> {
     Agent,
 }
 
-const ACTIVITY_COLUMNS: &str = "conversation_id, seq, id, type, sender_id, sender_role, data, metadata, extra, client_id, created_at";
+pub(crate) const ACTIVITY_COLUMNS: &str = "conversation_id, seq, id, type, sender_id, sender_role, data, metadata, extra, client_id, created_at";
 
 impl Activity {
     /// Commit time in milliseconds since the Unix epoch, as sent on the wire.
@@ -207,7 +207,7 @@ impl Store {
              ), conv AS (
                  UPDATE conversations SET last_seq = last_seq + 1, updated_at = now()
                  WHERE id = $1 AND status = 'open' AND NOT EXISTS (SELECT 1 FROM existing)
-                 RETURNING id, last_seq
+                 RETURNING id, last_seq, channel_id
              ), act AS (
                  INSERT INTO activities
                      (conversation_id, seq, id, type, sender_id, sender_role, data, metadata, extra, client_id, created_at)
@@ -222,8 +222,8 @@ impl Store {
                  RETURNING id, conversation_id, seq_from
              ), notified AS (
                  SELECT pg_notify('{NOTIFY_CHANNEL}',
-                        json_build_object('k', 'c', 'e', id, 'c', conversation_id, 's', seq_from)::text)::text AS done
-                 FROM event
+                        json_build_object('k', 'c', 'e', event.id, 'c', event.conversation_id, 's', event.seq_from, 'h', conv.channel_id)::text)::text AS done
+                 FROM event, conv
              )
              SELECT {ACTIVITY_COLUMNS}, false AS duplicate FROM act WHERE (SELECT count(*) FROM notified) = 1
              UNION ALL

@@ -42,6 +42,8 @@ pub enum BusEvent {
         conversation_id: Uuid,
         /// The committed seq (the last of a batch).
         seq: i64,
+        /// The conversation's channel, when the event names it (catch-ups do not).
+        channel_id: Option<Uuid>,
     },
     /// A transient frame (typing, receipts, presence, relayed agent frames).
     Transient {
@@ -75,6 +77,8 @@ enum Payload {
         conversation_id: Uuid,
         #[serde(rename = "s")]
         seq: i64,
+        #[serde(rename = "h", default)]
+        channel_id: Option<Uuid>,
     },
     #[serde(rename = "t")]
     Transient {
@@ -219,6 +223,7 @@ impl Store {
             (Some(conversation_id), Some(seq), _) => Some(BusEvent::Committed {
                 conversation_id,
                 seq,
+                channel_id: None,
             }),
             (_, _, Some(payload)) => serde_json::from_value::<Payload>(payload)
                 .ok()
@@ -256,9 +261,11 @@ fn to_event(payload: Payload) -> Option<BusEvent> {
         Payload::Committed {
             conversation_id,
             seq,
+            channel_id,
         } => Some(BusEvent::Committed {
             conversation_id,
             seq,
+            channel_id,
         }),
         Payload::Transient {
             node,
@@ -414,7 +421,8 @@ mod tests {
             to_event(committed),
             Some(BusEvent::Committed {
                 conversation_id,
-                seq: 3
+                seq: 3,
+                channel_id: None,
             })
         );
         let transient = Payload::Transient {

@@ -1,0 +1,349 @@
+//! The turn registry and the one-transaction answer to a turn.
+//!
+//! An agent's answer to a turn — its frames, the conversation's runtime, the turn's completion
+//! and the outbox event — commits in one transaction keyed by (conversation, seq, revision), so a
+//! turn never gets two answers and a resend of the same answer is idempotent.
+
+use chrono::{DateTime, Utc};
+use serde_json::{Map, Value, json};
+use sha2::{Digest, Sha256};
+use sqlx::Row;
+use uuid::Uuid;
+
+use crate::activities::{ACTIVITY_COLUMNS, Activity, Sender};
+use crate::{NOTIFY_CHANNEL, Store, StoreError};
+
+/// One frame of an answer, split like a stored activity.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AnswerFrame {
+    /// The agent's own frame id, kept when given.
+    pub id: Option<String>,
+    /// Frame type.
+    pub kind: String,
+    /// The frame's `data`.
+    pub data: Value,
+    /// The frame's `metadata`.
+    pub metadata: Option<Value>,
+    /// Other top-level fields.
+    pub extra: Map<String, Value>,
+}
+
+/// A runtime written with an answer: `version` is the one the agent read.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RuntimeWrite {
+    /// The version the agent based its answer on.
+    pub version: i64,
+    /// The new state.
+    pub state: Value,
+}
+
+/// An agent's answer to one turn.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TurnAnswer {
+    /// Conversation.
+    pub conversation_id: Uuid,
+    /// The turn's seq.
+    pub seq: i64,
+    /// The turn's revision.
+    pub revision: i32,
+    /// The answering agent.
+    pub sender: Sender,
+    /// The answer's frames, in order.
+    pub frames: Vec<AnswerFrame>,
+    /// The runtime to write, if any.
+    pub runtime: Option<RuntimeWrite>,
+}
+
+impl TurnAnswer {
+    /// A stable digest of what the answer says (frames and runtime), so a resend is recognised
+    /// and a different answer is a conflict.
+    pub fn fingerprint(&self) -> String {
+        let frames: Vec<Value> = self
+            .frames
+            .iter()
+            .map(|frame| json!({"id": frame.id, "type": frame.kind, "data": frame.data, "metadata": frame.metadata, "extra": frame.extra}))
+            .collect();
+        let runtime = self
+            .runtime
+            .as_ref()
+            .map(|runtime| json!({"version": runtime.version, "state": runtime.state}));
+        // serde_json maps are ordered by key, so equal answers serialize identically.
+        let canonical = json!({"frames": frames, "runtime": runtime}).to_string();
+        hex::encode(Sha256::digest(canonical.as_bytes()))
+    }
+}
+
+/// What became of an answer.
+#[derive(Debug, Clone, PartialEq)]
+pub enum AnswerOutcome {
+    /// Stored now.
+    Committed {
+        /// The stored frames.
+        activities: Vec<Activity>,
+    },
+    /// The same answer was stored before; nothing new.
+    Duplicate {
+        /// The stored frames' ids.
+        ids: Vec<String>,
+        /// Their seqs.
+        seqs: Vec<i64>,
+        /// When the answer was committed.
+        completed_at: DateTime<Utc>,
+    },
+    /// Another answer is already committed for this turn key.
+    Conflict {
+        /// The seqs of the committed answer.
+        seqs: Vec<i64>,
+    },
+    /// A newer revision of the turn exists.
+    Superseded {
+        /// The latest revision.
+        latest: i32,
+    },
+    /// The runtime moved on since the agent read it.
+    StaleRuntime {
+        /// The current version.
+        current: i64,
+    },
+    /// No such turn in this conversation.
+    NoSuchTurn,
+}
+
+/// A turn as delivered to an agent.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PendingTurn {
+    /// The user's frame.
+    pub activity: Activity,
+    /// The latest revision.
+    pub revision: i32,
+}
+
+impl Store {
+    /// Commits an answer to a turn in one transaction (see the module comment).
+    pub async fn commit_answer(&self, answer: &TurnAnswer) -> Result<AnswerOutcome, StoreError> {
+        let fingerprint = answer.fingerprint();
+        self.timed("commit_answer", async {
+            commit_answer(&self.pool, answer, &fingerprint).await
+        })
+        .await
+    }
+
+    /// The conversation's runtime: (version, state).
+    pub async fn runtime(&self, conversation_id: Uuid) -> Result<(i64, Value), StoreError> {
+        let row: Option<(i64, Value)> = self
+            .timed("runtime", async {
+                sqlx::query_as(
+                    "SELECT version, state FROM conversation_runtime WHERE conversation_id = $1",
+                )
+                .bind(conversation_id)
+                .fetch_optional(&self.pool)
+                .await
+            })
+            .await?;
+        Ok(row.unwrap_or((0, json!({}))))
+    }
+
+    /// The turns among `seqs` that are still unanswered at their latest revision, in order.
+    pub async fn pending_turns(
+        &self,
+        conversation_id: Uuid,
+        seqs: &[i64],
+    ) -> Result<Vec<PendingTurn>, StoreError> {
+        let columns = ACTIVITY_COLUMNS
+            .split(", ")
+            .map(|column| format!("a.{column}"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let rows = self
+            .timed("pending_turns", async {
+                sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "SELECT {columns}, t.revision FROM activities a
+                     JOIN LATERAL (
+                         SELECT revision, status FROM turns
+                         WHERE conversation_id = a.conversation_id AND seq = a.seq
+                         ORDER BY revision DESC LIMIT 1
+                     ) t ON t.status = 'pending'
+                     WHERE a.conversation_id = $1 AND a.seq = ANY($2)
+                     ORDER BY a.seq"
+                )))
+                .bind(conversation_id)
+                .bind(seqs)
+                .fetch_all(&self.pool)
+                .await
+            })
+            .await?;
+        rows.into_iter()
+            .map(|row| {
+                let activity = <Activity as sqlx::FromRow<_>>::from_row(&row)?;
+                Ok(PendingTurn {
+                    activity,
+                    revision: row.try_get("revision")?,
+                })
+            })
+            .collect::<Result<Vec<_>, sqlx::Error>>()
+            .map_err(StoreError::from)
+    }
+}
+
+async fn commit_answer(
+    pool: &sqlx::PgPool,
+    answer: &TurnAnswer,
+    fingerprint: &str,
+) -> Result<AnswerOutcome, sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    // The latest revision's row, locked: concurrent answers to one turn queue here.
+    let latest: Option<(i32, String, Option<String>, Option<Vec<String>>, Option<Vec<i64>>, Option<DateTime<Utc>>)> =
+        sqlx::query_as(
+            "SELECT revision, status, result_fingerprint, result_ids, result_seqs, completed_at FROM turns
+             WHERE conversation_id = $1 AND seq = $2 ORDER BY revision DESC LIMIT 1 FOR UPDATE",
+        )
+        .bind(answer.conversation_id)
+        .bind(answer.seq)
+        .fetch_optional(&mut *tx)
+        .await?;
+    let Some((latest_revision, status, stored_fingerprint, ids, seqs, completed_at)) = latest
+    else {
+        return Ok(AnswerOutcome::NoSuchTurn);
+    };
+    if answer.revision < latest_revision {
+        return Ok(AnswerOutcome::Superseded {
+            latest: latest_revision,
+        });
+    }
+    if answer.revision > latest_revision {
+        return Ok(AnswerOutcome::NoSuchTurn);
+    }
+    if status == "completed" {
+        if stored_fingerprint.as_deref() == Some(fingerprint) {
+            return Ok(AnswerOutcome::Duplicate {
+                ids: ids.unwrap_or_default(),
+                seqs: seqs.unwrap_or_default(),
+                completed_at: completed_at.unwrap_or_else(Utc::now),
+            });
+        }
+        return Ok(AnswerOutcome::Conflict {
+            seqs: seqs.unwrap_or_default(),
+        });
+    }
+    if let Some(runtime) = &answer.runtime {
+        let current: i64 = sqlx::query_scalar(
+            "SELECT version FROM conversation_runtime WHERE conversation_id = $1 FOR UPDATE",
+        )
+        .bind(answer.conversation_id)
+        .fetch_optional(&mut *tx)
+        .await?
+        .unwrap_or(0);
+        if current != runtime.version {
+            return Ok(AnswerOutcome::StaleRuntime { current });
+        }
+        sqlx::query(
+            "INSERT INTO conversation_runtime (conversation_id, version, state) VALUES ($1, 1, $2)
+             ON CONFLICT (conversation_id) DO UPDATE
+             SET version = conversation_runtime.version + 1, state = EXCLUDED.state, updated_at = now()",
+        )
+        .bind(answer.conversation_id)
+        .bind(&runtime.state)
+        .execute(&mut *tx)
+        .await?;
+    }
+    let count = answer.frames.len() as i64;
+    let activities: Vec<Activity> = if count == 0 {
+        Vec::new()
+    } else {
+        let head: i64 =
+            sqlx::query_scalar("UPDATE conversations SET last_seq = last_seq + $2, updated_at = now() WHERE id = $1 RETURNING last_seq")
+                .bind(answer.conversation_id)
+                .bind(count)
+                .fetch_one(&mut *tx)
+                .await?;
+        let first_seq = head - count + 1;
+        let ids: Vec<String> = answer
+            .frames
+            .iter()
+            .map(|frame| {
+                frame
+                    .id
+                    .clone()
+                    .unwrap_or_else(|| Uuid::now_v7().to_string())
+            })
+            .collect();
+        let kinds: Vec<String> = answer
+            .frames
+            .iter()
+            .map(|frame| frame.kind.clone())
+            .collect();
+        let data: Vec<Value> = answer
+            .frames
+            .iter()
+            .map(|frame| frame.data.clone())
+            .collect();
+        let metadata: Vec<Option<Value>> = answer
+            .frames
+            .iter()
+            .map(|frame| frame.metadata.clone())
+            .collect();
+        let extra: Vec<Option<Value>> = answer
+            .frames
+            .iter()
+            .map(|frame| (!frame.extra.is_empty()).then(|| Value::Object(frame.extra.clone())))
+            .collect();
+        sqlx::query_as::<_, Activity>(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO activities
+                 (conversation_id, seq, id, type, sender_id, sender_role, data, metadata, extra, turn_seq, turn_revision, created_at)
+             SELECT $1, $2 + frame.ordinality - 1, frame.id, frame.kind, $3, $4, frame.data, frame.metadata, frame.extra, $5, $6, clock_timestamp()
+             FROM unnest($7::text[], $8::text[], $9::jsonb[], $10::jsonb[], $11::jsonb[])
+                  WITH ORDINALITY AS frame(id, kind, data, metadata, extra, ordinality)
+             RETURNING {ACTIVITY_COLUMNS}"
+        )))
+        .bind(answer.conversation_id)
+        .bind(first_seq)
+        .bind(&answer.sender.id)
+        .bind(answer.sender.role.as_str())
+        .bind(answer.seq)
+        .bind(answer.revision)
+        .bind(&ids)
+        .bind(&kinds)
+        .bind(&data)
+        .bind(&metadata)
+        .bind(&extra)
+        .fetch_all(&mut *tx)
+        .await?
+    };
+    let mut activities = activities;
+    activities.sort_by_key(|activity| activity.seq);
+    let result_ids: Vec<String> = activities
+        .iter()
+        .map(|activity| activity.id.clone())
+        .collect();
+    let result_seqs: Vec<i64> = activities.iter().map(|activity| activity.seq).collect();
+    sqlx::query(
+        "UPDATE turns SET status = 'completed', result_fingerprint = $4, result_ids = $5, result_seqs = $6, completed_at = now()
+         WHERE conversation_id = $1 AND seq = $2 AND revision = $3",
+    )
+    .bind(answer.conversation_id)
+    .bind(answer.seq)
+    .bind(answer.revision)
+    .bind(fingerprint)
+    .bind(&result_ids)
+    .bind(&result_seqs)
+    .execute(&mut *tx)
+    .await?;
+    if let (Some(first), Some(last)) = (result_seqs.first(), result_seqs.last()) {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "WITH event AS (
+                 INSERT INTO outbox (conversation_id, seq_from, seq_to) VALUES ($1, $2, $3)
+                 RETURNING id, conversation_id, seq_to
+             ), conv AS (SELECT channel_id FROM conversations WHERE id = $1)
+             SELECT pg_notify('{NOTIFY_CHANNEL}',
+                    json_build_object('k', 'c', 'e', event.id, 'c', event.conversation_id, 's', event.seq_to, 'h', conv.channel_id)::text)::text
+             FROM event, conv"
+        )))
+        .bind(answer.conversation_id)
+        .bind(first)
+        .bind(last)
+        .execute(&mut *tx)
+        .await?;
+    }
+    tx.commit().await?;
+    Ok(AnswerOutcome::Committed { activities })
+}
