@@ -185,6 +185,17 @@ impl Store {
     }
 }
 
+/// The registry row of a turn's latest revision.
+#[derive(sqlx::FromRow)]
+struct LatestRevision {
+    revision: i32,
+    status: String,
+    result_fingerprint: Option<String>,
+    result_ids: Option<Vec<String>>,
+    result_seqs: Option<Vec<i64>>,
+    completed_at: Option<DateTime<Utc>>,
+}
+
 async fn commit_answer(
     pool: &sqlx::PgPool,
     answer: &TurnAnswer,
@@ -192,16 +203,22 @@ async fn commit_answer(
 ) -> Result<AnswerOutcome, sqlx::Error> {
     let mut tx = pool.begin().await?;
     // The latest revision's row, locked: concurrent answers to one turn queue here.
-    let latest: Option<(i32, String, Option<String>, Option<Vec<String>>, Option<Vec<i64>>, Option<DateTime<Utc>>)> =
-        sqlx::query_as(
-            "SELECT revision, status, result_fingerprint, result_ids, result_seqs, completed_at FROM turns
-             WHERE conversation_id = $1 AND seq = $2 ORDER BY revision DESC LIMIT 1 FOR UPDATE",
-        )
-        .bind(answer.conversation_id)
-        .bind(answer.seq)
-        .fetch_optional(&mut *tx)
-        .await?;
-    let Some((latest_revision, status, stored_fingerprint, ids, seqs, completed_at)) = latest
+    let latest: Option<LatestRevision> = sqlx::query_as(
+        "SELECT revision, status, result_fingerprint, result_ids, result_seqs, completed_at FROM turns
+         WHERE conversation_id = $1 AND seq = $2 ORDER BY revision DESC LIMIT 1 FOR UPDATE",
+    )
+    .bind(answer.conversation_id)
+    .bind(answer.seq)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some(LatestRevision {
+        revision: latest_revision,
+        status,
+        result_fingerprint: stored_fingerprint,
+        result_ids: ids,
+        result_seqs: seqs,
+        completed_at,
+    }) = latest
     else {
         return Ok(AnswerOutcome::NoSuchTurn);
     };
