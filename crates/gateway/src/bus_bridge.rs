@@ -23,12 +23,23 @@ async fn dispatch(store: &Store, hub: &Hub, event: BusEvent) {
         BusEvent::Committed {
             conversation_id,
             seq,
-            ..
+            channel_id,
         } => {
-            if !hub.wants_committed(conversation_id, seq) {
+            // Catch-up events do not name the channel; look it up only if agents might care.
+            let channel_id = match channel_id {
+                Some(channel_id) => Some(channel_id),
+                None => store
+                    .conversation(conversation_id)
+                    .await
+                    .ok()
+                    .flatten()
+                    .map(|conversation| conversation.channel_id),
+            };
+            let for_agents = channel_id.is_some_and(|channel_id| hub.has_agents(channel_id));
+            if !for_agents && !hub.wants_committed(conversation_id, seq) {
                 return;
             }
-            // One read per node and commit; the sessions share the frame.
+            // One read per node and commit; the sessions and agents share the frame.
             let activity = match store.list_activities(conversation_id, seq - 1, 1).await {
                 Ok(mut rows) => rows.pop().filter(|row| row.seq == seq).map(Arc::new),
                 Err(error) => {
@@ -36,7 +47,11 @@ async fn dispatch(store: &Store, hub: &Hub, event: BusEvent) {
                     None
                 }
             };
-            hub.publish(conversation_id, HubEvent::Committed { seq, activity });
+            let event = HubEvent::Committed { seq, activity };
+            match channel_id {
+                Some(channel_id) => hub.publish_to_all(channel_id, conversation_id, event),
+                None => hub.publish(conversation_id, event),
+            }
         }
         BusEvent::Transient {
             node,

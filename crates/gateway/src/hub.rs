@@ -69,9 +69,22 @@ struct Topic {
     last_committed: i64,
 }
 
+/// A live event of a channel: every event of its conversations, for the channel's agents.
+#[derive(Debug, Clone)]
+pub struct ChannelEvent {
+    /// The conversation the event belongs to.
+    pub conversation_id: Uuid,
+    /// The event.
+    pub event: HubEvent,
+}
+
+/// Live events buffered per channel for its agent actor.
+const CHANNEL_BUFFER: usize = 1024;
+
 /// Node-local fan-out and session registry.
 pub struct Hub {
     node_id: String,
+    channels: Mutex<HashMap<Uuid, broadcast::Sender<ChannelEvent>>>,
     conversations: Mutex<HashMap<Uuid, Topic>>,
     sessions: Mutex<HashMap<Uuid, SessionEntry>>,
     sessions_closed: tokio::sync::Notify,
@@ -98,6 +111,7 @@ impl Hub {
     pub fn new(node_id: impl Into<String>) -> Hub {
         Hub {
             node_id: node_id.into(),
+            channels: Mutex::new(HashMap::new()),
             conversations: Mutex::new(HashMap::new()),
             sessions: Mutex::new(HashMap::new()),
             sessions_closed: tokio::sync::Notify::new(),
@@ -144,6 +158,42 @@ impl Hub {
             // Nobody listens any more: forget the conversation.
             conversations.remove(&conversation_id);
         }
+    }
+
+    /// Live events of every conversation of a channel from now on (the agent actor's feed).
+    pub fn subscribe_channel(&self, channel_id: Uuid) -> broadcast::Receiver<ChannelEvent> {
+        lock(&self.channels)
+            .entry(channel_id)
+            .or_insert_with(|| broadcast::channel(CHANNEL_BUFFER).0)
+            .subscribe()
+    }
+
+    /// True when agents of the channel are connected to this node.
+    pub fn has_agents(&self, channel_id: Uuid) -> bool {
+        lock(&self.channels)
+            .get(&channel_id)
+            .is_some_and(|sender| sender.receiver_count() > 0)
+    }
+
+    /// Hands an event to the channel's agents on this node only (forwarded client frames).
+    pub fn publish_to_agents(&self, channel_id: Uuid, conversation_id: Uuid, event: HubEvent) {
+        if let Some(sender) = lock(&self.channels).get(&channel_id) {
+            let _ = sender.send(ChannelEvent {
+                conversation_id,
+                event,
+            });
+        }
+    }
+
+    /// Hands an event to the conversation's sessions and to its channel's agents on this node.
+    pub fn publish_to_all(&self, channel_id: Uuid, conversation_id: Uuid, event: HubEvent) {
+        if let Some(sender) = lock(&self.channels).get(&channel_id) {
+            let _ = sender.send(ChannelEvent {
+                conversation_id,
+                event: event.clone(),
+            });
+        }
+        self.publish(conversation_id, event);
     }
 
     /// Registers a session; the guard unregisters it when dropped.

@@ -2,6 +2,7 @@
 //! lifecycle (bind, serve, shut down).
 #![forbid(unsafe_code)]
 
+pub mod agents;
 pub mod auth;
 mod bus_bridge;
 pub mod config;

@@ -74,6 +74,7 @@ impl Server {
             metrics: crate::metrics::install_recorder(),
             draining: Arc::new(AtomicBool::new(false)),
             hub: Arc::new(Hub::new(node_id)),
+            actors: Arc::new(crate::agents::Actors::default()),
         };
         Ok(Server { state, listener })
     }

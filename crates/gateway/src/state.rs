@@ -27,6 +27,8 @@ pub struct AppState {
     pub draining: Arc<AtomicBool>,
     /// Live frames and open sessions of this node.
     pub hub: Arc<Hub>,
+    /// The channel actors of this node (agent groups).
+    pub actors: Arc<crate::agents::Actors>,
 }
 
 impl AppState {

@@ -145,4 +145,25 @@ impl Store {
         })
         .await
     }
+
+    /// Stores a catalog an agent published (`genui_components` or `skills`); the latest wins.
+    pub async fn set_channel_catalog(
+        &self,
+        channel_id: Uuid,
+        kind: &str,
+        catalog: &serde_json::Value,
+    ) -> Result<(), StoreError> {
+        self.timed("set_channel_catalog", async {
+            sqlx::query(
+                "UPDATE channels SET settings = jsonb_set(settings, ARRAY[$2], $3), updated_at = now() WHERE id = $1",
+            )
+            .bind(channel_id)
+            .bind(kind)
+            .bind(catalog)
+            .execute(&self.pool)
+            .await
+        })
+        .await?;
+        Ok(())
+    }
 }

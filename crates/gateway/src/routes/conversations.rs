@@ -238,7 +238,9 @@ pub(crate) async fn post_activity(
             seq: activity.seq,
             activity: Some(activity),
         };
-        state.hub.publish(conversation.id, event);
+        state
+            .hub
+            .publish_to_all(conversation.channel_id, conversation.id, event);
     }
     let status = if outcome.duplicate {
         StatusCode::OK

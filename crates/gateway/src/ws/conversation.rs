@@ -28,7 +28,7 @@ use tokio::time::Instant;
 use uuid::Uuid;
 
 use super::UpgradeRequest;
-use super::handshake::{Established, Profile, establish};
+use super::handshake::{Established, Profile, Setup, establish};
 use super::outbound::{Outbound, PushError};
 use super::rate::TokenBucket;
 use crate::auth::Claims;
@@ -63,7 +63,7 @@ struct CommitDone {
 }
 
 /// Why the session loop ended.
-enum Ending {
+pub(super) enum Ending {
     /// The client closed or the socket failed: nothing more to send.
     Gone,
     /// Close with this code and reason after what is queued.
@@ -100,7 +100,12 @@ pub(crate) async fn serve(socket: WebSocket, state: AppState, request: UpgradeRe
                     },
                 }
             }
-            Ok(established) => run_session(&state, established, &mut stream, &outbound).await,
+            Ok(Setup::Conversation(established)) => {
+                run_session(&state, established, &mut stream, &outbound).await
+            }
+            Ok(Setup::Channel(setup)) => {
+                super::agent::run(&state, setup, &mut stream, &outbound).await
+            }
         },
     };
     match ending {
@@ -121,7 +126,7 @@ pub(crate) async fn serve(socket: WebSocket, state: AppState, request: UpgradeRe
     let _ = tokio::time::timeout(Duration::from_secs(2), closing_handshake).await;
 }
 
-fn push_error(outbound: &Outbound, error: &ErrorFrame) {
+pub(super) fn push_error(outbound: &Outbound, error: &ErrorFrame) {
     let _ = outbound.push_text(error.to_json().to_string(), false);
 }
 
@@ -213,7 +218,7 @@ struct Session<'a> {
 }
 
 /// The instant at which a token's `exp` (seconds since the epoch) passes.
-fn expiry_instant(exp: i64) -> Instant {
+pub(super) fn expiry_instant(exp: i64) -> Instant {
     let remaining = exp.saturating_sub(chrono::Utc::now().timestamp()).max(0);
     Instant::now() + Duration::from_secs(u64::try_from(remaining).unwrap_or(0))
 }
@@ -285,7 +290,7 @@ async fn run_session(
     ending
 }
 
-fn internal_close(outbound: &Outbound) -> Ending {
+pub(super) fn internal_close(outbound: &Outbound) -> Ending {
     push_error(
         outbound,
         &ErrorFrame::new(ErrorCode::Internal, "internal error"),
@@ -660,9 +665,20 @@ impl Session<'_> {
                     )
                 }),
             ClientFrame::Forwarded { kind, frame } => {
+                if self.state.hub.has_agents(self.channel_id) {
+                    let event = HubEvent::Transient {
+                        frame: Arc::new(Value::Object(frame)),
+                        origin: Some(Arc::new(self.origin())),
+                    };
+                    self.state
+                        .hub
+                        .publish_to_agents(self.channel_id, self.conversation_id, event);
+                    return Ok(());
+                }
                 let client_id = frame
                     .get("clientId")
                     .and_then(Value::as_str)
+                    .filter(|id| converger_protocol::is_valid_client_id(id))
                     .map(str::to_owned);
                 self.push_error(ErrorFrame {
                     client_id,
@@ -750,7 +766,8 @@ impl Session<'_> {
             metrics::counter!("converger_frames_committed_total").increment(1);
             self.own_seqs.insert(activity.seq);
             // The committing node dispatches at once; other nodes learn it from the bus.
-            self.state.hub.publish(
+            self.state.hub.publish_to_all(
+                self.channel_id,
                 self.conversation_id,
                 HubEvent::Committed {
                     seq: activity.seq,
@@ -887,7 +904,8 @@ impl Session<'_> {
     /// Publishes a transient frame to this node's sessions and to the other nodes.
     async fn publish_transient(&self, frame: Value) {
         let origin = self.origin();
-        self.state.hub.publish(
+        self.state.hub.publish_to_all(
+            self.channel_id,
             self.conversation_id,
             HubEvent::Transient {
                 frame: Arc::new(frame.clone()),
@@ -1015,7 +1033,8 @@ impl Session<'_> {
         let state = self.state.clone();
         let conversation_id = self.conversation_id;
         let origin = self.origin();
-        state.hub.publish(
+        state.hub.publish_to_all(
+            self.channel_id,
             conversation_id,
             HubEvent::Transient {
                 frame: Arc::new(frame.clone()),
@@ -1049,7 +1068,7 @@ fn catalog_frame(
 }
 
 /// A read error: above the hard cap the connection closes with 1009, anything else ends it.
-fn read_failure(error: &axum::Error) -> Ending {
+pub(super) fn read_failure(error: &axum::Error) -> Ending {
     let text = error.to_string();
     if text.contains("too long") || text.contains("Space limit") || text.contains("capacity") {
         return Ending::CloseNow {
@@ -1060,6 +1079,6 @@ fn read_failure(error: &axum::Error) -> Ending {
     Ending::Gone
 }
 
-fn now_ms() -> i64 {
+pub(super) fn now_ms() -> i64 {
     chrono::Utc::now().timestamp_millis()
 }

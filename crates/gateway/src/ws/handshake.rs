@@ -18,6 +18,24 @@ pub(crate) enum Profile {
     Mekik,
 }
 
+/// What a hello establishes.
+#[derive(Debug)]
+pub(crate) enum Setup {
+    /// An end user in one conversation.
+    Conversation(Established),
+    /// An agent serving the channel.
+    Channel(AgentSetup),
+}
+
+/// A channel-scope session ready to start.
+#[derive(Debug)]
+pub(crate) struct AgentSetup {
+    pub claims: Claims,
+    /// The group joined, `None` for an observer.
+    pub group: Option<String>,
+    pub hello: Hello,
+}
+
 /// A session ready to start.
 #[derive(Debug)]
 pub(crate) struct Established {
@@ -58,7 +76,7 @@ pub(crate) async fn establish(
     state: &AppState,
     request: &UpgradeRequest,
     hello: Hello,
-) -> Result<Established, Refused> {
+) -> Result<Setup, Refused> {
     let profile = match hello.protocol.as_deref() {
         None => Profile::Mekik,
         Some(PROTOCOL_NAME) => Profile::Converger,
@@ -104,11 +122,24 @@ pub(crate) async fn establish(
         _ => return Err(Refused::new(ErrorCode::Unauthorized, "invalid token")),
     }
     if claims.scope() == Scope::Channel {
-        return Err(Refused::closing(
-            ErrorCode::BadRequest,
-            "channel-scope sessions are not served by this version",
-            CloseCode::Protocol,
-        ));
+        let group = match &hello.group {
+            None | Some(serde_json::Value::Null) => None,
+            Some(serde_json::Value::String(group)) if converger_protocol::is_valid_group(group) => {
+                Some(group.clone())
+            }
+            Some(_) => {
+                return Err(Refused::closing(
+                    ErrorCode::BadRequest,
+                    "group must be 1-64 characters of A-Za-z0-9._:-",
+                    CloseCode::Protocol,
+                ));
+            }
+        };
+        return Ok(Setup::Channel(AgentSetup {
+            claims,
+            group,
+            hello,
+        }));
     }
     let asserted_watermark = hello.watermark.or(request.watermark).unwrap_or(0);
     let asserted_conversation = hello
@@ -154,26 +185,26 @@ pub(crate) async fn establish(
         } else {
             asserted_watermark
         };
-        return Ok(Established {
+        return Ok(Setup::Conversation(Established {
             profile,
             claims,
             conversation,
             user_id,
             watermark,
             hello,
-        });
+        }));
     }
 
     if let Some(adopted) = adoptable(state, &claims, asserted_conversation.as_deref()).await? {
         let user_id = adopted.user_id.clone();
-        return Ok(Established {
+        return Ok(Setup::Conversation(Established {
             profile,
             claims,
             conversation: adopted,
             user_id,
             watermark: asserted_watermark,
             hello,
-        });
+        }));
     }
 
     // A verified user wins over an asserted one; with neither, the user is anonymous.
@@ -188,14 +219,14 @@ pub(crate) async fn establish(
         .await
         .map_err(internal)?;
     // The client asked for another conversation (or none): its watermark means nothing here.
-    Ok(Established {
+    Ok(Setup::Conversation(Established {
         profile,
         claims,
         conversation,
         user_id,
         watermark: 0,
         hello,
-    })
+    }))
 }
 
 /// The asserted conversation, when it belongs to the token's channel (and user, when verified).

@@ -3,6 +3,7 @@
 //! The upgrade itself never fails for credential reasons: credentials are checked when `hello`
 //! arrives so every client can read the reason (error frame, then close 4401).
 
+mod agent;
 mod conversation;
 mod handshake;
 pub(crate) mod outbound;

@@ -1,0 +1,311 @@
+//! The channel actor: one per node and channel with agents connected. It owns the local agent
+//! connections, each group's member view and passed-turn memory, and turns the channel's live
+//! events into deliveries: every frame to observers, each user turn to the owner of each group,
+//! and, when a member leaves, its unanswered turns to the new owner (ADR 0006).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use converger_core::groups::{GroupView, NOBODY, PassedTurns, TakeOver};
+use converger_store::{Activity, Store, Viewer};
+use serde_json::{Value, json};
+use tokio::sync::{broadcast, mpsc};
+use uuid::Uuid;
+
+use crate::hub::{ChannelEvent, Hub, HubEvent};
+
+/// Conversations remembered per group, and turns per conversation.
+const MEMORY_CONVERSATIONS: usize = 100_000;
+const MEMORY_TURNS_PER_CONVERSATION: usize = 64;
+
+/// What the actor is told by agent sessions.
+#[derive(Debug)]
+pub enum ActorMessage {
+    /// An agent connection arrived.
+    Join {
+        /// Its connection id.
+        connection_id: String,
+        /// Its group, `None` for an observer.
+        group: Option<String>,
+        /// Eligibility time (ms).
+        since_ms: i64,
+        /// Where its deliveries go (enveloped frames).
+        deliveries: mpsc::UnboundedSender<Value>,
+    },
+    /// An agent connection ended.
+    Leave {
+        /// Its connection id.
+        connection_id: String,
+    },
+}
+
+struct Agent {
+    group: Option<String>,
+    deliveries: mpsc::UnboundedSender<Value>,
+}
+
+/// Per-channel actors of this node.
+#[derive(Default)]
+pub struct Actors {
+    inboxes: std::sync::Mutex<HashMap<Uuid, mpsc::UnboundedSender<ActorMessage>>>,
+}
+
+impl std::fmt::Debug for Actors {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Actors").finish_non_exhaustive()
+    }
+}
+
+impl Actors {
+    /// The inbox of the channel's actor, started on first use.
+    pub fn inbox(
+        &self,
+        channel_id: Uuid,
+        hub: &Arc<Hub>,
+        store: &Store,
+    ) -> mpsc::UnboundedSender<ActorMessage> {
+        let mut inboxes = self
+            .inboxes
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(inbox) = inboxes.get(&channel_id).filter(|inbox| !inbox.is_closed()) {
+            return inbox.clone();
+        }
+        let (sender, receiver) = mpsc::unbounded_channel();
+        let feed = hub.subscribe_channel(channel_id);
+        let actor = ChannelActor {
+            channel_id,
+            store: store.clone(),
+            agents: HashMap::new(),
+            views: HashMap::new(),
+            memories: HashMap::new(),
+            last_seq: HashMap::new(),
+        };
+        tokio::spawn(actor.run(receiver, feed));
+        inboxes.insert(channel_id, sender.clone());
+        sender
+    }
+}
+
+struct ChannelActor {
+    channel_id: Uuid,
+    store: Store,
+    agents: HashMap<String, Agent>,
+    views: HashMap<String, GroupView>,
+    memories: HashMap<String, PassedTurns>,
+    /// Highest seq handled per conversation (local commits arrive twice: directly and via bus).
+    last_seq: HashMap<Uuid, i64>,
+}
+
+impl ChannelActor {
+    async fn run(
+        mut self,
+        mut inbox: mpsc::UnboundedReceiver<ActorMessage>,
+        mut feed: broadcast::Receiver<ChannelEvent>,
+    ) {
+        loop {
+            tokio::select! {
+                message = inbox.recv() => match message {
+                    Some(message) => self.on_message(message).await,
+                    None => return,
+                },
+                event = feed.recv() => match event {
+                    Ok(event) => self.on_event(event).await,
+                    Err(broadcast::error::RecvError::Lagged(missed)) => {
+                        tracing::warn!(channel_id = %self.channel_id, missed, "agents: channel feed lagged; gaps are read back on the next frame");
+                    }
+                    Err(broadcast::error::RecvError::Closed) => return,
+                },
+            }
+        }
+    }
+
+    async fn on_message(&mut self, message: ActorMessage) {
+        match message {
+            ActorMessage::Join {
+                connection_id,
+                group,
+                since_ms,
+                deliveries,
+            } => {
+                if let Some(group) = &group {
+                    self.views
+                        .entry(group.clone())
+                        .or_default()
+                        .join(&connection_id, since_ms);
+                }
+                self.agents.insert(
+                    connection_id,
+                    Agent {
+                        group: group.clone(),
+                        deliveries,
+                    },
+                );
+                // Turns passed to nobody (or to members gone meanwhile) wait for the next member.
+                if let Some(group) = group {
+                    self.take_over(&group).await;
+                }
+            }
+            ActorMessage::Leave { connection_id } => {
+                let Some(agent) = self.agents.remove(&connection_id) else {
+                    return;
+                };
+                let Some(group) = agent.group else { return };
+                if let Some(view) = self.views.get_mut(&group) {
+                    view.leave(&connection_id);
+                }
+                self.take_over(&group).await;
+            }
+        }
+    }
+
+    /// Hands the unanswered turns of departed members to their new owners on this node.
+    async fn take_over(&mut self, group: &str) {
+        let (Some(view), Some(memory)) = (self.views.get(group), self.memories.get_mut(group))
+        else {
+            return;
+        };
+        let decisions: Vec<TakeOver> = memory.take_over(view);
+        for decision in decisions {
+            if !self.agents.contains_key(&decision.new_owner) {
+                continue;
+            }
+            let Ok(conversation_id) = Uuid::parse_str(&decision.conversation_id) else {
+                continue;
+            };
+            let pending = match self
+                .store
+                .pending_turns(conversation_id, &decision.seqs)
+                .await
+            {
+                Ok(pending) => pending,
+                Err(error) => {
+                    tracing::error!(%error, %conversation_id, "takeover: pending turns unreadable");
+                    continue;
+                }
+            };
+            for turn in pending {
+                metrics::counter!("converger_deliveries_total", "kind" => "takeover").increment(1);
+                self.deliver_turn(&decision.new_owner, &turn.activity, turn.revision)
+                    .await;
+            }
+        }
+    }
+
+    async fn on_event(&mut self, event: ChannelEvent) {
+        let ChannelEvent {
+            conversation_id,
+            event,
+        } = event;
+        match event {
+            HubEvent::Committed { seq, activity } => {
+                let last = self.last_seq.get(&conversation_id).copied();
+                if last.is_some_and(|last| seq <= last) {
+                    return;
+                }
+                self.last_seq.insert(conversation_id, seq);
+                // A known conversation with a hole (a lagged feed) is read back from the hole on;
+                // otherwise the event's own frame is enough (read when it came without one).
+                let missed_from = last.filter(|last| *last < seq - 1);
+                let frames = match (missed_from, activity) {
+                    (None, Some(activity)) => vec![activity],
+                    (from, _) => {
+                        let from = from.unwrap_or(seq - 1);
+                        match self
+                            .store
+                            .list_activities(conversation_id, from, seq - from)
+                            .await
+                        {
+                            Ok(rows) => rows.into_iter().map(Arc::new).collect(),
+                            Err(error) => {
+                                tracing::error!(%error, %conversation_id, "agents: frames unreadable");
+                                return;
+                            }
+                        }
+                    }
+                };
+                for frame in frames {
+                    self.on_committed(&frame).await;
+                }
+            }
+            HubEvent::Transient { frame, .. } => {
+                // Forwarded client frames, typing, receipts and presence: to every observer and
+                // to the current owner of each group.
+                let envelope = json!({"conversationId": conversation_id, "frame": *frame});
+                let now = chrono::Utc::now().timestamp_millis();
+                let owners: Vec<String> = self
+                    .views
+                    .values()
+                    .filter_map(|view| {
+                        view.owner(&conversation_id.to_string(), now)
+                            .map(str::to_owned)
+                    })
+                    .collect();
+                for (connection_id, agent) in &self.agents {
+                    if agent.group.is_none() || owners.contains(connection_id) {
+                        let _ = agent.deliveries.send(envelope.clone());
+                    }
+                }
+            }
+        }
+    }
+
+    async fn on_committed(&mut self, activity: &Activity) {
+        let envelope = json!({"conversationId": activity.conversation_id, "frame": activity.to_frame(Viewer::Agent)});
+        for agent in self.agents.values().filter(|agent| agent.group.is_none()) {
+            let _ = agent.deliveries.send(envelope.clone());
+        }
+        if activity.sender_role != "user" {
+            return;
+        }
+        let conversation = activity.conversation_id.to_string();
+        let at = activity.timestamp_ms();
+        let groups: Vec<String> = self.views.keys().cloned().collect();
+        for group in groups {
+            let owner = self
+                .views
+                .get(&group)
+                .and_then(|view| view.owner(&conversation, at))
+                .unwrap_or(NOBODY)
+                .to_owned();
+            self.memories
+                .entry(group.clone())
+                .or_insert_with(|| {
+                    PassedTurns::new(MEMORY_CONVERSATIONS, MEMORY_TURNS_PER_CONVERSATION)
+                })
+                .remember(&conversation, &owner, activity.seq, at);
+            if self.agents.contains_key(&owner) {
+                metrics::counter!("converger_deliveries_total", "kind" => "first").increment(1);
+                self.deliver_turn(&owner, activity, 0).await;
+            }
+        }
+    }
+
+    /// Sends a user turn to a member with its `meta` (PROTOCOL section 4).
+    async fn deliver_turn(&self, connection_id: &str, activity: &Activity, revision: i32) {
+        let Some(agent) = self.agents.get(connection_id) else {
+            return;
+        };
+        let (version, state) = match self.store.runtime(activity.conversation_id).await {
+            Ok(runtime) => runtime,
+            Err(error) => {
+                tracing::error!(%error, "delivery: runtime unreadable");
+                return;
+            }
+        };
+        let mut frame = activity.to_frame(Viewer::Agent);
+        frame["meta"] = json!({
+            "channel": {"id": self.channel_id},
+            "participant": {"id": activity.sender_id, "role": activity.sender_role},
+            "turn": {
+                "seq": activity.seq,
+                "revision": revision,
+                "key": format!("{}:{}:{}", activity.conversation_id, activity.seq, revision),
+            },
+            "runtime": {"version": version, "state": state},
+        });
+        let _ = agent
+            .deliveries
+            .send(json!({"conversationId": activity.conversation_id, "frame": frame}));
+    }
+}

@@ -1,0 +1,748 @@
+//! A channel-scope session: an agent process serving the conversations of one channel, as an
+//! observer or as a member of a group (PROTOCOL section 4). Conversation-level frames travel in
+//! `{conversationId, frame}` envelopes both ways.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::ws::{Message, WebSocket};
+use converger_protocol::{
+    CloseCode, ErrorCode, ErrorFrame, retry_close_reason, validate_message_frame,
+};
+use converger_store::bus::Origin;
+use converger_store::{
+    AnswerFrame, AnswerOutcome, NewActivity, RuntimeWrite, Sender, SenderRole, TurnAnswer, Viewer,
+};
+use futures_util::StreamExt;
+use futures_util::stream::SplitStream;
+use serde_json::{Map, Value, json};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use uuid::Uuid;
+
+use super::conversation::{Ending, expiry_instant, internal_close, now_ms, read_failure};
+use super::handshake::AgentSetup;
+use super::outbound::{Outbound, PushError};
+use super::rate::TokenBucket;
+use crate::agents::ActorMessage;
+use crate::auth::{Claims, Scope};
+use crate::hub::{HubEvent, SessionControl};
+use crate::state::AppState;
+
+/// Role of agents in `sender.role` and relayed frames.
+const AGENT_ROLE: &str = "agent";
+
+struct AgentSession<'a> {
+    state: &'a AppState,
+    outbound: &'a Outbound,
+    claims: Claims,
+    channel_id: Uuid,
+    connection_id: Uuid,
+    sender_id: String,
+    /// Conversations checked to belong to the channel.
+    known_conversations: HashSet<Uuid>,
+    rate: TokenBucket,
+    last_inbound: Instant,
+    last_outbound: Instant,
+    token_expires_at: Instant,
+}
+
+/// Runs an agent connection after its hello.
+pub(super) async fn run(
+    state: &AppState,
+    setup: AgentSetup,
+    stream: &mut SplitStream<WebSocket>,
+    outbound: &Outbound,
+) -> Ending {
+    let AgentSetup {
+        claims,
+        group,
+        hello,
+    } = setup;
+    let (control_sender, mut controls) = mpsc::channel::<SessionControl>(8);
+    let guard = state.hub.register(claims.channel_id, control_sender);
+    let connection_id = guard.connection_id();
+    let since_ms = now_ms() + i64::try_from(state.config.group_settle_ms).unwrap_or(i64::MAX);
+    let now = Instant::now();
+    let mut session = AgentSession {
+        state,
+        outbound,
+        sender_id: claims
+            .user_id
+            .clone()
+            .or_else(|| group.clone())
+            .unwrap_or_else(|| AGENT_ROLE.to_owned()),
+        token_expires_at: expiry_instant(claims.exp),
+        channel_id: claims.channel_id,
+        claims,
+        connection_id,
+        known_conversations: HashSet::new(),
+        rate: TokenBucket::new(state.config.limits.max_frames_per_sec, now.into_std()),
+        last_inbound: now,
+        last_outbound: now,
+    };
+    let mut welcome = json!({
+        "type": "welcome",
+        "data": {
+            "protocol": converger_protocol::PROTOCOL_NAME,
+            "scope": "channel",
+            "channelId": session.channel_id,
+            "connectionId": connection_id,
+            "since": since_ms,
+            "expiresAt": session.claims.exp.saturating_mul(1000),
+            "capabilities": {"acks": true, "typing": true, "groups": true, "turnResults": true},
+            "limits": state.config.limits.to_wire(true),
+        }
+    });
+    if let Some(group) = &group {
+        welcome["data"]["group"] = json!(group);
+    }
+    if let Err(ending) = session.push(&welcome) {
+        return ending;
+    }
+    let (deliveries_sender, mut deliveries) = mpsc::unbounded_channel::<Value>();
+    let inbox = state
+        .actors
+        .inbox(session.channel_id, &state.hub, &state.store);
+    let _ = inbox.send(ActorMessage::Join {
+        connection_id: connection_id.to_string(),
+        group,
+        since_ms,
+        deliveries: deliveries_sender,
+    });
+    if let Some(watermarks) = &hello.watermarks {
+        for (conversation, watermark) in watermarks {
+            let (Ok(conversation_id), Some(watermark)) =
+                (Uuid::parse_str(conversation), watermark.as_u64())
+            else {
+                continue;
+            };
+            if let Err(ending) = session.replay(conversation_id, watermark).await {
+                let _ = inbox.send(ActorMessage::Leave {
+                    connection_id: connection_id.to_string(),
+                });
+                return ending;
+            }
+        }
+    }
+    let ending = session.run(stream, &mut deliveries, &mut controls).await;
+    let _ = inbox.send(ActorMessage::Leave {
+        connection_id: connection_id.to_string(),
+    });
+    drop(guard);
+    ending
+}
+
+impl AgentSession<'_> {
+    fn push(&mut self, frame: &Value) -> Result<(), Ending> {
+        match self.outbound.push_text(frame.to_string(), false) {
+            Ok(()) => {
+                self.last_outbound = Instant::now();
+                Ok(())
+            }
+            Err(PushError::Closed) => Err(Ending::Gone),
+            Err(PushError::Full) => Err(Ending::CloseNow {
+                code: CloseCode::SlowConsumer.number(),
+                reason: retry_close_reason(
+                    ErrorCode::SlowConsumer,
+                    self.state.config.drain.retry_after_ms,
+                ),
+            }),
+        }
+    }
+
+    fn push_enveloped(&mut self, conversation_id: Uuid, frame: Value) -> Result<(), Ending> {
+        self.push(&json!({"conversationId": conversation_id, "frame": frame}))
+    }
+
+    fn enveloped_error(&mut self, conversation_id: Uuid, error: ErrorFrame) -> Result<(), Ending> {
+        self.push_enveloped(conversation_id, error.to_json())
+    }
+
+    async fn run(
+        &mut self,
+        stream: &mut SplitStream<WebSocket>,
+        deliveries: &mut mpsc::UnboundedReceiver<Value>,
+        controls: &mut mpsc::Receiver<SessionControl>,
+    ) -> Ending {
+        let limits = self.state.config.limits.clone();
+        let heartbeat_every = Duration::from_millis(limits.heartbeat_interval_ms);
+        let idle_after = Duration::from_millis(limits.idle_timeout_ms);
+        let mut heartbeat =
+            tokio::time::interval_at(Instant::now() + heartbeat_every, heartbeat_every);
+        loop {
+            let idle_deadline = self.last_inbound + idle_after;
+            // Deliveries first: what the actor handed over is sent before the next inbound frame
+            // is handled, so a ping answered later proves earlier deliveries were sent.
+            let outcome = tokio::select! {
+                biased;
+                delivery = deliveries.recv() => match delivery {
+                    Some(frame) => self.push(&frame),
+                    None => Err(Ending::Gone),
+                },
+                message = stream.next() => self.on_message(message).await,
+                control = controls.recv() => match control {
+                    None => Ok(()),
+                    Some(SessionControl::Drain { retry_after_ms }) => {
+                        // Agent commits finish inline, so nothing is in flight here.
+                        let _ = self.push(&ErrorFrame { retry_after_ms: Some(retry_after_ms), ..ErrorFrame::new(ErrorCode::Unavailable, "node is draining; reconnect elsewhere") }.to_json());
+                        Err(Ending::Close { code: CloseCode::Draining.number(), reason: retry_close_reason(ErrorCode::Unavailable, retry_after_ms) })
+                    }
+                    Some(SessionControl::Close { error, code, reason }) => {
+                        if let Some(error) = error {
+                            let _ = self.push(&error.to_json());
+                        }
+                        Err(Ending::Close { code, reason })
+                    }
+                },
+                _ = heartbeat.tick() => {
+                    self.outbound.push_ping();
+                    if self.last_outbound.elapsed() >= heartbeat_every {
+                        let frame = json!({"type": "heartbeat", "timestamp": now_ms()});
+                        let _ = self.outbound.push_text(frame.to_string(), true);
+                    }
+                    Ok(())
+                }
+                _ = tokio::time::sleep_until(idle_deadline) => Err(Ending::Close { code: CloseCode::Idle.number(), reason: "idle".into() }),
+                _ = tokio::time::sleep_until(self.token_expires_at) => {
+                    let _ = self.push(&ErrorFrame::new(ErrorCode::TokenExpired, "token expired; send auth with a new token").to_json());
+                    Err(Ending::Close { code: CloseCode::Auth.number(), reason: "token_expired".into() })
+                }
+            };
+            if let Err(ending) = outcome {
+                return ending;
+            }
+        }
+    }
+
+    async fn on_message(
+        &mut self,
+        message: Option<Result<Message, axum::Error>>,
+    ) -> Result<(), Ending> {
+        let message = match message {
+            None => return Err(Ending::Gone),
+            Some(Ok(message)) => message,
+            Some(Err(error)) => return Err(read_failure(&error)),
+        };
+        self.last_inbound = Instant::now();
+        let text = match message {
+            Message::Text(text) => text,
+            Message::Binary(_) => {
+                return self.push(
+                    &ErrorFrame::new(
+                        ErrorCode::InvalidMessage,
+                        "binary messages are not accepted",
+                    )
+                    .to_json(),
+                );
+            }
+            Message::Ping(_) | Message::Pong(_) => return Ok(()),
+            Message::Close(_) => return Err(Ending::Gone),
+        };
+        if let Err(wait) = self.rate.take(std::time::Instant::now()) {
+            let error = ErrorFrame {
+                retry_after_ms: Some(u64::try_from(wait.as_millis()).unwrap_or(u64::MAX).max(1)),
+                ..ErrorFrame::new(ErrorCode::RateLimited, "too many frames per second")
+            };
+            return self.push(&error.to_json());
+        }
+        if text.len() > self.state.config.limits.max_frame_bytes {
+            return self
+                .push(&ErrorFrame::new(ErrorCode::PayloadTooLarge, "frame too large").to_json());
+        }
+        let Ok(Value::Object(object)) = serde_json::from_str::<Value>(text.as_str()) else {
+            return self.push(
+                &ErrorFrame::new(ErrorCode::InvalidMessage, "a frame must be a JSON object")
+                    .to_json(),
+            );
+        };
+        match (object.get("conversationId"), object.get("frame")) {
+            (Some(Value::String(conversation)), Some(Value::Object(frame))) => {
+                let Ok(conversation_id) = Uuid::parse_str(conversation) else {
+                    return self.push(
+                        &ErrorFrame::new(ErrorCode::ConversationNotFound, "conversation not found")
+                            .to_json(),
+                    );
+                };
+                self.on_enveloped(conversation_id, frame.clone()).await
+            }
+            _ => self.on_bare(object).await,
+        }
+    }
+
+    async fn on_bare(&mut self, frame: Map<String, Value>) -> Result<(), Ending> {
+        let kind = frame
+            .get("type")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned();
+        match kind.as_str() {
+            "ping" => {
+                let mut heartbeat = json!({"type": "heartbeat", "timestamp": now_ms()});
+                if let Some(nonce) = frame.get("nonce") {
+                    heartbeat["nonce"] = nonce.clone();
+                }
+                self.push(&heartbeat)
+            }
+            "auth" => self.on_auth(
+                frame
+                    .get("token")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default(),
+            ),
+            "genui_components" | "skills" => {
+                let list_field = if kind == "skills" {
+                    "skills"
+                } else {
+                    "components"
+                };
+                let catalog = json!({"hash": frame.get("hash").cloned().unwrap_or(Value::Null), list_field: frame.get(list_field).cloned().unwrap_or(Value::Array(vec![]))});
+                if let Err(error) = self
+                    .state
+                    .store
+                    .set_channel_catalog(self.channel_id, &kind, &catalog)
+                    .await
+                {
+                    tracing::warn!(%error, "catalog not stored");
+                    return self.push(
+                        &ErrorFrame::new(ErrorCode::Internal, "catalog not stored; retry")
+                            .to_json(),
+                    );
+                }
+                Ok(())
+            }
+            "" => {
+                self.push(&ErrorFrame::new(ErrorCode::InvalidMessage, "type is missing").to_json())
+            }
+            // hello again, or types this version does not know: ignored.
+            _ => Ok(()),
+        }
+    }
+
+    fn on_auth(&mut self, token: &str) -> Result<(), Ending> {
+        let accepted = self.state.tokens.verify(token).ok().filter(|claims| {
+            claims.tenant_id == self.claims.tenant_id
+                && claims.channel_id == self.channel_id
+                && claims.scope() == Scope::Channel
+        });
+        let Some(claims) = accepted else {
+            return self.push(
+                &ErrorFrame::new(
+                    ErrorCode::Forbidden,
+                    "token refused; the current token stays",
+                )
+                .to_json(),
+            );
+        };
+        self.token_expires_at = expiry_instant(claims.exp);
+        let expires_at = claims.exp.saturating_mul(1000);
+        self.claims = claims;
+        self.push(&json!({"type": "tokenRefreshed", "data": {"expiresAt": expires_at}}))
+    }
+
+    /// True when the conversation belongs to this channel (checked once per conversation).
+    async fn owns_conversation(&mut self, conversation_id: Uuid) -> Result<bool, Ending> {
+        if self.known_conversations.contains(&conversation_id) {
+            return Ok(true);
+        }
+        match self
+            .state
+            .store
+            .conversation_in_channel(conversation_id, self.channel_id)
+            .await
+        {
+            Ok(Some(_)) => {
+                self.known_conversations.insert(conversation_id);
+                Ok(true)
+            }
+            Ok(None) => Ok(false),
+            Err(error) => {
+                tracing::error!(%error, "agent: conversation lookup failed");
+                Err(internal_close(self.outbound))
+            }
+        }
+    }
+
+    async fn on_enveloped(
+        &mut self,
+        conversation_id: Uuid,
+        frame: Map<String, Value>,
+    ) -> Result<(), Ending> {
+        if !self.owns_conversation(conversation_id).await? {
+            return self.enveloped_error(
+                conversation_id,
+                ErrorFrame::new(
+                    ErrorCode::ConversationNotFound,
+                    "conversation not found in this channel",
+                ),
+            );
+        }
+        let kind = frame
+            .get("type")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned();
+        match kind.as_str() {
+            "turnResult" => self.on_turn_result(conversation_id, frame).await,
+            "typing" => {
+                let is_typing = frame
+                    .get("isTyping")
+                    .and_then(Value::as_bool)
+                    .unwrap_or(false);
+                self.relay(
+                    conversation_id,
+                    json!({"type": "typing", "isTyping": is_typing}),
+                )
+                .await;
+                Ok(())
+            }
+            "run" => {
+                self.relay(
+                    conversation_id,
+                    json!({"type": "run", "data": frame.get("data").cloned().unwrap_or(json!({}))}),
+                )
+                .await;
+                Ok(())
+            }
+            "error" => {
+                self.relay(conversation_id, json!({"type": "error", "data": frame.get("data").cloned().unwrap_or(json!({}))})).await;
+                Ok(())
+            }
+            "sync" => match frame.get("watermark").and_then(Value::as_u64) {
+                Some(watermark) => self.replay(conversation_id, watermark).await,
+                None => self.enveloped_error(
+                    conversation_id,
+                    ErrorFrame::new(
+                        ErrorCode::InvalidMessage,
+                        "watermark must be a non-negative integer",
+                    ),
+                ),
+            },
+            _ => {
+                self.on_proactive(conversation_id, Value::Object(frame))
+                    .await
+            }
+        }
+    }
+
+    /// Relays a transient agent frame to the conversation's end users on every node.
+    async fn relay(&self, conversation_id: Uuid, frame: Value) {
+        let origin = Origin {
+            id: self.sender_id.clone(),
+            role: AGENT_ROLE.into(),
+            connection: self.connection_id.to_string(),
+        };
+        self.state.hub.publish(
+            conversation_id,
+            HubEvent::Transient {
+                frame: Arc::new(frame.clone()),
+                origin: Some(Arc::new(origin.clone())),
+            },
+        );
+        if let Err(error) = self
+            .state
+            .store
+            .publish_transient(
+                self.state.hub.node_id(),
+                conversation_id,
+                &frame,
+                Some(&origin),
+            )
+            .await
+        {
+            tracing::warn!(%error, "agent frame not relayed to other nodes");
+        }
+    }
+
+    async fn replay(&mut self, conversation_id: Uuid, watermark: u64) -> Result<(), Ending> {
+        if !self.owns_conversation(conversation_id).await? {
+            return self.enveloped_error(
+                conversation_id,
+                ErrorFrame::new(
+                    ErrorCode::ConversationNotFound,
+                    "conversation not found in this channel",
+                ),
+            );
+        }
+        let batch = self.state.config.limits.replay_batch as i64;
+        let mut after = i64::try_from(watermark).unwrap_or(i64::MAX);
+        loop {
+            let rows = self
+                .state
+                .store
+                .list_activities(conversation_id, after, batch)
+                .await
+                .map_err(|_| internal_close(self.outbound))?;
+            let Some(last) = rows.last().map(|row| row.seq) else {
+                return Ok(());
+            };
+            for row in rows {
+                self.push_enveloped(conversation_id, row.to_frame(Viewer::Agent))?;
+            }
+            after = last;
+        }
+    }
+
+    fn sender(&self) -> Sender {
+        Sender {
+            id: self.sender_id.clone(),
+            role: SenderRole::Agent,
+        }
+    }
+
+    async fn on_proactive(&mut self, conversation_id: Uuid, frame: Value) -> Result<(), Ending> {
+        let message = match validate_message_frame(&frame, &self.state.config.limits) {
+            Ok(message) => message,
+            Err(error) => {
+                let client_id = frame
+                    .get("clientId")
+                    .and_then(Value::as_str)
+                    .filter(|id| converger_protocol::is_valid_client_id(id))
+                    .map(str::to_owned);
+                return self.enveloped_error(
+                    conversation_id,
+                    ErrorFrame {
+                        client_id,
+                        ..ErrorFrame::new(error.code, error.message)
+                    },
+                );
+            }
+        };
+        let new = NewActivity {
+            conversation_id,
+            id: message.id.clone(),
+            kind: message.kind.clone(),
+            sender: self.sender(),
+            data: message.data,
+            metadata: message.metadata,
+            extra: Some(message.extra),
+            client_id: message.client_id.clone(),
+        };
+        let outcome = match self.state.store.commit_activity(&new).await {
+            Ok(outcome) => outcome,
+            Err(error) => {
+                tracing::warn!(%error, "agent frame not stored");
+                return self.enveloped_error(
+                    conversation_id,
+                    ErrorFrame {
+                        client_id: message.client_id,
+                        ..ErrorFrame::new(ErrorCode::Internal, "the frame was not stored")
+                    },
+                );
+            }
+        };
+        let activity = Arc::new(outcome.activity);
+        if !outcome.duplicate {
+            self.state.hub.publish_to_all(
+                self.channel_id,
+                conversation_id,
+                HubEvent::Committed {
+                    seq: activity.seq,
+                    activity: Some(Arc::clone(&activity)),
+                },
+            );
+        }
+        let Some(client_id) = message.client_id else {
+            return Ok(());
+        };
+        let mut ack = json!({"type": "ack", "clientId": client_id, "id": activity.id, "seq": activity.seq, "timestamp": activity.timestamp_ms()});
+        if outcome.duplicate {
+            ack["duplicate"] = Value::Bool(true);
+        }
+        self.push_enveloped(conversation_id, ack)
+    }
+
+    async fn on_turn_result(
+        &mut self,
+        conversation_id: Uuid,
+        frame: Map<String, Value>,
+    ) -> Result<(), Ending> {
+        let client_id = frame
+            .get("clientId")
+            .and_then(Value::as_str)
+            .filter(|id| converger_protocol::is_valid_client_id(id))
+            .map(str::to_owned);
+        let answer = match self.parse_answer(conversation_id, &frame) {
+            Ok(answer) => answer,
+            Err(error) => {
+                return self.enveloped_error(
+                    conversation_id,
+                    ErrorFrame {
+                        client_id,
+                        frame_type: Some("turnResult".into()),
+                        ..*error
+                    },
+                );
+            }
+        };
+        let turn = json!({"seq": answer.seq, "revision": answer.revision});
+        let outcome = match self.state.store.commit_answer(&answer).await {
+            Ok(outcome) => outcome,
+            Err(error) => {
+                tracing::error!(%error, %conversation_id, "turn result not stored");
+                return self.enveloped_error(
+                    conversation_id,
+                    ErrorFrame {
+                        client_id,
+                        ..ErrorFrame::new(ErrorCode::Internal, "the result was not stored; retry")
+                    },
+                );
+            }
+        };
+        let refusal = |code: ErrorCode, message: &str, details: Value| ErrorFrame {
+            client_id: client_id.clone(),
+            frame_type: Some("turnResult".into()),
+            details: Some(details),
+            ..ErrorFrame::new(code, message)
+        };
+        let ack = match outcome {
+            AnswerOutcome::Committed { activities } => {
+                metrics::counter!("converger_turn_results_total", "outcome" => "committed")
+                    .increment(1);
+                let ack = json!({
+                    "type": "ack", "clientId": client_id, "turn": turn,
+                    "ids": activities.iter().map(|activity| activity.id.clone()).collect::<Vec<_>>(),
+                    "seqs": activities.iter().map(|activity| activity.seq).collect::<Vec<_>>(),
+                    "timestamp": activities.last().map_or_else(now_ms, |activity| activity.timestamp_ms()),
+                });
+                for activity in activities {
+                    let activity = Arc::new(activity);
+                    self.state.hub.publish_to_all(
+                        self.channel_id,
+                        conversation_id,
+                        HubEvent::Committed {
+                            seq: activity.seq,
+                            activity: Some(activity),
+                        },
+                    );
+                }
+                ack
+            }
+            AnswerOutcome::Duplicate {
+                ids,
+                seqs,
+                completed_at,
+            } => {
+                metrics::counter!("converger_turn_results_total", "outcome" => "duplicate")
+                    .increment(1);
+                json!({"type": "ack", "clientId": client_id, "turn": turn, "ids": ids, "seqs": seqs, "timestamp": completed_at.timestamp_millis(), "duplicate": true})
+            }
+            AnswerOutcome::Conflict { seqs } => {
+                metrics::counter!("converger_turn_results_total", "outcome" => "conflict")
+                    .increment(1);
+                return self.enveloped_error(
+                    conversation_id,
+                    refusal(
+                        ErrorCode::TurnConflict,
+                        "another result is committed for this turn",
+                        json!({"seqs": seqs}),
+                    ),
+                );
+            }
+            AnswerOutcome::Superseded { latest } => {
+                metrics::counter!("converger_turn_results_total", "outcome" => "superseded")
+                    .increment(1);
+                return self.enveloped_error(
+                    conversation_id,
+                    refusal(
+                        ErrorCode::TurnSuperseded,
+                        "a newer revision of this turn exists",
+                        json!({"revision": latest}),
+                    ),
+                );
+            }
+            AnswerOutcome::StaleRuntime { current } => {
+                return self.enveloped_error(
+                    conversation_id,
+                    refusal(
+                        ErrorCode::StaleRuntime,
+                        "runtime.version is not the current one",
+                        json!({"version": current}),
+                    ),
+                );
+            }
+            AnswerOutcome::NoSuchTurn => {
+                return self.enveloped_error(
+                    conversation_id,
+                    refusal(ErrorCode::BadRequest, "no such turn", json!({"turn": turn})),
+                );
+            }
+        };
+        self.push_enveloped(conversation_id, ack)
+    }
+
+    fn parse_answer(
+        &self,
+        conversation_id: Uuid,
+        frame: &Map<String, Value>,
+    ) -> Result<TurnAnswer, Box<ErrorFrame>> {
+        let invalid = |message: &str| Box::new(ErrorFrame::new(ErrorCode::InvalidMessage, message));
+        let turn = frame
+            .get("turn")
+            .and_then(Value::as_object)
+            .ok_or_else(|| invalid("turn must be an object"))?;
+        let seq = turn
+            .get("seq")
+            .and_then(Value::as_i64)
+            .filter(|seq| *seq > 0)
+            .ok_or_else(|| invalid("turn.seq must be a positive integer"))?;
+        let revision = match turn.get("revision") {
+            None | Some(Value::Null) => 0,
+            Some(value) => value
+                .as_i64()
+                .and_then(|revision| i32::try_from(revision).ok())
+                .filter(|revision| *revision >= 0)
+                .ok_or_else(|| invalid("turn.revision must be a non-negative integer"))?,
+        };
+        let frames = frame
+            .get("frames")
+            .and_then(Value::as_array)
+            .ok_or_else(|| invalid("frames must be an array"))?;
+        let limits = &self.state.config.limits;
+        let mut answer_frames = Vec::with_capacity(frames.len());
+        for frame in frames {
+            let message = validate_message_frame(frame, limits).map_err(|error| {
+                ErrorFrame::new(error.code, format!("frames: {}", error.message))
+            })?;
+            answer_frames.push(AnswerFrame {
+                id: message.id,
+                kind: message.kind,
+                data: message.data,
+                metadata: message.metadata,
+                extra: message.extra,
+            });
+        }
+        let runtime = match frame.get("runtime") {
+            None | Some(Value::Null) => None,
+            Some(Value::Object(runtime)) => {
+                let version = runtime
+                    .get("version")
+                    .and_then(Value::as_i64)
+                    .filter(|version| *version >= 0)
+                    .ok_or_else(|| invalid("runtime.version must be a non-negative integer"))?;
+                let state = runtime
+                    .get("state")
+                    .filter(|state| state.is_object())
+                    .cloned()
+                    .ok_or_else(|| invalid("runtime.state must be an object"))?;
+                if state.to_string().len() > limits.max_frame_bytes {
+                    return Err(Box::new(ErrorFrame::new(
+                        ErrorCode::PayloadTooLarge,
+                        "runtime.state is too large",
+                    )));
+                }
+                Some(RuntimeWrite { version, state })
+            }
+            Some(_) => return Err(invalid("runtime must be an object")),
+        };
+        Ok(TurnAnswer {
+            conversation_id,
+            seq,
+            revision,
+            sender: self.sender(),
+            frames: answer_frames,
+            runtime,
+        })
+    }
+}

@@ -1,0 +1,550 @@
+//! Agents on channel-scope sockets: observers, groups, ownership, takeover and one-transaction
+//! turn results, over real sockets against a real Postgres.
+
+mod support;
+
+use std::time::Duration;
+
+use converger_client::TokenRequest;
+use converger_core::groups::GroupView;
+use serde_json::{Value, json};
+use support::ws::WsClient;
+use support::{TenantFixture, TestNode};
+use uuid::Uuid;
+
+async fn agent_token(node: &TestNode, fixture: &TenantFixture) -> String {
+    node.client
+        .generate_token(&fixture.secret, &TokenRequest::channel_scope())
+        .await
+        .unwrap()
+        .token
+}
+
+async fn agent(node: &TestNode, token: &str, group: Option<&str>) -> (WsClient, Value) {
+    let mut client = WsClient::connect(&node.ws_url("")).await;
+    let extra = match group {
+        Some(group) => json!({"group": group}),
+        None => json!({}),
+    };
+    let welcome = client.hello(token, extra).await;
+    (client, welcome)
+}
+
+async fn user(node: &TestNode, fixture: &TenantFixture, name: &str) -> (WsClient, Uuid) {
+    let (conversation_id, token) = node.conversation(fixture, name).await;
+    let mut client = WsClient::connect(&node.ws_url("")).await;
+    client.hello(&token, json!({})).await;
+    (client, conversation_id)
+}
+
+/// Waits until the member's `since` has passed, so it owns the turns that follow.
+async fn settle(welcome: &Value) {
+    let since = welcome["data"]["since"].as_i64().unwrap();
+    let wait = since - chrono::Utc::now().timestamp_millis() + 20;
+    if wait > 0 {
+        tokio::time::sleep(Duration::from_millis(wait as u64)).await;
+    }
+}
+
+async fn say(client: &mut WsClient, client_id: &str, text: &str) -> i64 {
+    client
+        .send(json!({"type": "text", "clientId": client_id, "data": {"text": text}}))
+        .await;
+    client.recv_until("ack").await.last().unwrap()["seq"]
+        .as_i64()
+        .unwrap()
+}
+
+/// Reads enveloped turns until `count` have arrived.
+async fn turns(client: &mut WsClient, count: usize) -> Vec<Value> {
+    let mut seen = Vec::new();
+    while seen.len() < count {
+        let envelope = client.recv().await;
+        if envelope["frame"]["type"] == "text" {
+            seen.push(envelope);
+        }
+    }
+    seen
+}
+
+/// The next enveloped frame of `kind` (skipping heartbeats and other types).
+async fn delivery(client: &mut WsClient, kind: &str) -> (Uuid, Value) {
+    loop {
+        let envelope = client.recv().await;
+        if let Some(frame) = envelope.get("frame")
+            && frame["type"] == kind
+        {
+            let conversation_id = envelope["conversationId"]
+                .as_str()
+                .unwrap()
+                .parse()
+                .unwrap();
+            return (conversation_id, frame.clone());
+        }
+    }
+}
+
+fn turn_result(client_id: &str, seq: i64, text: &str, runtime: Option<Value>) -> Value {
+    let mut frame = json!({
+        "type": "turnResult",
+        "clientId": client_id,
+        "turn": {"seq": seq, "revision": 0},
+        "frames": [{"type": "text", "data": {"text": text}}],
+    });
+    if let Some(runtime) = runtime {
+        frame["runtime"] = runtime;
+    }
+    frame
+}
+
+fn fast_settle(config: &mut converger_gateway::Config) {
+    config.group_settle_ms = 150;
+}
+
+#[tokio::test]
+async fn channel_welcome_announces_since_group_and_max_conversations_and_bad_groups_close_4400() {
+    let node = TestNode::start().await;
+    let acme = node.tenant_with_channel("acme").await;
+    let token = agent_token(&node, &acme).await;
+    let before = chrono::Utc::now().timestamp_millis();
+    let (_member, welcome) = agent(&node, &token, Some("support-bot")).await;
+    let data = &welcome["data"];
+    assert_eq!(data["scope"], "channel");
+    assert_eq!(data["channelId"], acme.channel_id.to_string());
+    assert_eq!(data["group"], "support-bot");
+    let since = data["since"].as_i64().unwrap();
+    assert!(
+        since >= before + 1000 && since <= chrono::Utc::now().timestamp_millis() + 1000,
+        "since = now + settle"
+    );
+    assert!(data["limits"]["maxConversations"].as_u64().is_some());
+
+    let mut bad = WsClient::connect(&node.ws_url("")).await;
+    bad.send(
+        json!({"type": "hello", "protocol": "converger/1", "token": token, "group": "no spaces"}),
+    )
+    .await;
+    let (frames, closed) = bad.recv_until_closed().await;
+    assert_eq!(frames[0]["data"]["code"], "bad_request");
+    assert_eq!(closed.code, 4400);
+}
+
+#[tokio::test]
+async fn observers_receive_every_frame_of_the_channel_and_forwarded_client_frames() {
+    let node = TestNode::start().await;
+    let acme = node.tenant_with_channel("acme").await;
+    let token = agent_token(&node, &acme).await;
+    let (mut observer, _) = agent(&node, &token, None).await;
+    let (mut alice, alice_conversation) = user(&node, &acme, "alice").await;
+    // Presence and typing of end users reach the agents.
+    let (conversation, presence) = delivery(&mut observer, "presence").await;
+    assert_eq!(conversation, alice_conversation);
+    assert_eq!(
+        presence["data"],
+        json!({"participant": {"id": "alice", "role": "user"}, "status": "online", "connections": 1})
+    );
+    alice
+        .send(json!({"type": "typing", "isTyping": true}))
+        .await;
+    let (_, typing) = delivery(&mut observer, "typing").await;
+    assert_eq!(typing["isTyping"], true);
+    assert_eq!(typing["sender"], json!({"id": "alice", "role": "user"}));
+    let (mut bob, bob_conversation) = user(&node, &acme, "bob").await;
+    say(&mut alice, "a-1", "from alice").await;
+    say(&mut bob, "b-1", "from bob").await;
+    let (first_conversation, first) = delivery(&mut observer, "text").await;
+    let (second_conversation, second) = delivery(&mut observer, "text").await;
+    assert_eq!(
+        (first_conversation, first["data"]["text"].as_str()),
+        (alice_conversation, Some("from alice"))
+    );
+    assert_eq!(
+        (second_conversation, second["data"]["text"].as_str()),
+        (bob_conversation, Some("from bob"))
+    );
+    assert_eq!(first["from"], "user");
+    assert!(
+        first.get("meta").is_none(),
+        "observers get frames, not turns"
+    );
+
+    alice
+        .send(json!({"type": "abort", "clientId": "stop-1", "data": {}}))
+        .await;
+    let (conversation, forwarded) = delivery(&mut observer, "abort").await;
+    assert_eq!(conversation, alice_conversation);
+    assert_eq!(forwarded["clientId"], "stop-1");
+    assert!(
+        alice.barrier().await.is_empty(),
+        "no bot_unavailable while an agent is connected"
+    );
+}
+
+#[tokio::test]
+async fn a_member_gets_turns_with_meta_and_its_result_commits_and_reaches_the_user() {
+    let node = TestNode::start_with(fast_settle).await;
+    let acme = node.tenant_with_channel("acme").await;
+    let token = agent_token(&node, &acme).await;
+    let (mut bot, welcome) = agent(&node, &token, Some("bot")).await;
+    settle(&welcome).await;
+    let (mut alice, conversation_id) = user(&node, &acme, "alice").await;
+    let seq = say(&mut alice, "a-1", "hello bot").await;
+
+    let (delivered_conversation, turn) = delivery(&mut bot, "text").await;
+    assert_eq!(delivered_conversation, conversation_id);
+    let meta = &turn["meta"];
+    assert_eq!(meta["channel"]["id"], acme.channel_id.to_string());
+    assert_eq!(meta["participant"], json!({"id": "alice", "role": "user"}));
+    assert_eq!(meta["turn"]["seq"], seq);
+    assert_eq!(meta["turn"]["revision"], 0);
+    assert_eq!(meta["turn"]["key"], format!("{conversation_id}:{seq}:0"));
+    assert_eq!(meta["runtime"], json!({"version": 0, "state": {}}));
+
+    bot.send(json!({"conversationId": conversation_id, "frame": turn_result("r-1", seq, "hello alice", Some(json!({"version": 0, "state": {"count": 1}})))})).await;
+    let (_, ack) = delivery(&mut bot, "ack").await;
+    assert_eq!(ack["clientId"], "r-1");
+    assert_eq!(ack["turn"], json!({"seq": seq, "revision": 0}));
+    assert_eq!(ack["seqs"], json!([seq + 1]));
+    let answer = alice.recv_type("text").await;
+    assert_eq!(
+        (answer["seq"].as_i64(), answer["from"].as_str()),
+        (Some(seq + 1), Some("bot"))
+    );
+    assert_eq!(answer["data"]["text"], "hello alice");
+
+    // The runtime committed with the answer travels with the next turn.
+    let next = say(&mut alice, "a-2", "again").await;
+    let (_, second) = delivery(&mut bot, "text").await;
+    assert_eq!(second["meta"]["turn"]["seq"], next);
+    assert_eq!(
+        second["meta"]["runtime"],
+        json!({"version": 1, "state": {"count": 1}})
+    );
+    bot.send(json!({"conversationId": conversation_id, "frame": turn_result("r-2", next, "x", Some(json!({"version": 0, "state": {}})))})).await;
+    let (_, stale) = delivery(&mut bot, "error").await;
+    assert_eq!(stale["data"]["code"], "stale_runtime");
+    assert_eq!(stale["data"]["retryable"], true);
+}
+
+#[tokio::test]
+async fn resends_are_acked_identically_and_a_different_result_is_a_conflict() {
+    let node = TestNode::start_with(|config| {
+        fast_settle(config);
+        config.limits.max_frames_per_sec = 1_000;
+    })
+    .await;
+    let acme = node.tenant_with_channel("acme").await;
+    let token = agent_token(&node, &acme).await;
+    let (mut bot, welcome) = agent(&node, &token, Some("bot")).await;
+    settle(&welcome).await;
+    let (mut alice, conversation_id) = user(&node, &acme, "alice").await;
+    let seq = say(&mut alice, "a-1", "hi").await;
+    delivery(&mut bot, "text").await;
+    let result =
+        json!({"conversationId": conversation_id, "frame": turn_result("r-1", seq, "once", None)});
+    let mut acks = Vec::new();
+    for _ in 0..100 {
+        bot.send(result.clone()).await;
+        acks.push(delivery(&mut bot, "ack").await.1);
+    }
+    assert!(acks[0].get("duplicate").is_none());
+    assert!(acks[1..].iter().all(|ack| ack["duplicate"] == true
+        && ack["seqs"] == acks[0]["seqs"]
+        && ack["ids"] == acks[0]["ids"]));
+    assert_eq!(
+        node.db
+            .count("SELECT count(*) FROM activities WHERE turn_seq IS NOT NULL")
+            .await,
+        1
+    );
+
+    bot.send(json!({"conversationId": conversation_id, "frame": turn_result("r-2", seq, "different", None)})).await;
+    let (_, conflict) = delivery(&mut bot, "error").await;
+    assert_eq!(conflict["data"]["code"], "turn_conflict");
+    assert_eq!(conflict["data"]["details"]["seqs"], acks[0]["seqs"]);
+    assert_eq!(
+        node.db
+            .count("SELECT count(*) FROM activities WHERE turn_seq IS NOT NULL")
+            .await,
+        1
+    );
+}
+
+#[tokio::test]
+async fn each_conversation_has_one_owner_in_a_group_and_two_groups_each_get_every_turn() {
+    let node = TestNode::start_with(fast_settle).await;
+    let acme = node.tenant_with_channel("acme").await;
+    let token = agent_token(&node, &acme).await;
+    let (mut first, welcome_first) = agent(&node, &token, Some("bot")).await;
+    let (mut second, welcome_second) = agent(&node, &token, Some("bot")).await;
+    let (mut auditor, welcome_auditor) = agent(&node, &token, Some("audit")).await;
+    for welcome in [&welcome_first, &welcome_second, &welcome_auditor] {
+        settle(welcome).await;
+    }
+    let mut users = Vec::new();
+    for n in 0..8 {
+        users.push(user(&node, &acme, &format!("user-{n}")).await);
+    }
+    for (client, _) in users.iter_mut() {
+        say(client, "t-1", "one").await;
+        say(client, "t-2", "two").await;
+    }
+    // Every turn reaches the single member of "audit"; once the audit member has all 16, the
+    // actor has handed every turn to "bot" too.
+    turns(&mut auditor, 16).await;
+    let mut first_got = first.barrier().await;
+    let mut second_got = second.barrier().await;
+    first_got.retain(|envelope| envelope["frame"]["type"] == "text");
+    second_got.retain(|envelope| envelope["frame"]["type"] == "text");
+    assert_eq!(
+        first_got.len() + second_got.len(),
+        16,
+        "each of 16 turns once in the bot group"
+    );
+    assert!(
+        auditor.barrier().await.is_empty(),
+        "and not twice to the audit group"
+    );
+    // Affinity: a conversation's two turns went to the same member.
+    for (_, conversation_id) in &users {
+        let id = conversation_id.to_string();
+        let on_first = first_got
+            .iter()
+            .filter(|envelope| envelope["conversationId"] == id.as_str())
+            .count();
+        let on_second = second_got
+            .iter()
+            .filter(|envelope| envelope["conversationId"] == id.as_str())
+            .count();
+        assert!(
+            (on_first, on_second) == (2, 0) || (on_first, on_second) == (0, 2),
+            "{id}: {on_first}/{on_second}"
+        );
+    }
+    assert!(
+        !first_got.is_empty() && !second_got.is_empty(),
+        "8 conversations spread over both members"
+    );
+}
+
+#[tokio::test]
+async fn a_member_joining_during_the_settle_delay_takes_no_turn_of_before() {
+    let node = TestNode::start().await;
+    let acme = node.tenant_with_channel("acme").await;
+    let token = agent_token(&node, &acme).await;
+    let (mut settled, welcome) = agent(&node, &token, Some("bot")).await;
+    settle(&welcome).await;
+    let (mut newcomer, _) = agent(&node, &token, Some("bot")).await;
+    let mut users = Vec::new();
+    for n in 0..6 {
+        users.push(user(&node, &acme, &format!("user-{n}")).await);
+    }
+    for (client, _) in users.iter_mut() {
+        say(client, "t-1", "during settle").await;
+    }
+    turns(&mut settled, 6).await;
+    assert!(
+        newcomer.barrier().await.is_empty(),
+        "the newcomer serves nothing before its since"
+    );
+}
+
+#[tokio::test]
+async fn an_unanswered_turn_is_taken_over_when_its_member_leaves_and_an_answered_one_is_not() {
+    let node = TestNode::start_with(fast_settle).await;
+    let acme = node.tenant_with_channel("acme").await;
+    let token = agent_token(&node, &acme).await;
+    let (mut first, welcome_first) = agent(&node, &token, Some("bot")).await;
+    let (mut second, welcome_second) = agent(&node, &token, Some("bot")).await;
+    settle(&welcome_first).await;
+    settle(&welcome_second).await;
+    // A conversation the first member owns, by the same rendezvous rule the server applies.
+    let mut view = GroupView::new();
+    for welcome in [&welcome_first, &welcome_second] {
+        view.join(
+            welcome["data"]["connectionId"].as_str().unwrap(),
+            welcome["data"]["since"].as_i64().unwrap(),
+        );
+    }
+    let first_id = welcome_first["data"]["connectionId"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let mut owned = None;
+    for n in 0..40 {
+        let (conversation_id, token) = node.conversation(&acme, &format!("user-{n}")).await;
+        if view.owner(
+            &conversation_id.to_string(),
+            chrono::Utc::now().timestamp_millis(),
+        ) == Some(first_id.as_str())
+        {
+            let mut client = WsClient::connect(&node.ws_url("")).await;
+            client.hello(&token, json!({})).await;
+            let seq = say(&mut client, "t-1", "first turn").await;
+            let (_, turn) = delivery(&mut first, "text").await;
+            assert_eq!(
+                turn["seq"], seq,
+                "the owner predicted by the rendezvous hash got the turn"
+            );
+            owned = Some((client, conversation_id, seq));
+            break;
+        }
+    }
+    let (mut client, conversation_id, answered_seq) =
+        owned.expect("some conversation is owned by the first member");
+    // The first member answers the first turn, receives a second one, and leaves without answering.
+    first.send(json!({"conversationId": conversation_id, "frame": turn_result("r-1", answered_seq, "answer", None)})).await;
+    delivery(&mut first, "ack").await;
+    let unanswered = say(&mut client, "t-2", "second turn").await;
+    let (_, turn) = delivery(&mut first, "text").await;
+    assert_eq!(turn["seq"], unanswered);
+    first.close().await;
+
+    let (conversation, taken) = delivery(&mut second, "text").await;
+    assert_eq!(conversation, conversation_id);
+    assert_eq!(
+        taken["seq"], unanswered,
+        "the unanswered turn moves to the remaining member"
+    );
+    assert_eq!(taken["meta"]["turn"]["seq"], unanswered);
+    assert!(
+        second
+            .barrier()
+            .await
+            .iter()
+            .all(|envelope| envelope["frame"]["seq"] != answered_seq),
+        "an answered turn is never delivered again"
+    );
+
+    // The new owner answers; a late answer from the departed member's process is refused.
+    second.send(json!({"conversationId": conversation_id, "frame": turn_result("r-2", unanswered, "taken over", None)})).await;
+    delivery(&mut second, "ack").await;
+    let (mut returning, _) = agent(&node, &token, Some("bot")).await;
+    returning.send(json!({"conversationId": conversation_id, "frame": turn_result("r-late", unanswered, "late", None)})).await;
+    let (_, conflict) = delivery(&mut returning, "error").await;
+    assert_eq!(conflict["data"]["code"], "turn_conflict");
+    assert_eq!(
+        node.db
+            .count(&format!(
+                "SELECT count(*) FROM activities WHERE turn_seq = {unanswered}"
+            ))
+            .await,
+        1,
+        "one answer stored"
+    );
+}
+
+#[tokio::test]
+async fn agent_transient_frames_are_relayed_to_the_user_and_proactive_frames_are_acked() {
+    let node = TestNode::start_with(fast_settle).await;
+    let acme = node.tenant_with_channel("acme").await;
+    let token = agent_token(&node, &acme).await;
+    let (mut bot, welcome) = agent(&node, &token, Some("bot")).await;
+    settle(&welcome).await;
+    let (mut alice, conversation_id) = user(&node, &acme, "alice").await;
+    say(&mut alice, "a-1", "are you there?").await;
+    delivery(&mut bot, "text").await;
+
+    bot.send(json!({"conversationId": conversation_id, "frame": {"type": "error", "data": {"code": "busy", "message": "one moment"}}})).await;
+    let busy = alice.recv_type("error").await;
+    assert_eq!(busy["data"]["code"], "busy");
+    bot.send(
+        json!({"conversationId": conversation_id, "frame": {"type": "typing", "isTyping": true}}),
+    )
+    .await;
+    assert_eq!(alice.recv_type("typing").await["isTyping"], true);
+
+    bot.send(json!({"conversationId": conversation_id, "frame": {"type": "text", "clientId": "p-1", "data": {"text": "proactive"}}})).await;
+    let (_, ack) = delivery(&mut bot, "ack").await;
+    assert_eq!(ack["clientId"], "p-1");
+    let proactive = alice.recv_type("text").await;
+    assert_eq!(
+        (
+            proactive["data"]["text"].as_str(),
+            proactive["from"].as_str()
+        ),
+        (Some("proactive"), Some("bot"))
+    );
+
+    // A conversation outside the channel is refused.
+    let globex = node.tenant_with_channel("globex").await;
+    let (foreign, _) = node.conversation(&globex, "eve").await;
+    bot.send(json!({"conversationId": foreign, "frame": {"type": "text", "clientId": "p-2", "data": {"text": "x"}}})).await;
+    let (_, refused) = delivery(&mut bot, "error").await;
+    assert_eq!(refused["data"]["code"], "conversation_not_found");
+}
+
+#[tokio::test]
+async fn hello_watermarks_replay_the_listed_conversations() {
+    let node = TestNode::start().await;
+    let acme = node.tenant_with_channel("acme").await;
+    let (mut alice, conversation_id) = user(&node, &acme, "alice").await;
+    for n in 1..=3 {
+        say(&mut alice, &format!("a-{n}"), "x").await;
+    }
+    let token = agent_token(&node, &acme).await;
+    let mut observer = WsClient::connect(&node.ws_url("")).await;
+    observer
+        .hello(
+            &token,
+            json!({"watermarks": {conversation_id.to_string(): 1}}),
+        )
+        .await;
+    let replayed = observer.barrier().await;
+    let seqs: Vec<i64> = replayed
+        .iter()
+        .filter_map(|envelope| envelope["frame"]["seq"].as_i64())
+        .collect();
+    assert_eq!(seqs, vec![2, 3]);
+}
+
+#[tokio::test]
+async fn a_silent_member_is_dropped_at_the_idle_timeout_and_its_turn_taken_over() {
+    let node = TestNode::start_with(|config| {
+        fast_settle(config);
+        config.limits.heartbeat_interval_ms = 150;
+        config.limits.idle_timeout_ms = 600;
+    })
+    .await;
+    let acme = node.tenant_with_channel("acme").await;
+    let token = agent_token(&node, &acme).await;
+    let (mut silent, welcome_silent) = agent(&node, &token, Some("bot")).await;
+    let (mut alive, welcome_alive) = agent(&node, &token, Some("bot")).await;
+    settle(&welcome_silent).await;
+    settle(&welcome_alive).await;
+    let mut view = GroupView::new();
+    for welcome in [&welcome_silent, &welcome_alive] {
+        view.join(
+            welcome["data"]["connectionId"].as_str().unwrap(),
+            welcome["data"]["since"].as_i64().unwrap(),
+        );
+    }
+    let silent_id = welcome_silent["data"]["connectionId"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    for n in 0..40 {
+        let (conversation_id, user_token) = node.conversation(&acme, &format!("user-{n}")).await;
+        if view.owner(
+            &conversation_id.to_string(),
+            chrono::Utc::now().timestamp_millis(),
+        ) != Some(silent_id.as_str())
+        {
+            continue;
+        }
+        let mut client = WsClient::connect(&node.ws_url("")).await;
+        client.hello(&user_token, json!({})).await;
+        let seq = say(&mut client, "t-1", "anyone?").await;
+        // The silent member's socket stays open but it never reads or answers pings; the alive
+        // member keeps answering (its client replies to pings while it waits here).
+        let (conversation, taken) = delivery(&mut alive, "text").await;
+        assert_eq!(
+            (conversation, taken["seq"].as_i64()),
+            (conversation_id, Some(seq))
+        );
+        let (_, closed) = silent.recv_until_closed().await;
+        assert_eq!(closed.code, 4408);
+        return;
+    }
+    panic!("no conversation owned by the silent member among 40");
+}
