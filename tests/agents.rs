@@ -548,3 +548,123 @@ async fn a_silent_member_is_dropped_at_the_idle_timeout_and_its_turn_taken_over(
     }
     panic!("no conversation owned by the silent member among 40");
 }
+
+#[tokio::test]
+async fn edit_and_regenerate_open_new_revisions_for_the_current_owner() {
+    let node = TestNode::start_with(fast_settle).await;
+    let acme = node.tenant_with_channel("acme").await;
+    let token = agent_token(&node, &acme).await;
+    let (mut bot, welcome) = agent(&node, &token, Some("bot")).await;
+    settle(&welcome).await;
+    let (conversation_id, user_token) = node.conversation(&acme, "alice").await;
+    let mut alice = WsClient::connect(&node.ws_url("")).await;
+    alice.hello(&user_token, json!({})).await;
+    let mut other_tab = WsClient::connect(&node.ws_url("")).await;
+    other_tab.hello(&user_token, json!({})).await;
+    let original = say(&mut alice, "q-1", "what is 2+2").await;
+    delivery(&mut bot, "text").await;
+
+    alice.send(json!({"type": "edit", "clientId": "e-1", "seq": original, "data": {"text": "what is 3+3"}})).await;
+    let ack = alice.recv_until("ack").await.pop().unwrap();
+    assert_eq!(ack["turn"], json!({"seq": original, "revision": 1}));
+    let edit_seq = ack["seq"].as_i64().unwrap();
+    let (_, edited) = delivery(&mut bot, "text").await;
+    assert_eq!(edited["seq"], edit_seq, "frame.seq is the edit's own seq");
+    assert_eq!(edited["replaces"], original);
+    assert_eq!(edited["meta"]["turn"]["seq"], original);
+    assert_eq!(edited["meta"]["turn"]["revision"], 1);
+    assert_eq!(edited["meta"]["turn"]["reason"], "edit");
+    let copies: Vec<Value> = other_tab
+        .barrier()
+        .await
+        .into_iter()
+        .filter(|frame| frame["seq"] == edit_seq)
+        .collect();
+    assert_eq!(copies.len(), 1, "the other tab sees the edit");
+    assert!(
+        alice
+            .barrier()
+            .await
+            .iter()
+            .all(|frame| frame["seq"] != edit_seq),
+        "not echoed to the sender"
+    );
+
+    // An answer to revision 0 is superseded; revision 1 is answered.
+    bot.send(json!({"conversationId": conversation_id, "frame": turn_result("r-0", original, "4", None)})).await;
+    assert_eq!(
+        delivery(&mut bot, "error").await.1["data"]["code"],
+        "turn_superseded"
+    );
+    let mut answer = turn_result("r-1", original, "6", None);
+    answer["turn"]["revision"] = json!(1);
+    bot.send(json!({"conversationId": conversation_id, "frame": answer}))
+        .await;
+    assert_eq!(delivery(&mut bot, "ack").await.1["turn"]["revision"], 1);
+
+    let stored_before = node.db.count("SELECT count(*) FROM activities").await;
+    alice
+        .send(json!({"type": "regenerate", "clientId": "g-1", "seq": original}))
+        .await;
+    let ack = alice.recv_until("ack").await.pop().unwrap();
+    assert_eq!(ack["turn"], json!({"seq": original, "revision": 2}));
+    let (_, regenerated) = delivery(&mut bot, "text").await;
+    assert_eq!(regenerated["seq"], original);
+    assert_eq!(regenerated["meta"]["turn"]["revision"], 2);
+    assert_eq!(regenerated["meta"]["turn"]["reason"], "regenerate");
+    assert_eq!(
+        node.db.count("SELECT count(*) FROM activities").await,
+        stored_before,
+        "nothing stored until the answer"
+    );
+
+    // Only the user's own turns can be revised; an unknown target falls back to the latest turn.
+    alice
+        .send(json!({"type": "regenerate", "clientId": "g-2", "messageId": "no-such-id"}))
+        .await;
+    let ack = alice.recv_until("ack").await.pop().unwrap();
+    assert_eq!(ack["turn"]["seq"], original);
+}
+
+#[tokio::test]
+async fn the_rust_agent_client_answers_turns_and_resends_idempotently() {
+    use converger_client::agent::Agent;
+    let node = TestNode::start_with(fast_settle).await;
+    let acme = node.tenant_with_channel("acme").await;
+    let token = agent_token(&node, &acme).await;
+    let mut echo = Agent::connect(&node.ws_url(""), &token, Some("echo"))
+        .await
+        .unwrap();
+    let since = echo.welcome()["since"].as_i64().unwrap();
+    settle(&json!({"data": {"since": since}})).await;
+    let (mut alice, conversation_id) = user(&node, &acme, "alice").await;
+    for n in 1..=2 {
+        say(&mut alice, &format!("a-{n}"), &format!("ping {n}")).await;
+        let turn = echo.next_turn().await.unwrap();
+        assert_eq!(turn.conversation_id, conversation_id);
+        assert_eq!(turn.text(), Some(format!("ping {n}").as_str()));
+        assert_eq!(turn.runtime_version, n - 1);
+        let count = turn.runtime_state["count"].as_i64().unwrap_or(0) + 1;
+        let frames = vec![json!({"type": "text", "data": {"text": format!("echo {n}")}})];
+        let ack = echo
+            .reply(&turn, frames.clone(), Some(json!({"count": count})))
+            .await
+            .unwrap();
+        assert!(!ack.duplicate);
+        let again = echo
+            .reply(&turn, frames, Some(json!({"count": count})))
+            .await
+            .unwrap();
+        assert_eq!((again.duplicate, again.seqs), (true, ack.seqs));
+        let answer = alice.recv_type("text").await;
+        assert_eq!(answer["data"]["text"], format!("echo {n}"));
+    }
+    let runtime: serde_json::Value = {
+        let mut db = node.db.connect().await;
+        sqlx::query_scalar("SELECT state FROM conversation_runtime")
+            .fetch_one(&mut db)
+            .await
+            .unwrap()
+    };
+    assert_eq!(runtime, json!({"count": 2}));
+}

@@ -1,7 +1,8 @@
-//! A Rust client for converger. Today it speaks the REST surface (PROTOCOL section 6); the
-//! WebSocket sessions for end users and agents come with their issues.
+//! A Rust client for converger: the REST surface (PROTOCOL section 6) and the agent side of
+//! channel-scope sessions (section 4).
 #![forbid(unsafe_code)]
 
+pub mod agent;
 mod rest;
 
 pub use rest::{

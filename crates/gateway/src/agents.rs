@@ -18,6 +18,29 @@ use crate::hub::{ChannelEvent, Hub, HubEvent};
 const MEMORY_CONVERSATIONS: usize = 100_000;
 const MEMORY_TURNS_PER_CONVERSATION: usize = 64;
 
+/// The turn a delivery is for (PROTOCOL section 5: `meta.turn`).
+#[derive(Debug, Clone, Copy)]
+struct TurnRef<'a> {
+    seq: i64,
+    revision: i32,
+    /// `edit` or `regenerate` for revisions above 0.
+    reason: Option<&'a str>,
+}
+
+impl TurnRef<'_> {
+    fn to_json(self, conversation_id: Uuid) -> Value {
+        let mut turn = json!({
+            "seq": self.seq,
+            "revision": self.revision,
+            "key": format!("{conversation_id}:{}:{}", self.seq, self.revision),
+        });
+        if let Some(reason) = self.reason {
+            turn["reason"] = json!(reason);
+        }
+        turn
+    }
+}
+
 /// What the actor is told by agent sessions.
 #[derive(Debug)]
 pub enum ActorMessage {
@@ -186,7 +209,12 @@ impl ChannelActor {
             };
             for turn in pending {
                 metrics::counter!("converger_deliveries_total", "kind" => "takeover").increment(1);
-                self.deliver_turn(&decision.new_owner, &turn.activity, turn.revision)
+                let turn_ref = TurnRef {
+                    seq: turn.activity.seq,
+                    revision: turn.revision,
+                    reason: turn.reason.as_deref(),
+                };
+                self.deliver_turn(&decision.new_owner, &turn.activity, turn_ref)
                     .await;
             }
         }
@@ -228,6 +256,26 @@ impl ChannelActor {
                     self.on_committed(&frame).await;
                 }
             }
+            HubEvent::Regenerated { turn, revision } => {
+                // Answered again by the conversation's current owner in each group.
+                let now = chrono::Utc::now().timestamp_millis();
+                let owners: Vec<String> = self
+                    .views
+                    .values()
+                    .filter_map(|view| {
+                        view.owner(&conversation_id.to_string(), now)
+                            .map(str::to_owned)
+                    })
+                    .collect();
+                for owner in owners {
+                    let turn_ref = TurnRef {
+                        seq: turn.seq,
+                        revision,
+                        reason: Some("regenerate"),
+                    };
+                    self.deliver_turn(&owner, &turn, turn_ref).await;
+                }
+            }
             HubEvent::Transient { frame, .. } => {
                 // Forwarded client frames, typing, receipts and presence: to every observer and
                 // to the current owner of each group.
@@ -258,6 +306,19 @@ impl ChannelActor {
         if activity.sender_role != "user" {
             return;
         }
+        // An edit is revision + 1 of the turn it replaces; other user frames are new turns.
+        let turn = match (activity.turn_seq, activity.turn_revision) {
+            (Some(seq), Some(revision)) => TurnRef {
+                seq,
+                revision,
+                reason: Some("edit"),
+            },
+            _ => TurnRef {
+                seq: activity.seq,
+                revision: 0,
+                reason: None,
+            },
+        };
         let conversation = activity.conversation_id.to_string();
         let at = activity.timestamp_ms();
         let groups: Vec<String> = self.views.keys().cloned().collect();
@@ -273,16 +334,16 @@ impl ChannelActor {
                 .or_insert_with(|| {
                     PassedTurns::new(MEMORY_CONVERSATIONS, MEMORY_TURNS_PER_CONVERSATION)
                 })
-                .remember(&conversation, &owner, activity.seq, at);
+                .remember(&conversation, &owner, turn.seq, at);
             if self.agents.contains_key(&owner) {
                 metrics::counter!("converger_deliveries_total", "kind" => "first").increment(1);
-                self.deliver_turn(&owner, activity, 0).await;
+                self.deliver_turn(&owner, activity, turn).await;
             }
         }
     }
 
     /// Sends a user turn to a member with its `meta` (PROTOCOL section 4).
-    async fn deliver_turn(&self, connection_id: &str, activity: &Activity, revision: i32) {
+    async fn deliver_turn(&self, connection_id: &str, activity: &Activity, turn: TurnRef<'_>) {
         let Some(agent) = self.agents.get(connection_id) else {
             return;
         };
@@ -297,11 +358,7 @@ impl ChannelActor {
         frame["meta"] = json!({
             "channel": {"id": self.channel_id},
             "participant": {"id": activity.sender_id, "role": activity.sender_role},
-            "turn": {
-                "seq": activity.seq,
-                "revision": revision,
-                "key": format!("{}:{}:{}", activity.conversation_id, activity.seq, revision),
-            },
+            "turn": turn.to_json(activity.conversation_id),
             "runtime": {"version": version, "state": state},
         });
         let _ = agent

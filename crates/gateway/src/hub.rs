@@ -29,6 +29,13 @@ pub enum HubEvent {
         /// The frame, when known.
         activity: Option<Arc<Activity>>,
     },
+    /// A new revision of a turn that stores nothing (regenerate), for the agents.
+    Regenerated {
+        /// The turn's user frame.
+        turn: Arc<Activity>,
+        /// The new revision.
+        revision: i32,
+    },
     /// A transient frame for end users.
     Transient {
         /// The frame.

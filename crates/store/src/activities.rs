@@ -91,6 +91,11 @@ pub struct Activity {
     pub client_id: Option<String>,
     /// Commit time (database clock).
     pub created_at: DateTime<Utc>,
+    /// The turn this frame belongs to: the answered turn for agent results, the edited turn
+    /// for an edit.
+    pub turn_seq: Option<i64>,
+    /// The revision of that turn.
+    pub turn_revision: Option<i32>,
 }
 
 /// The result of a commit: the stored frame and whether it already existed.
@@ -116,7 +121,7 @@ pub enum Viewer<'a> {
     Agent,
 }
 
-pub(crate) const ACTIVITY_COLUMNS: &str = "conversation_id, seq, id, type, sender_id, sender_role, data, metadata, extra, client_id, created_at";
+pub(crate) const ACTIVITY_COLUMNS: &str = "conversation_id, seq, id, type, sender_id, sender_role, data, metadata, extra, client_id, created_at, turn_seq, turn_revision";
 
 impl Activity {
     /// Commit time in milliseconds since the Unix epoch, as sent on the wire.

@@ -388,7 +388,7 @@ impl Session<'_> {
                 "watermark": head,
                 "pending": pending,
                 "expiresAt": self.claims.exp.saturating_mul(1000),
-                "capabilities": {"acks": true, "typing": true, "receipts": true, "presence": true, "edit": false, "regenerate": false},
+                "capabilities": {"acks": true, "typing": true, "receipts": true, "presence": true, "edit": true, "regenerate": true},
                 "limits": self.state.config.limits.to_wire(false),
             }
         });
@@ -656,14 +656,14 @@ impl Session<'_> {
             ClientFrame::Typing { is_typing } => self.on_typing(is_typing).await,
             ClientFrame::Read { watermark } => self.on_read(watermark).await,
             ClientFrame::Auth { token } => self.on_auth(&token),
-            ClientFrame::Edit { client_id, .. } | ClientFrame::Regenerate { client_id, .. } => self
-                .push_error(ErrorFrame {
-                    client_id,
-                    ..ErrorFrame::new(
-                        ErrorCode::BadRequest,
-                        "edit and regenerate are not served by this version",
-                    )
-                }),
+            ClientFrame::Edit {
+                target,
+                client_id,
+                data,
+            } => self.on_revision(target, client_id, Some(data)).await,
+            ClientFrame::Regenerate { target, client_id } => {
+                self.on_revision(target, client_id, None).await
+            }
             ClientFrame::Forwarded { kind, frame } => {
                 if self.state.hub.has_agents(self.channel_id) {
                     let event = HubEvent::Transient {
@@ -690,6 +690,92 @@ impl Session<'_> {
                 })
             }
         }
+    }
+
+    /// `edit` (with `data`) or `regenerate`: revision + 1 of the targeted turn of this user.
+    async fn on_revision(
+        &mut self,
+        target: converger_protocol::TurnTarget,
+        client_id: Option<String>,
+        data: Option<Value>,
+    ) -> Result<(), Ending> {
+        let frame_type = if data.is_some() { "edit" } else { "regenerate" };
+        let refuse = |code: ErrorCode, message: &str| ErrorFrame {
+            client_id: client_id.clone(),
+            frame_type: Some(frame_type.into()),
+            ..ErrorFrame::new(code, message)
+        };
+        let seq = target.seq.and_then(|seq| i64::try_from(seq).ok());
+        let store = &self.state.store;
+        let turn = match store
+            .resolve_turn(
+                self.conversation_id,
+                &self.user_id,
+                seq,
+                target.message_id.as_deref(),
+            )
+            .await
+        {
+            Ok(Some(turn)) => turn,
+            Ok(None) => {
+                return self.push_error(refuse(ErrorCode::BadRequest, "no turn of yours to revise"));
+            }
+            Err(error) => {
+                tracing::warn!(%error, "revision target unreadable");
+                return self.push_error(refuse(ErrorCode::Internal, "try again"));
+            }
+        };
+        let edit = data
+            .as_ref()
+            .map(|data| (turn.kind.as_str(), data, client_id.as_deref()));
+        let revision = match store.open_revision(&turn, edit).await {
+            Ok(revision) => revision,
+            Err(StoreError::ConversationClosed) => {
+                return self.push_error(refuse(
+                    ErrorCode::ConversationClosed,
+                    "conversation is closed",
+                ));
+            }
+            Err(error) => {
+                tracing::warn!(%error, "revision not stored");
+                return self.push_error(refuse(ErrorCode::Internal, "the revision was not stored"));
+            }
+        };
+        let mut ack = json!({"type": "ack", "clientId": client_id, "turn": {"seq": revision.turn_seq, "revision": revision.revision}});
+        match revision.edit {
+            Some(stored) => {
+                let stored = Arc::new(stored);
+                ack["id"] = json!(stored.id);
+                ack["seq"] = json!(stored.seq);
+                ack["timestamp"] = json!(stored.timestamp_ms());
+                if revision.duplicate {
+                    ack["duplicate"] = Value::Bool(true);
+                } else {
+                    // The edit is a persistent frame: everyone but this connection sees it.
+                    self.own_seqs.insert(stored.seq);
+                    let event = HubEvent::Committed {
+                        seq: stored.seq,
+                        activity: Some(stored),
+                    };
+                    self.state
+                        .hub
+                        .publish_to_all(self.channel_id, self.conversation_id, event);
+                }
+            }
+            None => {
+                let event = HubEvent::Regenerated {
+                    turn: Arc::new(turn),
+                    revision: revision.revision,
+                };
+                self.state
+                    .hub
+                    .publish_to_agents(self.channel_id, self.conversation_id, event);
+            }
+        }
+        if client_id.is_none() || !self.is_converger() {
+            return Ok(());
+        }
+        self.push(&ack, false)
     }
 
     fn on_send(&mut self, frame: MessageFrame) -> Result<(), Ending> {
@@ -797,6 +883,7 @@ impl Session<'_> {
     ) -> Result<(), Ending> {
         match event {
             Ok(HubEvent::Committed { seq, activity }) => self.on_committed(seq, activity).await,
+            Ok(HubEvent::Regenerated { .. }) => Ok(()),
             Ok(HubEvent::Transient { frame, origin }) => {
                 self.on_transient(&frame, origin.as_deref())
             }
