@@ -668,3 +668,34 @@ async fn the_rust_agent_client_answers_turns_and_resends_idempotently() {
     };
     assert_eq!(runtime, json!({"count": 2}));
 }
+
+#[tokio::test]
+async fn one_groups_answers_reach_the_other_groups_owner_but_not_its_own() {
+    let node = TestNode::start_with(fast_settle).await;
+    let acme = node.tenant_with_channel("acme").await;
+    let token = agent_token(&node, &acme).await;
+    let (mut bot, welcome_bot) = agent(&node, &token, Some("bot")).await;
+    let (mut console, welcome_console) = agent(&node, &token, Some("console")).await;
+    settle(&welcome_bot).await;
+    settle(&welcome_console).await;
+    let (mut alice, conversation_id) = user(&node, &acme, "alice").await;
+    let seq = say(&mut alice, "a-1", "help").await;
+    delivery(&mut bot, "text").await;
+    delivery(&mut console, "text").await;
+    bot.send(json!({"conversationId": conversation_id, "frame": turn_result("r-1", seq, "bot answer", None)})).await;
+    delivery(&mut bot, "ack").await;
+    let (_, seen) = delivery(&mut console, "text").await;
+    assert_eq!(seen["data"]["text"], "bot answer");
+    assert_eq!(seen["sender"], json!({"id": "bot", "role": "agent"}));
+    assert!(
+        seen.get("meta").is_none(),
+        "another party's frame is not a turn"
+    );
+    assert!(
+        bot.barrier()
+            .await
+            .iter()
+            .all(|envelope| envelope["frame"]["type"] != "text"),
+        "the bot does not get its own answer back"
+    );
+}

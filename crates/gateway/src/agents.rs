@@ -52,6 +52,8 @@ pub enum ActorMessage {
         group: Option<String>,
         /// Eligibility time (ms).
         since_ms: i64,
+        /// The `sender.id` its frames are stored with.
+        sender_id: String,
         /// Where its deliveries go (enveloped frames).
         deliveries: mpsc::UnboundedSender<Value>,
     },
@@ -64,6 +66,7 @@ pub enum ActorMessage {
 
 struct Agent {
     group: Option<String>,
+    sender_id: String,
     deliveries: mpsc::UnboundedSender<Value>,
 }
 
@@ -149,6 +152,7 @@ impl ChannelActor {
                 connection_id,
                 group,
                 since_ms,
+                sender_id,
                 deliveries,
             } => {
                 if let Some(group) = &group {
@@ -161,6 +165,7 @@ impl ChannelActor {
                     connection_id,
                     Agent {
                         group: group.clone(),
+                        sender_id,
                         deliveries,
                     },
                 );
@@ -304,6 +309,7 @@ impl ChannelActor {
             let _ = agent.deliveries.send(envelope.clone());
         }
         if activity.sender_role != "user" {
+            self.deliver_other_party(activity, &envelope);
             return;
         }
         // An edit is revision + 1 of the turn it replaces; other user frames are new turns.
@@ -338,6 +344,27 @@ impl ChannelActor {
             if self.agents.contains_key(&owner) {
                 metrics::counter!("converger_deliveries_total", "kind" => "first").increment(1);
                 self.deliver_turn(&owner, activity, turn).await;
+            }
+        }
+    }
+
+    /// Frames of other parties (another group's answers, proactive frames): to the owner of each
+    /// group whose members did not write it. A group never gets its own frames back.
+    fn deliver_other_party(&self, activity: &Activity, envelope: &Value) {
+        let conversation = activity.conversation_id.to_string();
+        let at = activity.timestamp_ms();
+        for (group, view) in &self.views {
+            if *group == activity.sender_id {
+                continue;
+            }
+            let Some(owner) = view.owner(&conversation, at) else {
+                continue;
+            };
+            let Some(agent) = self.agents.get(owner) else {
+                continue;
+            };
+            if agent.sender_id != activity.sender_id {
+                let _ = agent.deliveries.send(envelope.clone());
             }
         }
     }

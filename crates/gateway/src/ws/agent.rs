@@ -109,6 +109,7 @@ pub(super) async fn run(
         connection_id: connection_id.to_string(),
         group,
         since_ms,
+        sender_id: session.sender_id.clone(),
         deliveries: deliveries_sender,
     });
     if let Some(watermarks) = &hello.watermarks {

@@ -718,7 +718,8 @@ impl Session<'_> {
         {
             Ok(Some(turn)) => turn,
             Ok(None) => {
-                return self.push_error(refuse(ErrorCode::BadRequest, "no turn of yours to revise"));
+                return self
+                    .push_error(refuse(ErrorCode::BadRequest, "no turn of yours to revise"));
             }
             Err(error) => {
                 tracing::warn!(%error, "revision target unreadable");
