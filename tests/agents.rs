@@ -699,3 +699,28 @@ async fn one_groups_answers_reach_the_other_groups_owner_but_not_its_own() {
         "the bot does not get its own answer back"
     );
 }
+
+#[tokio::test]
+async fn an_agent_addresses_at_most_max_conversations() {
+    let node = TestNode::start_with(|config| config.limits.max_conversations = 2).await;
+    let acme = node.tenant_with_channel("acme").await;
+    let token = agent_token(&node, &acme).await;
+    let (mut observer, welcome) = agent(&node, &token, None).await;
+    assert_eq!(welcome["data"]["limits"]["maxConversations"], 2);
+    let mut conversations = Vec::new();
+    for n in 0..3 {
+        conversations.push(node.conversation(&acme, &format!("user-{n}")).await.0);
+    }
+    for (n, conversation_id) in conversations.iter().enumerate() {
+        observer.send(json!({"conversationId": conversation_id, "frame": {"type": "sync", "watermark": 0}})).await;
+        let answered = observer.barrier().await;
+        if n < 2 {
+            assert!(answered.is_empty(), "{answered:?}");
+        } else {
+            assert_eq!(
+                answered[0]["frame"]["data"]["code"],
+                "too_many_subscriptions"
+            );
+        }
+    }
+}

@@ -342,6 +342,13 @@ impl AgentSession<'_> {
         self.push(&json!({"type": "tokenRefreshed", "data": {"expiresAt": expires_at}}))
     }
 
+    /// True when addressing this conversation would exceed `maxConversations`: the number of
+    /// distinct conversations this connection has sent frames for (deliveries do not count).
+    fn at_conversation_limit(&self, conversation_id: Uuid) -> bool {
+        !self.known_conversations.contains(&conversation_id)
+            && self.known_conversations.len() >= self.state.config.limits.max_conversations
+    }
+
     /// True when the conversation belongs to this channel (checked once per conversation).
     async fn owns_conversation(&mut self, conversation_id: Uuid) -> Result<bool, Ending> {
         if self.known_conversations.contains(&conversation_id) {
@@ -370,6 +377,13 @@ impl AgentSession<'_> {
         conversation_id: Uuid,
         frame: Map<String, Value>,
     ) -> Result<(), Ending> {
+        if self.at_conversation_limit(conversation_id) {
+            let error = ErrorFrame::new(
+                ErrorCode::TooManySubscriptions,
+                "maxConversations reached for this connection",
+            );
+            return self.enveloped_error(conversation_id, error);
+        }
         if !self.owns_conversation(conversation_id).await? {
             return self.enveloped_error(
                 conversation_id,
@@ -457,6 +471,13 @@ impl AgentSession<'_> {
     }
 
     async fn replay(&mut self, conversation_id: Uuid, watermark: u64) -> Result<(), Ending> {
+        if self.at_conversation_limit(conversation_id) {
+            let error = ErrorFrame::new(
+                ErrorCode::TooManySubscriptions,
+                "maxConversations reached for this connection",
+            );
+            return self.enveloped_error(conversation_id, error);
+        }
         if !self.owns_conversation(conversation_id).await? {
             return self.enveloped_error(
                 conversation_id,
