@@ -490,7 +490,7 @@ async fn hello_watermarks_replay_the_listed_conversations() {
             json!({"watermarks": {conversation_id.to_string(): 1}}),
         )
         .await;
-    let replayed = observer.barrier().await;
+    let replayed = turns(&mut observer, 2).await;
     let seqs: Vec<i64> = replayed
         .iter()
         .filter_map(|envelope| envelope["frame"]["seq"].as_i64())
@@ -723,4 +723,42 @@ async fn an_agent_addresses_at_most_max_conversations() {
             );
         }
     }
+}
+
+#[tokio::test]
+async fn watermark_replay_gives_a_member_only_the_turns_it_owns() {
+    let node = TestNode::start_with(fast_settle).await;
+    let acme = node.tenant_with_channel("acme").await;
+    let token = agent_token(&node, &acme).await;
+    let (mut serving, welcome) = agent(&node, &token, Some("bot")).await;
+    settle(&welcome).await;
+    let (mut alice, conversation_id) = user(&node, &acme, "alice").await;
+    for n in 1..=2 {
+        say(&mut alice, &format!("a-{n}"), "x").await;
+    }
+    turns(&mut serving, 2).await;
+    // A newcomer, not eligible when those turns were committed, owns none of them.
+    let mut newcomer = WsClient::connect(&node.ws_url("")).await;
+    newcomer
+        .hello(
+            &token,
+            json!({"group": "bot", "watermarks": {conversation_id.to_string(): 0}}),
+        )
+        .await;
+    newcomer
+        .send(json!({"conversationId": conversation_id, "frame": {"type": "sync", "watermark": 0}}))
+        .await;
+    let _ = newcomer.barrier().await;
+    // The serving member replays its own turns, with their meta; the actor handles requests in
+    // order, so by now the newcomer's replays were handled too.
+    serving
+        .send(json!({"conversationId": conversation_id, "frame": {"type": "sync", "watermark": 0}}))
+        .await;
+    let replayed = turns(&mut serving, 2).await;
+    assert_eq!(replayed[0]["frame"]["meta"]["turn"]["seq"], 1);
+    assert!(newcomer.barrier().await.iter().all(|envelope| {
+        envelope
+            .get("frame")
+            .is_none_or(|frame| frame["type"] == "error")
+    }));
 }

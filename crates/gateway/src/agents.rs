@@ -57,6 +57,18 @@ pub enum ActorMessage {
         /// Where its deliveries go (enveloped frames).
         deliveries: mpsc::UnboundedSender<Value>,
     },
+    /// Replay, for one agent connection, the frames of a conversation after `watermark` that it
+    /// owns (every frame for an observer): `hello.watermarks` and enveloped `sync`.
+    Replay {
+        /// The agent connection.
+        connection_id: String,
+        /// Conversation (checked by the session to belong to the channel).
+        conversation_id: Uuid,
+        /// Frames after this seq.
+        watermark: i64,
+        /// At most this many frames are read.
+        limit: i64,
+    },
     /// An agent connection ended.
     Leave {
         /// Its connection id.
@@ -173,6 +185,15 @@ impl ChannelActor {
                 if let Some(group) = group {
                     self.take_over(&group).await;
                 }
+            }
+            ActorMessage::Replay {
+                connection_id,
+                conversation_id,
+                watermark,
+                limit,
+            } => {
+                self.replay(&connection_id, conversation_id, watermark, limit)
+                    .await
             }
             ActorMessage::Leave { connection_id } => {
                 let Some(agent) = self.agents.remove(&connection_id) else {
@@ -344,6 +365,55 @@ impl ChannelActor {
             if self.agents.contains_key(&owner) {
                 metrics::counter!("converger_deliveries_total", "kind" => "first").increment(1);
                 self.deliver_turn(&owner, activity, turn).await;
+            }
+        }
+    }
+
+    /// Replays to one connection what it owns of a conversation after `watermark`.
+    async fn replay(&self, connection_id: &str, conversation_id: Uuid, watermark: i64, limit: i64) {
+        let Some(agent) = self.agents.get(connection_id) else {
+            return;
+        };
+        let frames = match self
+            .store
+            .list_activities(conversation_id, watermark, limit)
+            .await
+        {
+            Ok(frames) => frames,
+            Err(error) => {
+                tracing::warn!(%error, %conversation_id, "agent replay unreadable");
+                return;
+            }
+        };
+        let conversation = conversation_id.to_string();
+        let view = agent.group.as_ref().and_then(|group| self.views.get(group));
+        for activity in frames {
+            let Some(view) = view else {
+                // Observers own everything.
+                let envelope = json!({"conversationId": conversation_id, "frame": activity.to_frame(Viewer::Agent)});
+                let _ = agent.deliveries.send(envelope);
+                continue;
+            };
+            if view.owner(&conversation, activity.timestamp_ms()) != Some(connection_id) {
+                continue;
+            }
+            if activity.sender_role == "user" {
+                let turn = match (activity.turn_seq, activity.turn_revision) {
+                    (Some(seq), Some(revision)) => TurnRef {
+                        seq,
+                        revision,
+                        reason: Some("edit"),
+                    },
+                    _ => TurnRef {
+                        seq: activity.seq,
+                        revision: 0,
+                        reason: None,
+                    },
+                };
+                self.deliver_turn(connection_id, &activity, turn).await;
+            } else if activity.sender_id != agent.sender_id {
+                let envelope = json!({"conversationId": conversation_id, "frame": activity.to_frame(Viewer::Agent)});
+                let _ = agent.deliveries.send(envelope);
             }
         }
     }

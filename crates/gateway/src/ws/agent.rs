@@ -12,7 +12,7 @@ use converger_protocol::{
 };
 use converger_store::bus::Origin;
 use converger_store::{
-    AnswerFrame, AnswerOutcome, NewActivity, RuntimeWrite, Sender, SenderRole, TurnAnswer, Viewer,
+    AnswerFrame, AnswerOutcome, NewActivity, RuntimeWrite, Sender, SenderRole, TurnAnswer,
 };
 use futures_util::StreamExt;
 use futures_util::stream::SplitStream;
@@ -42,6 +42,8 @@ struct AgentSession<'a> {
     sender_id: String,
     /// Conversations checked to belong to the channel.
     known_conversations: HashSet<Uuid>,
+    /// The channel actor (set once joined).
+    inbox: Option<mpsc::UnboundedSender<ActorMessage>>,
     rate: TokenBucket,
     last_inbound: Instant,
     last_outbound: Instant,
@@ -78,6 +80,7 @@ pub(super) async fn run(
         claims,
         connection_id,
         known_conversations: HashSet::new(),
+        inbox: None,
         rate: TokenBucket::new(state.config.limits.max_frames_per_sec, now.into_std()),
         last_inbound: now,
         last_outbound: now,
@@ -112,6 +115,7 @@ pub(super) async fn run(
         sender_id: session.sender_id.clone(),
         deliveries: deliveries_sender,
     });
+    session.inbox = Some(inbox.clone());
     if let Some(watermarks) = &hello.watermarks {
         for (conversation, watermark) in watermarks {
             let (Ok(conversation_id), Some(watermark)) =
@@ -470,6 +474,7 @@ impl AgentSession<'_> {
         }
     }
 
+    /// Asks the actor to replay what this connection owns of a conversation after `watermark`.
     async fn replay(&mut self, conversation_id: Uuid, watermark: u64) -> Result<(), Ending> {
         if self.at_conversation_limit(conversation_id) {
             let error = ErrorFrame::new(
@@ -479,31 +484,21 @@ impl AgentSession<'_> {
             return self.enveloped_error(conversation_id, error);
         }
         if !self.owns_conversation(conversation_id).await? {
-            return self.enveloped_error(
-                conversation_id,
-                ErrorFrame::new(
-                    ErrorCode::ConversationNotFound,
-                    "conversation not found in this channel",
-                ),
+            let error = ErrorFrame::new(
+                ErrorCode::ConversationNotFound,
+                "conversation not found in this channel",
             );
+            return self.enveloped_error(conversation_id, error);
         }
-        let batch = self.state.config.limits.replay_batch as i64;
-        let mut after = i64::try_from(watermark).unwrap_or(i64::MAX);
-        loop {
-            let rows = self
-                .state
-                .store
-                .list_activities(conversation_id, after, batch)
-                .await
-                .map_err(|_| internal_close(self.outbound))?;
-            let Some(last) = rows.last().map(|row| row.seq) else {
-                return Ok(());
-            };
-            for row in rows {
-                self.push_enveloped(conversation_id, row.to_frame(Viewer::Agent))?;
-            }
-            after = last;
+        if let Some(inbox) = &self.inbox {
+            let _ = inbox.send(ActorMessage::Replay {
+                connection_id: self.connection_id.to_string(),
+                conversation_id,
+                watermark: i64::try_from(watermark).unwrap_or(i64::MAX),
+                limit: self.state.config.limits.replay_max as i64,
+            });
         }
+        Ok(())
     }
 
     fn sender(&self) -> Sender {
