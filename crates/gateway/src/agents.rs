@@ -28,6 +28,23 @@ struct TurnRef<'a> {
 }
 
 impl TurnRef<'_> {
+    /// The turn a user frame stands for: an edit is revision + 1 of the turn it replaces,
+    /// any other user frame is a new turn at revision 0.
+    fn of(activity: &Activity) -> TurnRef<'static> {
+        match (activity.turn_seq, activity.turn_revision) {
+            (Some(seq), Some(revision)) => TurnRef {
+                seq,
+                revision,
+                reason: Some("edit"),
+            },
+            _ => TurnRef {
+                seq: activity.seq,
+                revision: 0,
+                reason: None,
+            },
+        }
+    }
+
     fn to_json(self, conversation_id: Uuid) -> Value {
         let mut turn = json!({
             "seq": self.seq,
@@ -334,18 +351,7 @@ impl ChannelActor {
             return;
         }
         // An edit is revision + 1 of the turn it replaces; other user frames are new turns.
-        let turn = match (activity.turn_seq, activity.turn_revision) {
-            (Some(seq), Some(revision)) => TurnRef {
-                seq,
-                revision,
-                reason: Some("edit"),
-            },
-            _ => TurnRef {
-                seq: activity.seq,
-                revision: 0,
-                reason: None,
-            },
-        };
+        let turn = TurnRef::of(activity);
         let conversation = activity.conversation_id.to_string();
         let at = activity.timestamp_ms();
         let groups: Vec<String> = self.views.keys().cloned().collect();
@@ -398,18 +404,7 @@ impl ChannelActor {
                 continue;
             }
             if activity.sender_role == "user" {
-                let turn = match (activity.turn_seq, activity.turn_revision) {
-                    (Some(seq), Some(revision)) => TurnRef {
-                        seq,
-                        revision,
-                        reason: Some("edit"),
-                    },
-                    _ => TurnRef {
-                        seq: activity.seq,
-                        revision: 0,
-                        reason: None,
-                    },
-                };
+                let turn = TurnRef::of(&activity);
                 self.deliver_turn(connection_id, &activity, turn).await;
             } else if activity.sender_id != agent.sender_id {
                 let envelope = json!({"conversationId": conversation_id, "frame": activity.to_frame(Viewer::Agent)});

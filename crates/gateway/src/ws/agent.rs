@@ -21,7 +21,9 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use uuid::Uuid;
 
-use super::conversation::{Ending, expiry_instant, internal_close, now_ms, read_failure};
+use super::conversation::{
+    Ending, Inbound, binary_refusal, classify, expiry_instant, internal_close, now_ms,
+};
 use super::handshake::AgentSetup;
 use super::outbound::{Outbound, PushError};
 use super::rate::TokenBucket;
@@ -225,25 +227,12 @@ impl AgentSession<'_> {
         &mut self,
         message: Option<Result<Message, axum::Error>>,
     ) -> Result<(), Ending> {
-        let message = match message {
-            None => return Err(Ending::Gone),
-            Some(Ok(message)) => message,
-            Some(Err(error)) => return Err(read_failure(&error)),
-        };
+        let inbound = classify(message)?;
         self.last_inbound = Instant::now();
-        let text = match message {
-            Message::Text(text) => text,
-            Message::Binary(_) => {
-                return self.push(
-                    &ErrorFrame::new(
-                        ErrorCode::InvalidMessage,
-                        "binary messages are not accepted",
-                    )
-                    .to_json(),
-                );
-            }
-            Message::Ping(_) | Message::Pong(_) => return Ok(()),
-            Message::Close(_) => return Err(Ending::Gone),
+        let text = match inbound {
+            Inbound::Text(text) => text,
+            Inbound::Binary => return self.push(&binary_refusal().to_json()),
+            Inbound::Control => return Ok(()),
         };
         if let Err(wait) = self.rate.take(std::time::Instant::now()) {
             let error = ErrorFrame {

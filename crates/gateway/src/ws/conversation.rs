@@ -589,22 +589,12 @@ impl Session<'_> {
         &mut self,
         message: Option<Result<Message, axum::Error>>,
     ) -> Result<(), Ending> {
-        let message = match message {
-            None => return Err(Ending::Gone),
-            Some(Ok(message)) => message,
-            Some(Err(error)) => return Err(read_failure(&error)),
-        };
+        let inbound = classify(message)?;
         self.last_inbound = Instant::now();
-        let text = match message {
-            Message::Text(text) => text,
-            Message::Binary(_) => {
-                return self.push_error(ErrorFrame::new(
-                    ErrorCode::InvalidMessage,
-                    "binary messages are not accepted",
-                ));
-            }
-            Message::Ping(_) | Message::Pong(_) => return Ok(()),
-            Message::Close(_) => return Err(Ending::Gone),
+        let text = match inbound {
+            Inbound::Text(text) => text,
+            Inbound::Binary => return self.push_error(binary_refusal()),
+            Inbound::Control => return Ok(()),
         };
         if let Err(wait) = self.rate.take(std::time::Instant::now()) {
             match self.profile {
@@ -1153,6 +1143,35 @@ fn catalog_frame(
         return json!({"type": kind, "hash": hash, "unchanged": true});
     }
     json!({"type": kind, "hash": hash, list_field: catalog.get(list_field).cloned().unwrap_or(Value::Array(vec![]))})
+}
+
+/// What one read from the socket means for a session.
+pub(super) enum Inbound {
+    /// A text message to parse.
+    Text(axum::extract::ws::Utf8Bytes),
+    /// A binary message: refused with `invalid_message`.
+    Binary,
+    /// Ping or pong: activity, nothing to answer.
+    Control,
+}
+
+/// Sorts one read: the end of the stream, a close or a read failure end the session.
+pub(super) fn classify(message: Option<Result<Message, axum::Error>>) -> Result<Inbound, Ending> {
+    match message {
+        None | Some(Ok(Message::Close(_))) => Err(Ending::Gone),
+        Some(Err(error)) => Err(read_failure(&error)),
+        Some(Ok(Message::Text(text))) => Ok(Inbound::Text(text)),
+        Some(Ok(Message::Binary(_))) => Ok(Inbound::Binary),
+        Some(Ok(Message::Ping(_) | Message::Pong(_))) => Ok(Inbound::Control),
+    }
+}
+
+/// The answer to a binary message.
+pub(super) fn binary_refusal() -> ErrorFrame {
+    ErrorFrame::new(
+        ErrorCode::InvalidMessage,
+        "binary messages are not accepted",
+    )
 }
 
 /// A read error: above the hard cap the connection closes with 1009, anything else ends it.
