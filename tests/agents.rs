@@ -250,7 +250,8 @@ async fn resends_are_acked_identically_and_a_different_result_is_a_conflict() {
     assert!(acks[0].get("duplicate").is_none());
     assert!(acks[1..].iter().all(|ack| ack["duplicate"] == true
         && ack["seqs"] == acks[0]["seqs"]
-        && ack["ids"] == acks[0]["ids"]));
+        && ack["ids"] == acks[0]["ids"]
+        && ack["timestamp"] == acks[0]["timestamp"]));
     assert_eq!(
         node.db
             .count("SELECT count(*) FROM activities WHERE turn_seq IS NOT NULL")

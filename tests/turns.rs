@@ -83,7 +83,8 @@ async fn an_answer_commits_frames_runtime_and_completion_together_and_resends_ar
         Some((0, json!({"count": 1}))),
     );
 
-    let AnswerOutcome::Committed { activities } = store.commit_answer(&reply).await.unwrap() else {
+    let AnswerOutcome::Committed { activities, .. } = store.commit_answer(&reply).await.unwrap()
+    else {
         panic!("first answer commits");
     };
     let seqs: Vec<i64> = activities.iter().map(|activity| activity.seq).collect();

@@ -3,8 +3,9 @@
 //!
 //! Every node computes the same owner with no coordination: the owner of a turn is the member,
 //! among those whose eligibility time (`since`) is at or before the turn's commit time, with the
-//! highest [`owner_hash`] of (conversation, connection); when no member is eligible yet, all
-//! members count. A member joining only changes the owner of turns committed after its `since`
+//! highest [`owner_hash`] of (conversation, connection); when no member is eligible yet, the
+//! members with the earliest `since` count (ADR 0006). A member joining only changes the owner
+//! of turns committed after its `since`
 //! (so a turn already delivered is never delivered again to the newcomer), and rendezvous hashing
 //! only moves the conversations whose winner came or went.
 

@@ -355,6 +355,7 @@ impl ChannelActor {
         let conversation = activity.conversation_id.to_string();
         let at = activity.timestamp_ms();
         let groups: Vec<String> = self.views.keys().cloned().collect();
+        let mut local_owners = Vec::new();
         for group in groups {
             let owner = self
                 .views
@@ -369,9 +370,19 @@ impl ChannelActor {
                 })
                 .remember(&conversation, &owner, turn.seq, at);
             if self.agents.contains_key(&owner) {
-                metrics::counter!("converger_deliveries_total", "kind" => "first").increment(1);
-                self.deliver_turn(&owner, activity, turn).await;
+                local_owners.push(owner);
             }
+        }
+        if local_owners.is_empty() {
+            return;
+        }
+        // One runtime read per turn; then every group's owner gets it at the same moment.
+        let Some(envelope) = self.turn_envelope(activity, turn).await else {
+            return;
+        };
+        for owner in local_owners {
+            metrics::counter!("converger_deliveries_total", "kind" => "first").increment(1);
+            self.send(&owner, envelope.clone());
         }
     }
 
@@ -419,7 +430,13 @@ impl ChannelActor {
         let conversation = activity.conversation_id.to_string();
         let at = activity.timestamp_ms();
         for (group, view) in &self.views {
-            if *group == activity.sender_id {
+            // The writer's own group: named like the sender, or one of its members wrote it.
+            let written_by_group = *group == activity.sender_id
+                || self.agents.values().any(|agent| {
+                    agent.group.as_deref() == Some(group.as_str())
+                        && agent.sender_id == activity.sender_id
+                });
+            if written_by_group {
                 continue;
             }
             let Some(owner) = view.owner(&conversation, at) else {
@@ -436,14 +453,19 @@ impl ChannelActor {
 
     /// Sends a user turn to a member with its `meta` (PROTOCOL section 4).
     async fn deliver_turn(&self, connection_id: &str, activity: &Activity, turn: TurnRef<'_>) {
-        let Some(agent) = self.agents.get(connection_id) else {
-            return;
-        };
+        if let Some(envelope) = self.turn_envelope(activity, turn).await {
+            self.send(connection_id, envelope);
+        }
+    }
+
+    /// A user turn enveloped with its `meta` (PROTOCOL section 4); `None` when the runtime
+    /// cannot be read (the turn stays pending and a takeover or resend recovers it).
+    async fn turn_envelope(&self, activity: &Activity, turn: TurnRef<'_>) -> Option<Value> {
         let (version, state) = match self.store.runtime(activity.conversation_id).await {
             Ok(runtime) => runtime,
             Err(error) => {
                 tracing::error!(%error, "delivery: runtime unreadable");
-                return;
+                return None;
             }
         };
         let mut frame = activity.to_frame(Viewer::Agent);
@@ -453,8 +475,12 @@ impl ChannelActor {
             "turn": turn.to_json(activity.conversation_id),
             "runtime": {"version": version, "state": state},
         });
-        let _ = agent
-            .deliveries
-            .send(json!({"conversationId": activity.conversation_id, "frame": frame}));
+        Some(json!({"conversationId": activity.conversation_id, "frame": frame}))
+    }
+
+    fn send(&self, connection_id: &str, envelope: Value) {
+        if let Some(agent) = self.agents.get(connection_id) {
+            let _ = agent.deliveries.send(envelope);
+        }
     }
 }

@@ -92,6 +92,7 @@ const CHANNEL_BUFFER: usize = 1024;
 pub struct Hub {
     node_id: String,
     channels: Mutex<HashMap<Uuid, broadcast::Sender<ChannelEvent>>>,
+    agents_connected: Mutex<HashMap<Uuid, usize>>,
     conversations: Mutex<HashMap<Uuid, Topic>>,
     sessions: Mutex<HashMap<Uuid, SessionEntry>>,
     sessions_closed: tokio::sync::Notify,
@@ -119,6 +120,7 @@ impl Hub {
         Hub {
             node_id: node_id.into(),
             channels: Mutex::new(HashMap::new()),
+            agents_connected: Mutex::new(HashMap::new()),
             conversations: Mutex::new(HashMap::new()),
             sessions: Mutex::new(HashMap::new()),
             sessions_closed: tokio::sync::Notify::new(),
@@ -177,9 +179,18 @@ impl Hub {
 
     /// True when agents of the channel are connected to this node.
     pub fn has_agents(&self, channel_id: Uuid) -> bool {
-        lock(&self.channels)
+        lock(&self.agents_connected)
             .get(&channel_id)
-            .is_some_and(|sender| sender.receiver_count() > 0)
+            .is_some_and(|count| *count > 0)
+    }
+
+    /// Counts an agent connection of a channel while the guard lives.
+    pub fn agent_connected(self: &Arc<Self>, channel_id: Uuid) -> AgentGuard {
+        *lock(&self.agents_connected).entry(channel_id).or_insert(0) += 1;
+        AgentGuard {
+            hub: Arc::clone(self),
+            channel_id,
+        }
     }
 
     /// Hands an event to the channel's agents on this node only (forwarded client frames).
@@ -307,5 +318,23 @@ impl Drop for SessionGuard {
         lock(&self.hub.sessions).remove(&self.connection_id);
         metrics::gauge!("converger_ws_sessions").decrement(1.0);
         self.hub.sessions_closed.notify_waiters();
+    }
+}
+
+/// Keeps an agent connection counted while alive.
+pub struct AgentGuard {
+    hub: Arc<Hub>,
+    channel_id: Uuid,
+}
+
+impl Drop for AgentGuard {
+    fn drop(&mut self) {
+        let mut counts = lock(&self.hub.agents_connected);
+        if let Some(count) = counts.get_mut(&self.channel_id) {
+            *count = count.saturating_sub(1);
+            if *count == 0 {
+                counts.remove(&self.channel_id);
+            }
+        }
     }
 }

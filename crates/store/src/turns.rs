@@ -80,6 +80,8 @@ pub enum AnswerOutcome {
     Committed {
         /// The stored frames.
         activities: Vec<Activity>,
+        /// When the answer was committed (the ack's timestamp, first time and on resends).
+        completed_at: DateTime<Utc>,
     },
     /// The same answer was stored before; nothing new.
     Duplicate {
@@ -336,9 +338,10 @@ async fn commit_answer(
         .map(|activity| activity.id.clone())
         .collect();
     let result_seqs: Vec<i64> = activities.iter().map(|activity| activity.seq).collect();
-    sqlx::query(
+    let completed_at: DateTime<Utc> = sqlx::query_scalar(
         "UPDATE turns SET status = 'completed', result_fingerprint = $4, result_ids = $5, result_seqs = $6, completed_at = now()
-         WHERE conversation_id = $1 AND seq = $2 AND revision = $3",
+         WHERE conversation_id = $1 AND seq = $2 AND revision = $3
+         RETURNING completed_at",
     )
     .bind(answer.conversation_id)
     .bind(answer.seq)
@@ -346,7 +349,7 @@ async fn commit_answer(
     .bind(fingerprint)
     .bind(&result_ids)
     .bind(&result_seqs)
-    .execute(&mut *tx)
+    .fetch_one(&mut *tx)
     .await?;
     if let (Some(first), Some(last)) = (result_seqs.first(), result_seqs.last()) {
         sqlx::query(sqlx::AssertSqlSafe(format!(
@@ -365,7 +368,10 @@ async fn commit_answer(
         .await?;
     }
     tx.commit().await?;
-    Ok(AnswerOutcome::Committed { activities })
+    Ok(AnswerOutcome::Committed {
+        activities,
+        completed_at,
+    })
 }
 
 /// A new revision of a turn (edit or regenerate).

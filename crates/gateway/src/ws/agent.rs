@@ -107,6 +107,8 @@ pub(super) async fn run(
         return ending;
     }
     let (deliveries_sender, mut deliveries) = mpsc::unbounded_channel::<Value>();
+    // Counted while connected: end users' forwarded frames go to agents only when one is here.
+    let _counted = state.hub.agent_connected(session.channel_id);
     let inbox = state
         .actors
         .inbox(session.channel_id, &state.hub, &state.store);
@@ -603,14 +605,17 @@ impl AgentSession<'_> {
             ..ErrorFrame::new(code, message)
         };
         let ack = match outcome {
-            AnswerOutcome::Committed { activities } => {
+            AnswerOutcome::Committed {
+                activities,
+                completed_at,
+            } => {
                 metrics::counter!("converger_turn_results_total", "outcome" => "committed")
                     .increment(1);
                 let ack = json!({
                     "type": "ack", "clientId": client_id, "turn": turn,
                     "ids": activities.iter().map(|activity| activity.id.clone()).collect::<Vec<_>>(),
                     "seqs": activities.iter().map(|activity| activity.seq).collect::<Vec<_>>(),
-                    "timestamp": activities.last().map_or_else(now_ms, |activity| activity.timestamp_ms()),
+                    "timestamp": completed_at.timestamp_millis(),
                 });
                 for activity in activities {
                     let activity = Arc::new(activity);
@@ -675,6 +680,12 @@ impl AgentSession<'_> {
                 );
             }
         };
+        let mut ack = ack;
+        if client_id.is_none()
+            && let Some(fields) = ack.as_object_mut()
+        {
+            fields.remove("clientId");
+        }
         self.push_enveloped(conversation_id, ack)
     }
 

@@ -940,7 +940,9 @@ impl Session<'_> {
                 return Ok(());
             }
         }
-        self.push(frame, true)
+        // Errors relayed from agents answer the user's frame: never dropped under pressure.
+        let droppable = frame.get("type").and_then(Value::as_str) != Some("error");
+        self.push(frame, droppable)
     }
 
     async fn on_sync(&mut self, watermark: u64) -> Result<(), Ending> {
