@@ -619,6 +619,23 @@ async fn edit_and_regenerate_open_new_revisions_for_the_current_owner() {
         "nothing stored until the answer"
     );
 
+    // A resend of the regenerate is the same revision, not a new one.
+    alice
+        .send(json!({"type": "regenerate", "clientId": "g-1", "seq": original}))
+        .await;
+    let again = alice.recv_until("ack").await.pop().unwrap();
+    assert_eq!(
+        (again["turn"].clone(), again["duplicate"].clone()),
+        (json!({"seq": original, "revision": 2}), json!(true))
+    );
+    assert!(
+        bot.barrier()
+            .await
+            .iter()
+            .all(|envelope| envelope["frame"]["type"] != "text"),
+        "no second delivery"
+    );
+
     // Only the user's own turns can be revised; an unknown target falls back to the latest turn.
     alice
         .send(json!({"type": "regenerate", "clientId": "g-2", "messageId": "no-such-id"}))
@@ -762,4 +779,58 @@ async fn watermark_replay_gives_a_member_only_the_turns_it_owns() {
             .get("frame")
             .is_none_or(|frame| frame["type"] == "error")
     }));
+}
+
+#[tokio::test]
+async fn a_taken_over_edited_turn_carries_the_edit() {
+    let node = TestNode::start_with(fast_settle).await;
+    let acme = node.tenant_with_channel("acme").await;
+    let token = agent_token(&node, &acme).await;
+    let (mut first, welcome_first) = agent(&node, &token, Some("bot")).await;
+    let (mut second, welcome_second) = agent(&node, &token, Some("bot")).await;
+    settle(&welcome_first).await;
+    settle(&welcome_second).await;
+    let mut view = GroupView::new();
+    for welcome in [&welcome_first, &welcome_second] {
+        view.join(
+            welcome["data"]["connectionId"].as_str().unwrap(),
+            welcome["data"]["since"].as_i64().unwrap(),
+        );
+    }
+    let first_id = welcome_first["data"]["connectionId"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    for n in 0..40 {
+        let (conversation_id, user_token) = node.conversation(&acme, &format!("user-{n}")).await;
+        if view.owner(
+            &conversation_id.to_string(),
+            chrono::Utc::now().timestamp_millis(),
+        ) != Some(first_id.as_str())
+        {
+            continue;
+        }
+        let mut client = WsClient::connect(&node.ws_url("")).await;
+        client.hello(&user_token, json!({})).await;
+        let original = say(&mut client, "t-1", "first words").await;
+        delivery(&mut first, "text").await;
+        client.send(json!({"type": "edit", "clientId": "e-1", "seq": original, "data": {"text": "better words"}})).await;
+        let edit_seq = client.recv_until("ack").await.pop().unwrap()["seq"]
+            .as_i64()
+            .unwrap();
+        let (_, edited) = delivery(&mut first, "text").await;
+        assert_eq!(edited["seq"], edit_seq);
+        first.close().await;
+        let (_, taken) = delivery(&mut second, "text").await;
+        assert_eq!(
+            taken["seq"], edit_seq,
+            "the new owner gets the edit, not the original"
+        );
+        assert_eq!(taken["data"]["text"], "better words");
+        assert_eq!(taken["meta"]["turn"]["seq"], original);
+        assert_eq!(taken["meta"]["turn"]["revision"], 1);
+        assert_eq!(taken["meta"]["turn"]["reason"], "edit");
+        return;
+    }
+    panic!("no conversation owned by the first member among 40");
 }

@@ -195,7 +195,7 @@ async fn stale_runtime_superseded_revisions_and_unknown_turns_store_nothing() {
     assert_eq!(
         pending
             .iter()
-            .map(|turn| (turn.activity.seq, turn.revision))
+            .map(|turn| (turn.turn_seq, turn.revision))
             .collect::<Vec<_>>(),
         vec![(second, 1)]
     );

@@ -253,7 +253,7 @@ impl ChannelActor {
             for turn in pending {
                 metrics::counter!("converger_deliveries_total", "kind" => "takeover").increment(1);
                 let turn_ref = TurnRef {
-                    seq: turn.activity.seq,
+                    seq: turn.turn_seq,
                     revision: turn.revision,
                     reason: turn.reason.as_deref(),
                 };

@@ -114,8 +114,10 @@ pub enum AnswerOutcome {
 /// A turn as delivered to an agent.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PendingTurn {
-    /// The user's frame.
+    /// The frame to deliver: the turn's latest edit, or the turn itself.
     pub activity: Activity,
+    /// The turn's seq (the original user frame's).
+    pub turn_seq: i64,
     /// The latest revision.
     pub revision: i32,
     /// `edit` or `regenerate` for revisions above 0.
@@ -153,20 +155,27 @@ impl Store {
         conversation_id: Uuid,
         seqs: &[i64],
     ) -> Result<Vec<PendingTurn>, StoreError> {
+        // The frame delivered is the latest edit of the turn when there is one, else the turn.
         let columns = ACTIVITY_COLUMNS
             .split(", ")
-            .map(|column| format!("a.{column}"))
+            .map(|column| format!("shown.{column}"))
             .collect::<Vec<_>>()
             .join(", ");
         let rows = self
             .timed("pending_turns", async {
                 sqlx::query(sqlx::AssertSqlSafe(format!(
-                    "SELECT {columns}, t.revision, t.reason FROM activities a
+                    "SELECT {columns}, a.seq AS pending_seq, t.revision AS pending_revision, t.reason AS pending_reason
+                     FROM activities a
                      JOIN LATERAL (
                          SELECT revision, status, reason FROM turns
                          WHERE conversation_id = a.conversation_id AND seq = a.seq
                          ORDER BY revision DESC LIMIT 1
                      ) t ON t.status = 'pending'
+                     JOIN activities shown ON shown.conversation_id = a.conversation_id AND shown.seq = COALESCE(
+                         (SELECT source_seq FROM turns e
+                          WHERE e.conversation_id = a.conversation_id AND e.seq = a.seq AND e.reason = 'edit'
+                          ORDER BY e.revision DESC LIMIT 1),
+                         a.seq)
                      WHERE a.conversation_id = $1 AND a.seq = ANY($2)
                      ORDER BY a.seq"
                 )))
@@ -181,8 +190,9 @@ impl Store {
                 let activity = <Activity as sqlx::FromRow<_>>::from_row(&row)?;
                 Ok(PendingTurn {
                     activity,
-                    revision: row.try_get("revision")?,
-                    reason: row.try_get("reason")?,
+                    turn_seq: row.try_get("pending_seq")?,
+                    revision: row.try_get("pending_revision")?,
+                    reason: row.try_get("pending_reason")?,
                 })
             })
             .collect::<Result<Vec<_>, sqlx::Error>>()
@@ -436,27 +446,10 @@ impl Store {
         &self,
         target: &Activity,
         edit: Option<(&str, &Value, Option<&str>)>,
+        regenerate_key: Option<&str>,
     ) -> Result<Revision, StoreError> {
         let Some((kind, data, client_id)) = edit else {
-            let revision: i32 = self
-                .timed("regenerate", async {
-                    sqlx::query_scalar(
-                        "INSERT INTO turns (conversation_id, seq, revision, status, reason)
-                         SELECT $1, $2, max(revision) + 1, 'pending', 'regenerate' FROM turns WHERE conversation_id = $1 AND seq = $2
-                         RETURNING revision",
-                    )
-                    .bind(target.conversation_id)
-                    .bind(target.seq)
-                    .fetch_one(&self.pool)
-                    .await
-                })
-                .await?;
-            return Ok(Revision {
-                turn_seq: target.seq,
-                revision,
-                edit: None,
-                duplicate: false,
-            });
+            return self.regenerate(target, regenerate_key).await;
         };
         if let Some(client_id) = client_id {
             let existing = self
@@ -529,5 +522,81 @@ impl Store {
             edit: Some(stored),
             duplicate: false,
         })
+    }
+}
+
+impl Store {
+    /// A regenerate: the registry row of revision + 1, idempotent by the client's key.
+    async fn regenerate(
+        &self,
+        target: &Activity,
+        client_id: Option<&str>,
+    ) -> Result<Revision, StoreError> {
+        if let Some(existing) = self
+            .regenerate_by_key(target.conversation_id, client_id)
+            .await?
+        {
+            return Ok(existing);
+        }
+        let inserted = self
+            .timed("regenerate", async {
+                sqlx::query_scalar::<_, i32>(
+                    "INSERT INTO turns (conversation_id, seq, revision, status, reason, client_id)
+                     SELECT $1, $2, max(revision) + 1, 'pending', 'regenerate', $3 FROM turns
+                     WHERE conversation_id = $1 AND seq = $2
+                     RETURNING revision",
+                )
+                .bind(target.conversation_id)
+                .bind(target.seq)
+                .bind(client_id)
+                .fetch_one(&self.pool)
+                .await
+            })
+            .await;
+        match inserted {
+            Ok(revision) => Ok(Revision {
+                turn_seq: target.seq,
+                revision,
+                edit: None,
+                duplicate: false,
+            }),
+            // A racing resend with the same key, or a racing revision of the same turn: the
+            // key's row answers the first, and the second is retried once.
+            Err(error) if error.is_unique_violation() => match self
+                .regenerate_by_key(target.conversation_id, client_id)
+                .await?
+            {
+                Some(existing) => Ok(existing),
+                None => Box::pin(self.regenerate(target, client_id)).await,
+            },
+            Err(error) => Err(error),
+        }
+    }
+
+    async fn regenerate_by_key(
+        &self,
+        conversation_id: Uuid,
+        client_id: Option<&str>,
+    ) -> Result<Option<Revision>, StoreError> {
+        let Some(client_id) = client_id else {
+            return Ok(None);
+        };
+        let row: Option<(i64, i32)> = self
+            .timed("regenerate_by_key", async {
+                sqlx::query_as(
+                    "SELECT seq, revision FROM turns WHERE conversation_id = $1 AND client_id = $2",
+                )
+                .bind(conversation_id)
+                .bind(client_id)
+                .fetch_optional(&self.pool)
+                .await
+            })
+            .await?;
+        Ok(row.map(|(turn_seq, revision)| Revision {
+            turn_seq,
+            revision,
+            edit: None,
+            duplicate: true,
+        }))
     }
 }

@@ -719,7 +719,12 @@ impl Session<'_> {
         let edit = data
             .as_ref()
             .map(|data| (turn.kind.as_str(), data, client_id.as_deref()));
-        let revision = match store.open_revision(&turn, edit).await {
+        let regenerate_key = if data.is_none() {
+            client_id.as_deref()
+        } else {
+            None
+        };
+        let revision = match store.open_revision(&turn, edit, regenerate_key).await {
             Ok(revision) => revision,
             Err(StoreError::ConversationClosed) => {
                 return self.push_error(refuse(
@@ -753,6 +758,7 @@ impl Session<'_> {
                         .publish_to_all(self.channel_id, self.conversation_id, event);
                 }
             }
+            None if revision.duplicate => ack["duplicate"] = Value::Bool(true),
             None => {
                 let event = HubEvent::Regenerated {
                     turn: Arc::new(turn),
