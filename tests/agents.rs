@@ -84,6 +84,32 @@ async fn delivery(client: &mut WsClient, kind: &str) -> (Uuid, Value) {
     }
 }
 
+/// A conversation, with its bound token, that `owner` owns among `members` (their welcomes),
+/// found by the same rendezvous rule the server applies.
+async fn conversation_owned_by(
+    node: &TestNode,
+    fixture: &TenantFixture,
+    members: &[&Value],
+    owner: &Value,
+) -> (Uuid, String) {
+    let mut view = GroupView::new();
+    for welcome in members {
+        view.join(
+            welcome["data"]["connectionId"].as_str().unwrap(),
+            welcome["data"]["since"].as_i64().unwrap(),
+        );
+    }
+    let owner_id = owner["data"]["connectionId"].as_str().unwrap();
+    for n in 0..40 {
+        let (conversation_id, token) = node.conversation(fixture, &format!("user-{n}")).await;
+        let now = chrono::Utc::now().timestamp_millis();
+        if view.owner(&conversation_id.to_string(), now) == Some(owner_id) {
+            return (conversation_id, token);
+        }
+    }
+    panic!("no conversation owned by {owner_id} among 40");
+}
+
 fn turn_result(client_id: &str, seq: i64, text: &str, runtime: Option<Value>) -> Value {
     let mut frame = json!({
         "type": "turnResult",
@@ -360,39 +386,21 @@ async fn an_unanswered_turn_is_taken_over_when_its_member_leaves_and_an_answered
     settle(&welcome_first).await;
     settle(&welcome_second).await;
     // A conversation the first member owns, by the same rendezvous rule the server applies.
-    let mut view = GroupView::new();
-    for welcome in [&welcome_first, &welcome_second] {
-        view.join(
-            welcome["data"]["connectionId"].as_str().unwrap(),
-            welcome["data"]["since"].as_i64().unwrap(),
-        );
-    }
-    let first_id = welcome_first["data"]["connectionId"]
-        .as_str()
-        .unwrap()
-        .to_owned();
-    let mut owned = None;
-    for n in 0..40 {
-        let (conversation_id, token) = node.conversation(&acme, &format!("user-{n}")).await;
-        if view.owner(
-            &conversation_id.to_string(),
-            chrono::Utc::now().timestamp_millis(),
-        ) == Some(first_id.as_str())
-        {
-            let mut client = WsClient::connect(&node.ws_url("")).await;
-            client.hello(&token, json!({})).await;
-            let seq = say(&mut client, "t-1", "first turn").await;
-            let (_, turn) = delivery(&mut first, "text").await;
-            assert_eq!(
-                turn["seq"], seq,
-                "the owner predicted by the rendezvous hash got the turn"
-            );
-            owned = Some((client, conversation_id, seq));
-            break;
-        }
-    }
-    let (mut client, conversation_id, answered_seq) =
-        owned.expect("some conversation is owned by the first member");
+    let (conversation_id, user_token) = conversation_owned_by(
+        &node,
+        &acme,
+        &[&welcome_first, &welcome_second],
+        &welcome_first,
+    )
+    .await;
+    let mut client = WsClient::connect(&node.ws_url("")).await;
+    client.hello(&user_token, json!({})).await;
+    let answered_seq = say(&mut client, "t-1", "first turn").await;
+    let (_, turn) = delivery(&mut first, "text").await;
+    assert_eq!(
+        turn["seq"], answered_seq,
+        "the owner predicted by the rendezvous hash got the turn"
+    );
     // The first member answers the first turn, receives a second one, and leaves without answering.
     first.send(json!({"conversationId": conversation_id, "frame": turn_result("r-1", answered_seq, "answer", None)})).await;
     delivery(&mut first, "ack").await;
@@ -513,41 +521,25 @@ async fn a_silent_member_is_dropped_at_the_idle_timeout_and_its_turn_taken_over(
     let (mut alive, welcome_alive) = agent(&node, &token, Some("bot")).await;
     settle(&welcome_silent).await;
     settle(&welcome_alive).await;
-    let mut view = GroupView::new();
-    for welcome in [&welcome_silent, &welcome_alive] {
-        view.join(
-            welcome["data"]["connectionId"].as_str().unwrap(),
-            welcome["data"]["since"].as_i64().unwrap(),
-        );
-    }
-    let silent_id = welcome_silent["data"]["connectionId"]
-        .as_str()
-        .unwrap()
-        .to_owned();
-    for n in 0..40 {
-        let (conversation_id, user_token) = node.conversation(&acme, &format!("user-{n}")).await;
-        if view.owner(
-            &conversation_id.to_string(),
-            chrono::Utc::now().timestamp_millis(),
-        ) != Some(silent_id.as_str())
-        {
-            continue;
-        }
-        let mut client = WsClient::connect(&node.ws_url("")).await;
-        client.hello(&user_token, json!({})).await;
-        let seq = say(&mut client, "t-1", "anyone?").await;
-        // The silent member's socket stays open but it never reads or answers pings; the alive
-        // member keeps answering (its client replies to pings while it waits here).
-        let (conversation, taken) = delivery(&mut alive, "text").await;
-        assert_eq!(
-            (conversation, taken["seq"].as_i64()),
-            (conversation_id, Some(seq))
-        );
-        let (_, closed) = silent.recv_until_closed().await;
-        assert_eq!(closed.code, 4408);
-        return;
-    }
-    panic!("no conversation owned by the silent member among 40");
+    let (conversation_id, user_token) = conversation_owned_by(
+        &node,
+        &acme,
+        &[&welcome_silent, &welcome_alive],
+        &welcome_silent,
+    )
+    .await;
+    let mut client = WsClient::connect(&node.ws_url("")).await;
+    client.hello(&user_token, json!({})).await;
+    let seq = say(&mut client, "t-1", "anyone?").await;
+    // The silent member's socket stays open but it never reads or answers pings; the alive
+    // member keeps answering (its client replies to pings while it waits here).
+    let (conversation, taken) = delivery(&mut alive, "text").await;
+    assert_eq!(
+        (conversation, taken["seq"].as_i64()),
+        (conversation_id, Some(seq))
+    );
+    let (_, closed) = silent.recv_until_closed().await;
+    assert_eq!(closed.code, 4408);
 }
 
 #[tokio::test]
@@ -790,47 +782,31 @@ async fn a_taken_over_edited_turn_carries_the_edit() {
     let (mut second, welcome_second) = agent(&node, &token, Some("bot")).await;
     settle(&welcome_first).await;
     settle(&welcome_second).await;
-    let mut view = GroupView::new();
-    for welcome in [&welcome_first, &welcome_second] {
-        view.join(
-            welcome["data"]["connectionId"].as_str().unwrap(),
-            welcome["data"]["since"].as_i64().unwrap(),
-        );
-    }
-    let first_id = welcome_first["data"]["connectionId"]
-        .as_str()
-        .unwrap()
-        .to_owned();
-    for n in 0..40 {
-        let (conversation_id, user_token) = node.conversation(&acme, &format!("user-{n}")).await;
-        if view.owner(
-            &conversation_id.to_string(),
-            chrono::Utc::now().timestamp_millis(),
-        ) != Some(first_id.as_str())
-        {
-            continue;
-        }
-        let mut client = WsClient::connect(&node.ws_url("")).await;
-        client.hello(&user_token, json!({})).await;
-        let original = say(&mut client, "t-1", "first words").await;
-        delivery(&mut first, "text").await;
-        client.send(json!({"type": "edit", "clientId": "e-1", "seq": original, "data": {"text": "better words"}})).await;
-        let edit_seq = client.recv_until("ack").await.pop().unwrap()["seq"]
-            .as_i64()
-            .unwrap();
-        let (_, edited) = delivery(&mut first, "text").await;
-        assert_eq!(edited["seq"], edit_seq);
-        first.close().await;
-        let (_, taken) = delivery(&mut second, "text").await;
-        assert_eq!(
-            taken["seq"], edit_seq,
-            "the new owner gets the edit, not the original"
-        );
-        assert_eq!(taken["data"]["text"], "better words");
-        assert_eq!(taken["meta"]["turn"]["seq"], original);
-        assert_eq!(taken["meta"]["turn"]["revision"], 1);
-        assert_eq!(taken["meta"]["turn"]["reason"], "edit");
-        return;
-    }
-    panic!("no conversation owned by the first member among 40");
+    let (_, user_token) = conversation_owned_by(
+        &node,
+        &acme,
+        &[&welcome_first, &welcome_second],
+        &welcome_first,
+    )
+    .await;
+    let mut client = WsClient::connect(&node.ws_url("")).await;
+    client.hello(&user_token, json!({})).await;
+    let original = say(&mut client, "t-1", "first words").await;
+    delivery(&mut first, "text").await;
+    client.send(json!({"type": "edit", "clientId": "e-1", "seq": original, "data": {"text": "better words"}})).await;
+    let edit_seq = client.recv_until("ack").await.pop().unwrap()["seq"]
+        .as_i64()
+        .unwrap();
+    let (_, edited) = delivery(&mut first, "text").await;
+    assert_eq!(edited["seq"], edit_seq);
+    first.close().await;
+    let (_, taken) = delivery(&mut second, "text").await;
+    assert_eq!(
+        taken["seq"], edit_seq,
+        "the new owner gets the edit, not the original"
+    );
+    assert_eq!(taken["data"]["text"], "better words");
+    assert_eq!(taken["meta"]["turn"]["seq"], original);
+    assert_eq!(taken["meta"]["turn"]["revision"], 1);
+    assert_eq!(taken["meta"]["turn"]["reason"], "edit");
 }
