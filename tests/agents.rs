@@ -810,3 +810,36 @@ async fn a_taken_over_edited_turn_carries_the_edit() {
     assert_eq!(taken["meta"]["turn"]["revision"], 1);
     assert_eq!(taken["meta"]["turn"]["reason"], "edit");
 }
+
+#[tokio::test]
+async fn typing_is_throttled_per_connection_unless_it_changes() {
+    let node = TestNode::start().await;
+    let acme = node.tenant_with_channel("acme").await;
+    let token = agent_token(&node, &acme).await;
+    let (mut observer, _) = agent(&node, &token, None).await;
+    let (mut alice, _) = user(&node, &acme, "alice").await;
+    delivery(&mut observer, "presence").await;
+    for is_typing in [true, true, true, false] {
+        alice
+            .send(json!({"type": "typing", "isTyping": is_typing}))
+            .await;
+    }
+    // A marker frame after the typing frames: everything relayed before it has arrived.
+    alice
+        .send(json!({"type": "abort", "clientId": "marker", "data": {}}))
+        .await;
+    let mut relayed = Vec::new();
+    loop {
+        let envelope = observer.recv().await;
+        match envelope["frame"]["type"].as_str() {
+            Some("typing") => relayed.push(envelope["frame"]["isTyping"].as_bool().unwrap()),
+            Some("abort") => break,
+            _ => {}
+        }
+    }
+    assert_eq!(
+        relayed,
+        vec![true, false],
+        "repeats within the throttle window are dropped, a change is not"
+    );
+}
