@@ -356,7 +356,9 @@ async fn each_conversation_has_one_owner_in_a_group_and_two_groups_each_get_ever
 
 #[tokio::test]
 async fn a_member_joining_during_the_settle_delay_takes_no_turn_of_before() {
-    let node = TestNode::start().await;
+    // A settle delay long enough that every turn below lands inside the newcomer's, even on a
+    // loaded machine.
+    let node = TestNode::start_with(|config| config.group_settle_ms = 3_000).await;
     let acme = node.tenant_with_channel("acme").await;
     let token = agent_token(&node, &acme).await;
     let (mut settled, welcome) = agent(&node, &token, Some("bot")).await;
