@@ -35,3 +35,19 @@ pub fn read_field(path: &str, field: &str) -> Option<u64> {
 pub fn rss_kib(pid: u32) -> Option<u64> {
     read_field(&format!("/proc/{pid}/status"), "VmRSS:")
 }
+
+/// User plus system CPU time of a process, in clock ticks.
+pub fn cpu_ticks(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name (which may contain spaces) start after the last ')'.
+    let after = stat.rsplit_once(')')?.1;
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let user: u64 = fields.get(11)?.parse().ok()?;
+    let system: u64 = fields.get(12)?.parse().ok()?;
+    Some(user + system)
+}
+
+/// Clock ticks per second of `/proc/<pid>/stat` (USER_HZ, 100 on Linux).
+pub fn ticks_per_second() -> f64 {
+    100.0
+}

@@ -5,6 +5,7 @@
 mod gateway;
 mod idle;
 mod machine;
+mod turns;
 
 use clap::{Parser, Subcommand};
 
@@ -20,6 +21,8 @@ struct Cli {
 enum Command {
     /// K idle conversation sessions: gateway RSS per connection.
     Idle(idle::IdleArgs),
+    /// U users in closed loop, A agents answering: turns/s and latencies.
+    Turns(turns::TurnsArgs),
 }
 
 #[tokio::main]
@@ -27,5 +30,6 @@ async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Idle(args) => idle::run(args).await,
+        Command::Turns(args) => turns::run(args).await,
     }
 }

@@ -1,0 +1,245 @@
+//! `turns --users U --agents A --duration S`: end users in closed loop, each in a conversation of
+//! its own, and agents of one group answering every turn with `turnResult`.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use converger_client::agent::Agent;
+use converger_client::{RestClient, TokenRequest};
+use futures_util::{SinkExt, StreamExt};
+use serde_json::{Value, json};
+use tokio_tungstenite::tungstenite::Message;
+use uuid::Uuid;
+
+use crate::gateway::{ADMIN_TOKEN, DEFAULT_DATABASE_URL, Gateway, default_binary};
+use crate::machine;
+
+/// Arguments of `turns`.
+#[derive(Debug, clap::Args)]
+pub struct TurnsArgs {
+    /// End users, each in its own conversation, in closed loop.
+    #[arg(long, default_value_t = 64)]
+    users: usize,
+    /// Agents in one group answering every turn.
+    #[arg(long, default_value_t = 4)]
+    agents: usize,
+    /// Seconds of measurement.
+    #[arg(long, default_value_t = 10)]
+    duration: u64,
+    /// Postgres server to create the benchmark database on.
+    #[arg(long, default_value = DEFAULT_DATABASE_URL)]
+    database_url: String,
+    /// The `converger` binary (default: next to this one).
+    #[arg(long)]
+    binary: Option<PathBuf>,
+}
+
+/// When each turn reached an agent, by (conversation, seq).
+type Arrivals = Arc<Mutex<HashMap<(Uuid, i64), Instant>>>;
+
+#[derive(Default)]
+struct Samples {
+    ack: Vec<f64>,
+    to_agent: Vec<f64>,
+    round_trip: Vec<f64>,
+}
+
+/// Runs the measurement and prints a table and one JSON line.
+pub async fn run(args: TurnsArgs) -> anyhow::Result<()> {
+    let _ = rlimit::increase_nofile_limit(u64::MAX);
+    let binary = args.binary.clone().unwrap_or_else(default_binary);
+    let env = [
+        ("CONVERGER_GROUP_SETTLE_MS", "100".to_owned()),
+        ("CONVERGER_LIMITS__MAX_FRAMES_PER_SEC", "100000".to_owned()),
+        ("CONVERGER_DATABASE__MAX_CONNECTIONS", "32".to_owned()),
+    ];
+    let gateway = Gateway::start(&binary, &args.database_url, &env).await?;
+    let outcome = measure(&args, &gateway).await;
+    gateway.stop().await?;
+    outcome
+}
+
+async fn measure(args: &TurnsArgs, gateway: &Gateway) -> anyhow::Result<()> {
+    let client = RestClient::new(&gateway.base_url)?;
+    let tenant = client.create_tenant(ADMIN_TOKEN, "bench").await?;
+    let channel = client.create_channel(&tenant.api_key, "turns").await?;
+    let agent_token = client
+        .generate_token(&channel.secret, &TokenRequest::channel_scope())
+        .await?
+        .token;
+    let arrivals: Arrivals = Arc::new(Mutex::new(HashMap::new()));
+    let mut agents = Vec::new();
+    for _ in 0..args.agents {
+        let mut agent = Agent::connect(&gateway.ws_url, &agent_token, Some("bench")).await?;
+        let arrivals = Arc::clone(&arrivals);
+        agents.push(tokio::spawn(async move {
+            while let Ok(turn) = agent.next_turn().await {
+                if let Ok(mut seen) = arrivals.lock() {
+                    seen.insert((turn.conversation_id, turn.seq), Instant::now());
+                }
+                let frames = vec![json!({"type": "text", "data": {"text": "ok"}})];
+                if agent.reply(&turn, frames, None).await.is_err() {
+                    break;
+                }
+            }
+        }));
+    }
+    // Members are eligible after the settle delay.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let cpu_before = machine::cpu_ticks(gateway.pid()).unwrap_or(0);
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs(args.duration);
+    let mut users = Vec::new();
+    for _ in 0..args.users {
+        let token = client
+            .generate_token(&channel.secret, &TokenRequest::default())
+            .await?
+            .token;
+        let url = gateway.ws_url.clone();
+        let arrivals = Arc::clone(&arrivals);
+        users.push(tokio::spawn(async move {
+            user_loop(url, token, deadline, arrivals).await
+        }));
+    }
+    let mut samples = Samples::default();
+    for user in users {
+        let user_samples = user.await?.context("user loop")?;
+        samples.ack.extend(user_samples.ack);
+        samples.to_agent.extend(user_samples.to_agent);
+        samples.round_trip.extend(user_samples.round_trip);
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let cpu_after = machine::cpu_ticks(gateway.pid()).unwrap_or(0);
+    let rss = machine::rss_kib(gateway.pid()).unwrap_or(0);
+    for agent in agents {
+        agent.abort();
+    }
+    let turns = samples.round_trip.len();
+    let turns_per_sec = turns as f64 / elapsed;
+    let cpu_percent =
+        (cpu_after.saturating_sub(cpu_before)) as f64 / machine::ticks_per_second() / elapsed
+            * 100.0;
+    let ack = percentiles(&mut samples.ack);
+    let to_agent = percentiles(&mut samples.to_agent);
+    let round_trip = percentiles(&mut samples.round_trip);
+    println!(
+        "users {} agents {} duration {:.1} s",
+        args.users, args.agents, elapsed
+    );
+    println!("turns {turns} → {turns_per_sec:.0} turns/s");
+    println!("               p50      p95      p99  (ms)");
+    for (name, figures) in [
+        ("ack", &ack),
+        ("to_agent", &to_agent),
+        ("round_trip", &round_trip),
+    ] {
+        let at = |q: &str| figures[q].as_f64().unwrap_or(0.0);
+        println!(
+            "{name:<10} {:>8.2} {:>8.2} {:>8.2}",
+            at("p50"),
+            at("p95"),
+            at("p99")
+        );
+    }
+    println!("gateway RSS {rss} KiB, CPU {cpu_percent:.0}% of one core");
+    println!("goal (issue 7): turns/s ≥ the pgbench single-row insert ceiling at {} clients", args.users);
+    let result = json!({
+        "bench": "turns",
+        "users": args.users,
+        "agents": args.agents,
+        "duration_secs": elapsed,
+        "turns": turns,
+        "turns_per_sec": turns_per_sec,
+        "ack_ms": ack,
+        "to_agent_ms": to_agent,
+        "round_trip_ms": round_trip,
+        "gateway_rss_kib": rss,
+        "gateway_cpu_percent": cpu_percent,
+        "machine": machine::describe(),
+    });
+    println!("{result}");
+    Ok(())
+}
+
+async fn user_loop(
+    url: String,
+    token: String,
+    deadline: Instant,
+    arrivals: Arrivals,
+) -> anyhow::Result<Samples> {
+    let (mut socket, _) = tokio_tungstenite::connect_async(url).await?;
+    let hello = json!({"type": "hello", "protocol": "converger/1", "token": token});
+    socket.send(Message::Text(hello.to_string().into())).await?;
+    let mut conversation_id = Uuid::nil();
+    while let Some(message) = socket.next().await {
+        if let Message::Text(text) = message? {
+            let frame: Value = serde_json::from_str(text.as_str())?;
+            if frame["type"] == "welcome" {
+                conversation_id = frame["data"]["conversationId"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .parse()?;
+                break;
+            }
+        }
+    }
+    let mut samples = Samples::default();
+    let mut n = 0u64;
+    while Instant::now() < deadline {
+        n += 1;
+        let client_id = format!("t-{n}");
+        let sent = Instant::now();
+        let turn = json!({"type": "text", "clientId": client_id, "data": {"text": "hello"}});
+        socket.send(Message::Text(turn.to_string().into())).await?;
+        let mut seq = None;
+        // The ack, then the agent's answer (a persistent frame from the bot).
+        loop {
+            let Some(message) = socket.next().await else {
+                anyhow::bail!("closed")
+            };
+            let Message::Text(text) = message? else {
+                continue;
+            };
+            let frame: Value = serde_json::from_str(text.as_str())?;
+            if frame["type"] == "ack" && frame["clientId"] == client_id.as_str() {
+                samples.ack.push(sent.elapsed().as_secs_f64() * 1000.0);
+                seq = frame["seq"].as_i64();
+                continue;
+            }
+            if frame["from"] == "bot" && frame["seq"].as_i64() > seq {
+                samples
+                    .round_trip
+                    .push(sent.elapsed().as_secs_f64() * 1000.0);
+                let arrived = seq.and_then(|seq| {
+                    arrivals
+                        .lock()
+                        .ok()
+                        .and_then(|seen| seen.get(&(conversation_id, seq)).copied())
+                });
+                if let Some(arrived) = arrived {
+                    samples
+                        .to_agent
+                        .push(arrived.saturating_duration_since(sent).as_secs_f64() * 1000.0);
+                }
+                break;
+            }
+        }
+    }
+    Ok(samples)
+}
+
+fn percentiles(values: &mut [f64]) -> Value {
+    values.sort_by(f64::total_cmp);
+    let at = |q: f64| -> f64 {
+        if values.is_empty() {
+            return 0.0;
+        }
+        let index = ((values.len() as f64 - 1.0) * q).round() as usize;
+        values[index.min(values.len() - 1)]
+    };
+    json!({"p50": at(0.50), "p95": at(0.95), "p99": at(0.99)})
+}
