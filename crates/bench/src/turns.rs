@@ -146,7 +146,10 @@ async fn measure(args: &TurnsArgs, gateway: &Gateway) -> anyhow::Result<()> {
         );
     }
     println!("gateway RSS {rss} KiB, CPU {cpu_percent:.0}% of one core");
-    println!("goal (issue 7): turns/s ≥ the pgbench single-row insert ceiling at {} clients", args.users);
+    println!(
+        "goal (issue 7): turns/s ≥ the pgbench single-row insert ceiling at {} clients",
+        args.users
+    );
     let result = json!({
         "bench": "turns",
         "users": args.users,
