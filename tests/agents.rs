@@ -110,6 +110,39 @@ async fn conversation_owned_by(
     panic!("no conversation owned by {owner_id} among 40");
 }
 
+/// Two settled members of group "bot" and a user connected to a conversation the first owns.
+struct TwoMembers {
+    node: TestNode,
+    token: String,
+    first: WsClient,
+    second: WsClient,
+    client: WsClient,
+    conversation_id: Uuid,
+}
+
+async fn two_members_and_a_user_of_the_first() -> TwoMembers {
+    let node = TestNode::start_with(fast_settle).await;
+    let acme = node.tenant_with_channel("acme").await;
+    let token = agent_token(&node, &acme).await;
+    let (first, welcome_first) = agent(&node, &token, Some("bot")).await;
+    let (second, welcome_second) = agent(&node, &token, Some("bot")).await;
+    settle(&welcome_first).await;
+    settle(&welcome_second).await;
+    let members = [&welcome_first, &welcome_second];
+    let (conversation_id, user_token) =
+        conversation_owned_by(&node, &acme, &members, &welcome_first).await;
+    let mut client = WsClient::connect(&node.ws_url("")).await;
+    client.hello(&user_token, json!({})).await;
+    TwoMembers {
+        node,
+        token,
+        first,
+        second,
+        client,
+        conversation_id,
+    }
+}
+
 fn turn_result(client_id: &str, seq: i64, text: &str, runtime: Option<Value>) -> Value {
     let mut frame = json!({
         "type": "turnResult",
@@ -380,23 +413,14 @@ async fn a_member_joining_during_the_settle_delay_takes_no_turn_of_before() {
 
 #[tokio::test]
 async fn an_unanswered_turn_is_taken_over_when_its_member_leaves_and_an_answered_one_is_not() {
-    let node = TestNode::start_with(fast_settle).await;
-    let acme = node.tenant_with_channel("acme").await;
-    let token = agent_token(&node, &acme).await;
-    let (mut first, welcome_first) = agent(&node, &token, Some("bot")).await;
-    let (mut second, welcome_second) = agent(&node, &token, Some("bot")).await;
-    settle(&welcome_first).await;
-    settle(&welcome_second).await;
-    // A conversation the first member owns, by the same rendezvous rule the server applies.
-    let (conversation_id, user_token) = conversation_owned_by(
-        &node,
-        &acme,
-        &[&welcome_first, &welcome_second],
-        &welcome_first,
-    )
-    .await;
-    let mut client = WsClient::connect(&node.ws_url("")).await;
-    client.hello(&user_token, json!({})).await;
+    let TwoMembers {
+        node,
+        token,
+        mut first,
+        mut second,
+        mut client,
+        conversation_id,
+    } = two_members_and_a_user_of_the_first().await;
     let answered_seq = say(&mut client, "t-1", "first turn").await;
     let (_, turn) = delivery(&mut first, "text").await;
     assert_eq!(
@@ -779,22 +803,14 @@ async fn watermark_replay_gives_a_member_only_the_turns_it_owns() {
 
 #[tokio::test]
 async fn a_taken_over_edited_turn_carries_the_edit() {
-    let node = TestNode::start_with(fast_settle).await;
-    let acme = node.tenant_with_channel("acme").await;
-    let token = agent_token(&node, &acme).await;
-    let (mut first, welcome_first) = agent(&node, &token, Some("bot")).await;
-    let (mut second, welcome_second) = agent(&node, &token, Some("bot")).await;
-    settle(&welcome_first).await;
-    settle(&welcome_second).await;
-    let (_, user_token) = conversation_owned_by(
-        &node,
-        &acme,
-        &[&welcome_first, &welcome_second],
-        &welcome_first,
-    )
-    .await;
-    let mut client = WsClient::connect(&node.ws_url("")).await;
-    client.hello(&user_token, json!({})).await;
+    let TwoMembers {
+        node: _node,
+        token: _,
+        mut first,
+        mut second,
+        mut client,
+        conversation_id: _,
+    } = two_members_and_a_user_of_the_first().await;
     let original = say(&mut client, "t-1", "first words").await;
     delivery(&mut first, "text").await;
     client.send(json!({"type": "edit", "clientId": "e-1", "seq": original, "data": {"text": "better words"}})).await;

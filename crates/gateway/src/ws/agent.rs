@@ -598,93 +598,86 @@ impl AgentSession<'_> {
                 );
             }
         };
-        let refusal = |code: ErrorCode, message: &str, details: Value| ErrorFrame {
-            client_id: client_id.clone(),
-            frame_type: Some("turnResult".into()),
-            details: Some(details),
-            ..ErrorFrame::new(code, message)
-        };
-        let ack = match outcome {
+        // One place decides what each outcome answers and counts it.
+        let (label, answered) = match outcome {
             AnswerOutcome::Committed {
                 activities,
                 completed_at,
             } => {
-                metrics::counter!("converger_turn_results_total", "outcome" => "committed")
-                    .increment(1);
-                let ack = json!({
-                    "type": "ack", "clientId": client_id, "turn": turn,
-                    "ids": activities.iter().map(|activity| activity.id.clone()).collect::<Vec<_>>(),
-                    "seqs": activities.iter().map(|activity| activity.seq).collect::<Vec<_>>(),
-                    "timestamp": completed_at.timestamp_millis(),
-                });
+                let ids = activities
+                    .iter()
+                    .map(|activity| activity.id.clone())
+                    .collect();
+                let seqs = activities.iter().map(|activity| activity.seq).collect();
                 for activity in activities {
                     let activity = Arc::new(activity);
-                    self.state.hub.publish_to_all(
-                        self.channel_id,
-                        conversation_id,
-                        HubEvent::Committed {
-                            seq: activity.seq,
-                            activity: Some(activity),
-                        },
-                    );
+                    let event = HubEvent::Committed {
+                        seq: activity.seq,
+                        activity: Some(activity),
+                    };
+                    self.state
+                        .hub
+                        .publish_to_all(self.channel_id, conversation_id, event);
                 }
-                ack
+                ("committed", Ok((ids, seqs, completed_at, false)))
             }
             AnswerOutcome::Duplicate {
                 ids,
                 seqs,
                 completed_at,
-            } => {
-                metrics::counter!("converger_turn_results_total", "outcome" => "duplicate")
-                    .increment(1);
-                json!({"type": "ack", "clientId": client_id, "turn": turn, "ids": ids, "seqs": seqs, "timestamp": completed_at.timestamp_millis(), "duplicate": true})
-            }
-            AnswerOutcome::Conflict { seqs } => {
-                metrics::counter!("converger_turn_results_total", "outcome" => "conflict")
-                    .increment(1);
-                return self.enveloped_error(
-                    conversation_id,
-                    refusal(
-                        ErrorCode::TurnConflict,
-                        "another result is committed for this turn",
-                        json!({"seqs": seqs}),
-                    ),
-                );
-            }
-            AnswerOutcome::Superseded { latest } => {
-                metrics::counter!("converger_turn_results_total", "outcome" => "superseded")
-                    .increment(1);
-                return self.enveloped_error(
-                    conversation_id,
-                    refusal(
-                        ErrorCode::TurnSuperseded,
-                        "a newer revision of this turn exists",
-                        json!({"revision": latest}),
-                    ),
-                );
-            }
-            AnswerOutcome::StaleRuntime { current } => {
-                return self.enveloped_error(
-                    conversation_id,
-                    refusal(
-                        ErrorCode::StaleRuntime,
-                        "runtime.version is not the current one",
-                        json!({"version": current}),
-                    ),
-                );
-            }
-            AnswerOutcome::NoSuchTurn => {
-                return self.enveloped_error(
-                    conversation_id,
-                    refusal(ErrorCode::BadRequest, "no such turn", json!({"turn": turn})),
-                );
+            } => ("duplicate", Ok((ids, seqs, completed_at, true))),
+            AnswerOutcome::Conflict { seqs } => (
+                "conflict",
+                Err((
+                    ErrorCode::TurnConflict,
+                    "another result is committed for this turn",
+                    json!({"seqs": seqs}),
+                )),
+            ),
+            AnswerOutcome::Superseded { latest } => (
+                "superseded",
+                Err((
+                    ErrorCode::TurnSuperseded,
+                    "a newer revision of this turn exists",
+                    json!({"revision": latest}),
+                )),
+            ),
+            AnswerOutcome::StaleRuntime { current } => (
+                "stale_runtime",
+                Err((
+                    ErrorCode::StaleRuntime,
+                    "runtime.version is not the current one",
+                    json!({"version": current}),
+                )),
+            ),
+            AnswerOutcome::NoSuchTurn => (
+                "no_such_turn",
+                Err((ErrorCode::BadRequest, "no such turn", json!({"turn": turn}))),
+            ),
+        };
+        metrics::counter!("converger_turn_results_total", "outcome" => label).increment(1);
+        let (ids, seqs, completed_at, duplicate): (Vec<String>, Vec<i64>, _, bool) = match answered
+        {
+            Ok(acked) => acked,
+            Err((code, message, details)) => {
+                let refusal = ErrorFrame {
+                    client_id,
+                    frame_type: Some("turnResult".into()),
+                    details: Some(details),
+                    ..ErrorFrame::new(code, message)
+                };
+                return self.enveloped_error(conversation_id, refusal);
             }
         };
-        let mut ack = ack;
-        if client_id.is_none()
-            && let Some(fields) = ack.as_object_mut()
-        {
-            fields.remove("clientId");
+        // A resend gets the same ack as the first send, plus `duplicate`.
+        let mut ack = json!({
+            "type": "ack", "turn": turn, "ids": ids, "seqs": seqs, "timestamp": completed_at.timestamp_millis(),
+        });
+        if let Some(client_id) = client_id {
+            ack["clientId"] = json!(client_id);
+        }
+        if duplicate {
+            ack["duplicate"] = Value::Bool(true);
         }
         self.push_enveloped(conversation_id, ack)
     }
