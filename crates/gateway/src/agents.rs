@@ -12,11 +12,16 @@ use serde_json::{Value, json};
 use tokio::sync::{broadcast, mpsc};
 use uuid::Uuid;
 
+use converger_cluster::MembershipEvent;
+
 use crate::hub::{ChannelEvent, Hub, HubEvent};
 
 /// Conversations remembered per group, and turns per conversation.
 const MEMORY_CONVERSATIONS: usize = 100_000;
 const MEMORY_TURNS_PER_CONVERSATION: usize = 64;
+
+/// Unanswered turns older than this are not handed on when a node starts serving a channel.
+const PENDING_TURNS_HORIZON: std::time::Duration = std::time::Duration::from_secs(3_600);
 
 /// The turn a delivery is for (PROTOCOL section 5: `meta.turn`).
 #[derive(Debug, Clone, Copy)]
@@ -91,6 +96,24 @@ pub enum ActorMessage {
         /// Its connection id.
         connection_id: String,
     },
+    /// A group member of another node appeared in gossip.
+    RemoteJoin {
+        /// Its connection id.
+        connection_id: String,
+        /// Its group.
+        group: String,
+        /// Eligibility time (ms).
+        since_ms: i64,
+    },
+    /// A group member of another node left (withdrawn, or its node died).
+    RemoteLeave {
+        /// Its connection id.
+        connection_id: String,
+        /// Its group.
+        group: String,
+    },
+    /// The node drains: its members stop owning turns (their sockets stay open a little longer).
+    WithdrawLocal,
 }
 
 struct Agent {
@@ -99,10 +122,28 @@ struct Agent {
     deliveries: mpsc::UnboundedSender<Value>,
 }
 
+/// A group member hosted by another node, as gossip reports it.
+#[derive(Debug, Clone)]
+struct RemoteMember {
+    group: String,
+    since_ms: i64,
+}
+
+/// The actors and what they are seeded with, under one lock so that a new actor's starting view
+/// and the membership events forwarded to it never miss or repeat a change.
+#[derive(Default)]
+struct Registry {
+    inboxes: HashMap<Uuid, mpsc::UnboundedSender<ActorMessage>>,
+    /// Group members of other nodes, per channel.
+    remote_members: HashMap<Uuid, HashMap<String, RemoteMember>>,
+    /// Agent connections of other nodes (observers included), per channel.
+    remote_agents: HashMap<Uuid, usize>,
+}
+
 /// Per-channel actors of this node.
 #[derive(Default)]
 pub struct Actors {
-    inboxes: std::sync::Mutex<HashMap<Uuid, mpsc::UnboundedSender<ActorMessage>>>,
+    registry: std::sync::Mutex<Registry>,
 }
 
 impl std::fmt::Debug for Actors {
@@ -112,33 +153,121 @@ impl std::fmt::Debug for Actors {
 }
 
 impl Actors {
-    /// The inbox of the channel's actor, started on first use.
+    fn registry(&self) -> std::sync::MutexGuard<'_, Registry> {
+        self.registry
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The inbox of the channel's actor, started on first use with the cluster's current
+    /// members of the channel.
     pub fn inbox(
         &self,
         channel_id: Uuid,
         hub: &Arc<Hub>,
         store: &Store,
     ) -> mpsc::UnboundedSender<ActorMessage> {
-        let mut inboxes = self
+        let mut registry = self.registry();
+        if let Some(inbox) = registry
             .inboxes
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        if let Some(inbox) = inboxes.get(&channel_id).filter(|inbox| !inbox.is_closed()) {
+            .get(&channel_id)
+            .filter(|inbox| !inbox.is_closed())
+        {
             return inbox.clone();
         }
         let (sender, receiver) = mpsc::unbounded_channel();
         let feed = hub.subscribe_channel(channel_id);
+        let mut views: HashMap<String, GroupView> = HashMap::new();
+        for (connection_id, member) in registry
+            .remote_members
+            .get(&channel_id)
+            .into_iter()
+            .flatten()
+        {
+            views
+                .entry(member.group.clone())
+                .or_default()
+                .join(connection_id, member.since_ms);
+        }
         let actor = ChannelActor {
             channel_id,
             store: store.clone(),
             agents: HashMap::new(),
-            views: HashMap::new(),
+            views,
             memories: HashMap::new(),
             last_seq: HashMap::new(),
         };
         tokio::spawn(actor.run(receiver, feed));
-        inboxes.insert(channel_id, sender.clone());
+        registry.inboxes.insert(channel_id, sender.clone());
         sender
+    }
+
+    /// Applies a membership change of another node, and forwards it to the channel's actor.
+    pub fn on_membership(&self, event: &MembershipEvent) {
+        let mut registry = self.registry();
+        let (record, joined) = match event {
+            MembershipEvent::Joined(_, record) => (record, true),
+            MembershipEvent::Left(_, record, _) => (record, false),
+            MembershipEvent::NodeUp(_) | MembershipEvent::NodeDown(_) => return,
+        };
+        let channel_id = record.channel_id;
+        let count = registry.remote_agents.entry(channel_id).or_insert(0);
+        if joined {
+            *count += 1;
+        } else {
+            *count = count.saturating_sub(1);
+            if *count == 0 {
+                registry.remote_agents.remove(&channel_id);
+            }
+        }
+        let Some(group) = record.group.clone() else {
+            return;
+        };
+        let connection_id = record.connection_id.clone();
+        let message = if joined {
+            registry
+                .remote_members
+                .entry(channel_id)
+                .or_default()
+                .insert(
+                    connection_id.clone(),
+                    RemoteMember {
+                        group: group.clone(),
+                        since_ms: record.since_ms,
+                    },
+                );
+            ActorMessage::RemoteJoin {
+                connection_id,
+                group,
+                since_ms: record.since_ms,
+            }
+        } else {
+            if let Some(members) = registry.remote_members.get_mut(&channel_id) {
+                members.remove(&connection_id);
+                if members.is_empty() {
+                    registry.remote_members.remove(&channel_id);
+                }
+            }
+            ActorMessage::RemoteLeave {
+                connection_id,
+                group,
+            }
+        };
+        if let Some(inbox) = registry.inboxes.get(&channel_id) {
+            let _ = inbox.send(message);
+        }
+    }
+
+    /// True when another node hosts an agent connection of the channel.
+    pub fn has_remote_agents(&self, channel_id: Uuid) -> bool {
+        self.registry().remote_agents.contains_key(&channel_id)
+    }
+
+    /// Tells every actor that this node's members stop owning turns (draining).
+    pub fn withdraw_local(&self) {
+        for inbox in self.registry().inboxes.values() {
+            let _ = inbox.send(ActorMessage::WithdrawLocal);
+        }
     }
 }
 
@@ -158,6 +287,7 @@ impl ChannelActor {
         mut inbox: mpsc::UnboundedReceiver<ActorMessage>,
         mut feed: broadcast::Receiver<ChannelEvent>,
     ) {
+        self.remember_pending_turns().await;
         loop {
             tokio::select! {
                 message = inbox.recv() => match message {
@@ -221,6 +351,80 @@ impl ChannelActor {
                     view.leave(&connection_id);
                 }
                 self.take_over(&group).await;
+            }
+            ActorMessage::RemoteJoin {
+                connection_id,
+                group,
+                since_ms,
+            } => {
+                self.views
+                    .entry(group)
+                    .or_default()
+                    .join(&connection_id, since_ms);
+            }
+            ActorMessage::RemoteLeave {
+                connection_id,
+                group,
+            } => {
+                let left = self
+                    .views
+                    .get_mut(&group)
+                    .is_some_and(|view| view.leave(&connection_id));
+                if left {
+                    self.take_over(&group).await;
+                }
+            }
+            ActorMessage::WithdrawLocal => {
+                let local: Vec<(String, String)> = self
+                    .agents
+                    .iter()
+                    .filter_map(|(connection_id, agent)| {
+                        Some((connection_id.clone(), agent.group.clone()?))
+                    })
+                    .collect();
+                for (connection_id, group) in &local {
+                    if let Some(view) = self.views.get_mut(group) {
+                        view.leave(connection_id);
+                    }
+                }
+                let groups: std::collections::BTreeSet<String> =
+                    local.into_iter().map(|(_, group)| group).collect();
+                for group in groups {
+                    self.take_over(&group).await;
+                }
+            }
+        }
+    }
+
+    /// A node whose first agent of the channel arrives late did not see the turns passed so far;
+    /// it reads the channel's unanswered turns back and remembers whom they were passed to, so
+    /// that a later departure hands them on from here too (every node decides alike).
+    async fn remember_pending_turns(&mut self) {
+        let pending = match self
+            .store
+            .pending_turns_of_channel(
+                self.channel_id,
+                PENDING_TURNS_HORIZON,
+                MEMORY_CONVERSATIONS as i64,
+            )
+            .await
+        {
+            Ok(pending) => pending,
+            Err(error) => {
+                tracing::warn!(%error, channel_id = %self.channel_id, "pending turns unreadable; only new turns are remembered");
+                return;
+            }
+        };
+        for turn in pending {
+            let conversation = turn.conversation_id.to_string();
+            for (group, view) in &self.views {
+                let owner = view.owner(&conversation, turn.at_ms).unwrap_or(NOBODY);
+                self.memories
+                    .entry(group.clone())
+                    .or_insert_with(|| {
+                        PassedTurns::new(MEMORY_CONVERSATIONS, MEMORY_TURNS_PER_CONVERSATION)
+                    })
+                    .remember(&conversation, owner, turn.seq, turn.at_ms);
             }
         }
     }

@@ -53,22 +53,46 @@ async fn dispatch(store: &Store, hub: &Hub, event: BusEvent) {
                 None => hub.publish(conversation_id, event),
             }
         }
-        BusEvent::Transient {
-            node,
-            conversation_id,
-            frame,
-            origin,
-        } => {
-            if node == hub.node_id() {
+        BusEvent::Transient(transient) => {
+            if transient.node == hub.node_id() {
                 return;
             }
-            hub.publish(
-                conversation_id,
-                HubEvent::Transient {
-                    frame: Arc::new(frame),
-                    origin: origin.map(Arc::new),
-                },
-            );
+            let conversation_id = transient.conversation_id;
+            let event = HubEvent::Transient {
+                frame: Arc::new(transient.frame),
+                origin: transient.origin.map(Arc::new),
+            };
+            match transient.channel_id {
+                Some(channel_id) if transient.agents_only => {
+                    hub.publish_to_agents(channel_id, conversation_id, event)
+                }
+                Some(channel_id) => hub.publish_to_all(channel_id, conversation_id, event),
+                None => hub.publish(conversation_id, event),
+            }
+        }
+        BusEvent::Regenerated {
+            node,
+            channel_id,
+            conversation_id,
+            seq,
+            revision,
+        } => {
+            if node == hub.node_id() || !hub.has_agents(channel_id) {
+                return;
+            }
+            let turn = match store.list_activities(conversation_id, seq - 1, 1).await {
+                Ok(mut rows) => rows.pop().filter(|row| row.seq == seq),
+                Err(error) => {
+                    tracing::warn!(%error, %conversation_id, seq, "bus: regenerated turn unreadable");
+                    None
+                }
+            };
+            let Some(turn) = turn else { return };
+            let event = HubEvent::Regenerated {
+                turn: Arc::new(turn),
+                revision,
+            };
+            hub.publish_to_agents(channel_id, conversation_id, event);
         }
         BusEvent::ChannelStatus {
             channel_id, status, ..

@@ -4,6 +4,9 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
+use std::time::Duration;
+
+use converger_cluster::ClusterConfig;
 use converger_protocol::Limits;
 use serde::{Deserialize, Deserializer, Serialize};
 
@@ -49,6 +52,33 @@ pub struct Config {
     pub drain: DrainConfig,
     /// Outbox rows (the bus's catch-up history) are kept this long, in seconds.
     pub outbox_retention_secs: u64,
+    /// Gossip timing and failure detection.
+    pub gossip: GossipConfig,
+}
+
+/// Gossip (cluster membership) tuning; the defaults suit nodes on one LAN.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GossipConfig {
+    /// Address other nodes use to reach this node's gossip port; empty: `gossip_addr`.
+    pub advertise_addr: String,
+    /// One gossip round per interval, in milliseconds.
+    pub interval_ms: u64,
+    /// Phi accrual threshold above which a silent node is declared dead.
+    pub phi_threshold: f64,
+    /// A dead node's state is forgotten after this many seconds.
+    pub dead_node_grace_secs: u64,
+}
+
+impl Default for GossipConfig {
+    fn default() -> Self {
+        GossipConfig {
+            advertise_addr: String::new(),
+            interval_ms: 100,
+            phi_threshold: 8.0,
+            dead_node_grace_secs: 600,
+        }
+    }
 }
 
 /// Draining: sockets are closed in batches with 1012 and a jittered retry hint.
@@ -63,6 +93,9 @@ pub struct DrainConfig {
     pub retry_after_ms: u64,
     /// Longest wait for sessions to finish their in-flight sends and close, in milliseconds.
     pub timeout_ms: u64,
+    /// After withdrawing its group members from gossip, the node waits this long (for the
+    /// other nodes to see it) before it closes sockets, in milliseconds.
+    pub withdraw_wait_ms: u64,
 }
 
 impl Default for DrainConfig {
@@ -72,6 +105,7 @@ impl Default for DrainConfig {
             batch_interval_ms: 100,
             retry_after_ms: 2_000,
             timeout_ms: 10_000,
+            withdraw_wait_ms: 500,
         }
     }
 }
@@ -129,6 +163,7 @@ impl Default for Config {
             limits: Limits::default(),
             drain: DrainConfig::default(),
             outbox_retention_secs: 600,
+            gossip: GossipConfig::default(),
         }
     }
 }
@@ -137,6 +172,21 @@ impl Default for Config {
 pub const MIN_SECRET_KEY_BYTES: usize = 32;
 
 impl Config {
+    /// The gossip node's settings; `http_addr` is the address actually bound.
+    pub fn cluster_config(&self, node_id: &str, http_addr: SocketAddr) -> ClusterConfig {
+        ClusterConfig {
+            node_id: node_id.to_owned(),
+            cluster_id: self.cluster_id.clone(),
+            gossip_addr: self.gossip_addr,
+            advertise_addr: self.gossip.advertise_addr.parse().ok(),
+            seeds: self.seeds.clone(),
+            gossip_interval: Duration::from_millis(self.gossip.interval_ms),
+            phi_threshold: self.gossip.phi_threshold,
+            dead_node_grace: Duration::from_secs(self.gossip.dead_node_grace_secs),
+            http_addr,
+        }
+    }
+
     /// Checks values that deserialize but make no sense; the message names the key.
     pub fn validate(&self) -> Result<(), String> {
         if !self.secret_key.is_empty() && self.secret_key.len() < MIN_SECRET_KEY_BYTES {
@@ -173,6 +223,17 @@ impl Config {
         }
         if self.drain.batch_size == 0 || self.drain.retry_after_ms == 0 {
             return Err("drain.batch_size and drain.retry_after_ms must be greater than 0".into());
+        }
+        if !self.gossip.advertise_addr.is_empty()
+            && self.gossip.advertise_addr.parse::<SocketAddr>().is_err()
+        {
+            return Err("gossip.advertise_addr must be an ip:port address".into());
+        }
+        if self.gossip.interval_ms == 0 || self.gossip.interval_ms > 10_000 {
+            return Err("gossip.interval_ms must be between 1 and 10000".into());
+        }
+        if self.gossip.phi_threshold.is_nan() || self.gossip.phi_threshold <= 0.0 {
+            return Err("gossip.phi_threshold must be greater than 0".into());
         }
         if self.outbox_retention_secs < 60 {
             return Err("outbox_retention_secs must be at least 60".into());

@@ -41,6 +41,9 @@ pub enum GatewayError {
     /// Serving failed.
     #[error("server failed: {0}")]
     Serve(#[from] std::io::Error),
+    /// Gossip could not start.
+    #[error("cluster membership: {0}")]
+    Cluster(#[from] converger_cluster::ClusterError),
 }
 
 /// A bound, not yet serving, node.
@@ -66,6 +69,11 @@ impl Server {
         let listener = TcpListener::bind(addr)
             .await
             .map_err(|source| GatewayError::Bind { addr, source })?;
+        let http_addr = listener.local_addr()?;
+        let (cluster, membership) =
+            converger_cluster::Cluster::start(config.cluster_config(&node_id, http_addr)).await?;
+        let actors = Arc::new(crate::agents::Actors::default());
+        spawn_membership_dispatch(Arc::clone(&actors), membership);
         let state = AppState {
             tokens,
             admin_token: Arc::from(credentials.admin_token.as_str()),
@@ -74,7 +82,8 @@ impl Server {
             metrics: crate::metrics::install_recorder(),
             draining: Arc::new(AtomicBool::new(false)),
             hub: Arc::new(Hub::new(node_id)),
-            actors: Arc::new(crate::agents::Actors::default()),
+            actors,
+            cluster,
         };
         Ok(Server { state, listener })
     }
@@ -144,9 +153,35 @@ impl Server {
     }
 }
 
+/// Hands the other nodes' membership changes to the channel actors.
+fn spawn_membership_dispatch(
+    actors: Arc<crate::agents::Actors>,
+    mut membership: tokio::sync::mpsc::UnboundedReceiver<converger_cluster::MembershipEvent>,
+) {
+    tokio::spawn(async move {
+        while let Some(event) = membership.recv().await {
+            actors.on_membership(&event);
+        }
+    });
+}
+
+/// Withdraws this node's group members (here and in gossip) and waits for the other nodes to
+/// see it, so that their conversations move before any socket closes.
+async fn withdraw_members(state: &AppState) {
+    state.actors.withdraw_local();
+    match state.cluster.withdraw_all().await {
+        Ok(0) => return,
+        Ok(withdrawn) => tracing::info!(withdrawn, "agent connections withdrawn from the cluster"),
+        Err(error) => tracing::warn!(%error, "agent connections not withdrawn from gossip"),
+    }
+    let wait = std::time::Duration::from_millis(state.config.drain.withdraw_wait_ms);
+    tokio::time::sleep(wait).await;
+}
+
 /// Closes every open session in batches, each after its in-flight sends, then waits for them.
 async fn drain_sessions(state: &AppState) {
     use rand::RngExt;
+    withdraw_members(state).await;
     let drain = &state.config.drain;
     let controls = state.hub.session_controls();
     tracing::info!(sessions = controls.len(), "draining sessions");

@@ -29,6 +29,8 @@ pub struct AppState {
     pub hub: Arc<Hub>,
     /// The channel actors of this node (agent groups).
     pub actors: Arc<crate::agents::Actors>,
+    /// This node's gossip membership.
+    pub cluster: converger_cluster::Cluster,
 }
 
 impl AppState {

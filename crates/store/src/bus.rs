@@ -33,6 +33,29 @@ pub struct Origin {
     pub connection: String,
 }
 
+/// A frame that is not stored, as it travels between nodes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TransientFrame {
+    /// Node that published it (it dispatched locally already).
+    #[serde(rename = "n")]
+    pub node: String,
+    /// The conversation's channel, so that other nodes' agents receive it too.
+    #[serde(rename = "h", default, skip_serializing_if = "Option::is_none")]
+    pub channel_id: Option<Uuid>,
+    /// Conversation.
+    #[serde(rename = "c")]
+    pub conversation_id: Uuid,
+    /// The frame.
+    #[serde(rename = "f")]
+    pub frame: Value,
+    /// Its author, when it has one.
+    #[serde(rename = "o", default, skip_serializing_if = "Option::is_none")]
+    pub origin: Option<Origin>,
+    /// For the channel's agents only (a forwarded client frame), not for end users.
+    #[serde(rename = "a", default, skip_serializing_if = "std::ops::Not::not")]
+    pub agents_only: bool,
+}
+
 /// One event on the bus, as receivers see it.
 #[derive(Debug, Clone, PartialEq)]
 pub enum BusEvent {
@@ -46,15 +69,19 @@ pub enum BusEvent {
         channel_id: Option<Uuid>,
     },
     /// A transient frame (typing, receipts, presence, relayed agent frames).
-    Transient {
+    Transient(TransientFrame),
+    /// A turn was opened again for a new answer (regenerate), for the channel's agents.
+    Regenerated {
         /// Node that published it (it dispatched locally already).
         node: String,
+        /// The conversation's channel.
+        channel_id: Uuid,
         /// Conversation.
         conversation_id: Uuid,
-        /// The frame as end users receive it.
-        frame: Value,
-        /// Its author, when it has one.
-        origin: Option<Origin>,
+        /// The turn's seq.
+        seq: i64,
+        /// The new revision.
+        revision: i32,
     },
     /// A channel changed status.
     ChannelStatus {
@@ -81,15 +108,19 @@ enum Payload {
         channel_id: Option<Uuid>,
     },
     #[serde(rename = "t")]
-    Transient {
+    Transient(TransientFrame),
+    #[serde(rename = "rg")]
+    Regenerated {
         #[serde(rename = "n")]
         node: String,
+        #[serde(rename = "h")]
+        channel_id: Uuid,
         #[serde(rename = "c")]
         conversation_id: Uuid,
-        #[serde(rename = "f")]
-        frame: Value,
-        #[serde(rename = "o", default, skip_serializing_if = "Option::is_none")]
-        origin: Option<Origin>,
+        #[serde(rename = "s")]
+        seq: i64,
+        #[serde(rename = "r")]
+        revision: i32,
     },
     /// A transient frame too large for a notification: its payload is in the outbox row.
     #[serde(rename = "tr")]
@@ -109,20 +140,31 @@ enum Payload {
 }
 
 impl Store {
-    /// Publishes a transient frame to every node (this one included; it skips its own).
-    pub async fn publish_transient(
+    /// Publishes a regenerated turn to every node (this one included; it skips its own).
+    pub async fn publish_regenerated(
         &self,
         node: &str,
+        channel_id: Uuid,
         conversation_id: Uuid,
-        frame: &Value,
-        origin: Option<&Origin>,
+        seq: i64,
+        revision: i32,
     ) -> Result<(), StoreError> {
-        let payload = Payload::Transient {
+        let payload = Payload::Regenerated {
             node: node.to_owned(),
+            channel_id,
             conversation_id,
-            frame: frame.clone(),
-            origin: origin.cloned(),
+            seq,
+            revision,
         };
+        let text = serde_json::to_string(&payload)
+            .map_err(|error| StoreError::Config(error.to_string()))?;
+        self.notify(&text).await
+    }
+
+    /// Publishes a transient frame to every node (this one included; it skips its own).
+    pub async fn publish_transient(&self, transient: &TransientFrame) -> Result<(), StoreError> {
+        let conversation_id = transient.conversation_id;
+        let payload = Payload::Transient(transient.clone());
         let text = serde_json::to_string(&payload)
             .map_err(|error| StoreError::Config(error.to_string()))?;
         if text.len() <= INLINE_PAYLOAD_LIMIT {
@@ -267,16 +309,19 @@ fn to_event(payload: Payload) -> Option<BusEvent> {
             seq,
             channel_id,
         }),
-        Payload::Transient {
+        Payload::Transient(transient) => Some(BusEvent::Transient(transient)),
+        Payload::Regenerated {
             node,
+            channel_id,
             conversation_id,
-            frame,
-            origin,
-        } => Some(BusEvent::Transient {
+            seq,
+            revision,
+        } => Some(BusEvent::Regenerated {
             node,
+            channel_id,
             conversation_id,
-            frame,
-            origin,
+            seq,
+            revision,
         }),
         Payload::ChannelStatus {
             node,
@@ -425,15 +470,34 @@ mod tests {
                 channel_id: None,
             })
         );
-        let transient = Payload::Transient {
+        let transient = TransientFrame {
             node: "n1".into(),
+            channel_id: Some(conversation_id),
             conversation_id,
             frame: serde_json::json!({"type": "typing"}),
             origin: None,
+            agents_only: true,
         };
-        let text = serde_json::to_string(&transient).unwrap();
+        let text = serde_json::to_string(&Payload::Transient(transient.clone())).unwrap();
         assert!(text.contains(r#""k":"t""#));
         let back: Payload = serde_json::from_str(&text).unwrap();
-        assert!(matches!(to_event(back), Some(BusEvent::Transient { .. })));
+        assert_eq!(to_event(back), Some(BusEvent::Transient(transient)));
+        let regenerated = Payload::Regenerated {
+            node: "n1".into(),
+            channel_id: conversation_id,
+            conversation_id,
+            seq: 4,
+            revision: 2,
+        };
+        let text = serde_json::to_string(&regenerated).unwrap();
+        let back: Payload = serde_json::from_str(&text).unwrap();
+        assert!(matches!(
+            to_event(back),
+            Some(BusEvent::Regenerated {
+                seq: 4,
+                revision: 2,
+                ..
+            })
+        ));
     }
 }

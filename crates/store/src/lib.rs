@@ -24,7 +24,9 @@ pub use conversations::{ChannelCatalogs, Conversation, PendingInterrupt};
 pub use error::StoreError;
 pub use secrets::{generate_secret, hash_secret};
 pub use tenants::Tenant;
-pub use turns::{AnswerFrame, AnswerOutcome, PendingTurn, Revision, RuntimeWrite, TurnAnswer};
+pub use turns::{
+    AnswerFrame, AnswerOutcome, ChannelPendingTurn, PendingTurn, Revision, RuntimeWrite, TurnAnswer,
+};
 
 /// Postgres channel every commit notifies; payloads are small JSON ids, never bodies.
 pub const NOTIFY_CHANNEL: &str = "converger_events";

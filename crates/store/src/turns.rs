@@ -200,6 +200,53 @@ impl Store {
     }
 }
 
+/// An unanswered turn of a channel, for the takeover memory of a node that starts serving it.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct ChannelPendingTurn {
+    /// Conversation.
+    pub conversation_id: Uuid,
+    /// The turn's seq.
+    pub seq: i64,
+    /// When its latest revision was opened (database clock, ms).
+    pub at_ms: i64,
+}
+
+impl Store {
+    /// The channel's turns whose latest revision is unanswered and younger than `horizon`,
+    /// oldest first, at most `limit`.
+    pub async fn pending_turns_of_channel(
+        &self,
+        channel_id: Uuid,
+        horizon: std::time::Duration,
+        limit: i64,
+    ) -> Result<Vec<ChannelPendingTurn>, StoreError> {
+        let rows = self
+            .timed("pending_turns_of_channel", async {
+                sqlx::query_as::<_, ChannelPendingTurn>(
+                    "SELECT t.conversation_id, t.seq,
+                            floor(extract(epoch FROM t.created_at) * 1000)::bigint AS at_ms
+                     FROM turns t JOIN conversations c ON c.id = t.conversation_id
+                     WHERE t.status = 'pending'
+                       AND t.created_at > now() - make_interval(secs => $2)
+                       AND c.channel_id = $1
+                       AND NOT EXISTS (
+                           SELECT 1 FROM turns later
+                           WHERE later.conversation_id = t.conversation_id
+                             AND later.seq = t.seq AND later.revision > t.revision)
+                     ORDER BY t.created_at, t.conversation_id, t.seq
+                     LIMIT $3",
+                )
+                .bind(channel_id)
+                .bind(horizon.as_secs_f64())
+                .bind(limit)
+                .fetch_all(&self.pool)
+                .await
+            })
+            .await?;
+        Ok(rows)
+    }
+}
+
 /// The registry row of a turn's latest revision.
 #[derive(sqlx::FromRow)]
 struct LatestRevision {

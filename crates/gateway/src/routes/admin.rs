@@ -33,3 +33,20 @@ pub(crate) async fn create_tenant(
         Json(json!({"id": tenant.id, "name": tenant.name, "apiKey": api_key})),
     ))
 }
+
+/// `GET /api/v1/admin/cluster` → the nodes and agent connections this node knows of, with the
+/// node's own id so that operators can tell which view they are reading.
+pub(crate) async fn cluster(
+    State(state): State<AppState>,
+    _admin: AdminAuth,
+) -> Result<Json<Value>, ApiError> {
+    let status = state.cluster.status().await.map_err(|error| {
+        tracing::error!(%error, "cluster status unavailable");
+        ApiError::internal()
+    })?;
+    Ok(Json(json!({
+        "node": {"id": state.hub.node_id(), "generation": state.cluster.node().generation},
+        "nodes": status.nodes,
+        "members": status.members,
+    })))
+}

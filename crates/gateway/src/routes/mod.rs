@@ -18,6 +18,7 @@ pub fn router(state: AppState) -> Router {
     let body_limit = state.config.limits.max_frame_bytes;
     Router::new()
         .route("/api/v1/admin/tenants", post(admin::create_tenant))
+        .route("/api/v1/admin/cluster", get(admin::cluster))
         .route(
             "/api/v1/channels",
             post(channels::create).get(channels::list),

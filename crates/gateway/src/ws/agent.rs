@@ -10,7 +10,7 @@ use axum::extract::ws::{Message, WebSocket};
 use converger_protocol::{
     CloseCode, ErrorCode, ErrorFrame, retry_close_reason, validate_message_frame,
 };
-use converger_store::bus::Origin;
+use converger_store::bus::{Origin, TransientFrame};
 use converger_store::{
     AnswerFrame, AnswerOutcome, NewActivity, RuntimeWrite, Sender, SenderRole, TurnAnswer,
 };
@@ -27,6 +27,8 @@ use super::conversation::{
 use super::handshake::AgentSetup;
 use super::outbound::{Outbound, PushError};
 use super::rate::TokenBucket;
+use converger_cluster::{AgentRecord, Cluster};
+
 use crate::agents::ActorMessage;
 use crate::auth::{Claims, Scope};
 use crate::hub::{HubEvent, SessionControl};
@@ -34,6 +36,30 @@ use crate::state::AppState;
 
 /// Role of agents in `sender.role` and relayed frames.
 const AGENT_ROLE: &str = "agent";
+
+/// Keeps an agent connection announced in gossip while it lives; withdraws it when dropped, so
+/// no way out of the session forgets it.
+struct Announced {
+    cluster: Cluster,
+    record: AgentRecord,
+}
+
+impl Announced {
+    fn new(cluster: &Cluster, record: AgentRecord) -> Announced {
+        cluster.publish(record.clone());
+        Announced {
+            cluster: cluster.clone(),
+            record,
+        }
+    }
+}
+
+impl Drop for Announced {
+    fn drop(&mut self) {
+        self.cluster
+            .withdraw(self.record.channel_id, &self.record.connection_id);
+    }
+}
 
 struct AgentSession<'a> {
     state: &'a AppState,
@@ -114,11 +140,20 @@ pub(super) async fn run(
         .inbox(session.channel_id, &state.hub, &state.store);
     let _ = inbox.send(ActorMessage::Join {
         connection_id: connection_id.to_string(),
-        group,
+        group: group.clone(),
         since_ms,
         sender_id: session.sender_id.clone(),
         deliveries: deliveries_sender,
     });
+    let _announced = Announced::new(
+        &state.cluster,
+        AgentRecord {
+            channel_id: session.channel_id,
+            connection_id: connection_id.to_string(),
+            group,
+            since_ms,
+        },
+    );
     session.inbox = Some(inbox.clone());
     if let Some(watermarks) = &hello.watermarks {
         for (conversation, watermark) in watermarks {
@@ -450,17 +485,16 @@ impl AgentSession<'_> {
                 origin: Some(Arc::new(origin.clone())),
             },
         );
-        if let Err(error) = self
-            .state
-            .store
-            .publish_transient(
-                self.state.hub.node_id(),
-                conversation_id,
-                &frame,
-                Some(&origin),
-            )
-            .await
-        {
+        // End users only, as on this node: agents do not receive each other's transient frames.
+        let transient = TransientFrame {
+            node: self.state.hub.node_id().to_owned(),
+            channel_id: None,
+            conversation_id,
+            frame,
+            origin: Some(origin),
+            agents_only: false,
+        };
+        if let Err(error) = self.state.store.publish_transient(&transient).await {
             tracing::warn!(%error, "agent frame not relayed to other nodes");
         }
     }

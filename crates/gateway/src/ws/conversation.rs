@@ -16,7 +16,7 @@ use converger_protocol::{
     ClientFrame, CloseCode, ErrorCode, ErrorFrame, MessageFrame, Refusal, parse_client_text,
     retry_close_reason,
 };
-use converger_store::bus::Origin;
+use converger_store::bus::{Origin, TransientFrame};
 use converger_store::{
     Activity, CommitOutcome, NewActivity, Sender, SenderRole, StoreError, Viewer,
 };
@@ -655,14 +655,9 @@ impl Session<'_> {
                 self.on_revision(target, client_id, None).await
             }
             ClientFrame::Forwarded { kind, frame } => {
-                if self.state.hub.has_agents(self.channel_id) {
-                    let event = HubEvent::Transient {
-                        frame: Arc::new(Value::Object(frame)),
-                        origin: Some(Arc::new(self.origin())),
-                    };
-                    self.state
-                        .hub
-                        .publish_to_agents(self.channel_id, self.conversation_id, event);
+                let local = self.state.hub.has_agents(self.channel_id);
+                if local || self.state.actors.has_remote_agents(self.channel_id) {
+                    self.forward_to_agents(Value::Object(frame)).await;
                     return Ok(());
                 }
                 let client_id = frame
@@ -767,6 +762,20 @@ impl Session<'_> {
                 self.state
                     .hub
                     .publish_to_agents(self.channel_id, self.conversation_id, event);
+                if let Err(error) = self
+                    .state
+                    .store
+                    .publish_regenerated(
+                        self.state.hub.node_id(),
+                        self.channel_id,
+                        self.conversation_id,
+                        revision.turn_seq,
+                        revision.revision,
+                    )
+                    .await
+                {
+                    tracing::warn!(%error, "regenerated turn not published to other nodes");
+                }
             }
         }
         if client_id.is_none() || !self.is_converger() {
@@ -987,6 +996,34 @@ impl Session<'_> {
         }
     }
 
+    /// Hands a client frame the gateway does not interpret to the channel's agents, on this node
+    /// and the others.
+    async fn forward_to_agents(&self, frame: Value) {
+        let origin = self.origin();
+        self.state.hub.publish_to_agents(
+            self.channel_id,
+            self.conversation_id,
+            HubEvent::Transient {
+                frame: Arc::new(frame.clone()),
+                origin: Some(Arc::new(origin.clone())),
+            },
+        );
+        if !self.state.actors.has_remote_agents(self.channel_id) {
+            return;
+        }
+        let transient = TransientFrame {
+            node: self.state.hub.node_id().to_owned(),
+            channel_id: Some(self.channel_id),
+            conversation_id: self.conversation_id,
+            frame,
+            origin: Some(origin),
+            agents_only: true,
+        };
+        if let Err(error) = self.state.store.publish_transient(&transient).await {
+            tracing::warn!(%error, "forwarded frame not published to other nodes");
+        }
+    }
+
     /// Publishes a transient frame to this node's sessions and to the other nodes.
     async fn publish_transient(&self, frame: Value) {
         let origin = self.origin();
@@ -998,17 +1035,15 @@ impl Session<'_> {
                 origin: Some(Arc::new(origin.clone())),
             },
         );
-        if let Err(error) = self
-            .state
-            .store
-            .publish_transient(
-                self.state.hub.node_id(),
-                self.conversation_id,
-                &frame,
-                Some(&origin),
-            )
-            .await
-        {
+        let transient = TransientFrame {
+            node: self.state.hub.node_id().to_owned(),
+            channel_id: Some(self.channel_id),
+            conversation_id: self.conversation_id,
+            frame,
+            origin: Some(origin),
+            agents_only: false,
+        };
+        if let Err(error) = self.state.store.publish_transient(&transient).await {
             tracing::warn!(%error, "transient frame not published to other nodes");
         }
     }
@@ -1127,13 +1162,17 @@ impl Session<'_> {
                 origin: Some(Arc::new(origin.clone())),
             },
         );
+        let transient = TransientFrame {
+            node: state.hub.node_id().to_owned(),
+            channel_id: Some(self.channel_id),
+            conversation_id,
+            frame,
+            origin: Some(origin),
+            agents_only: false,
+        };
         // Off the session's path: an offline notice is published after the session ended.
         tokio::spawn(async move {
-            if let Err(error) = state
-                .store
-                .publish_transient(state.hub.node_id(), conversation_id, &frame, Some(&origin))
-                .await
-            {
+            if let Err(error) = state.store.publish_transient(&transient).await {
                 tracing::warn!(%error, "presence not published to other nodes");
             }
         });
