@@ -6,6 +6,7 @@
 //! cluster under `target/converger-test-postgres` is started (or reused) instead.
 #![allow(dead_code)]
 
+pub mod cluster;
 pub mod ws;
 
 use std::path::PathBuf;

@@ -67,6 +67,35 @@ impl WsClient {
         WsClient::connect_with(url, &["converger.v1"], None).await
     }
 
+    /// Connects offering `converger.v1`, or says why it could not (a node going away).
+    pub async fn try_connect(url: &str) -> Result<WsClient, String> {
+        let mut request = url
+            .into_client_request()
+            .map_err(|error| error.to_string())?;
+        request.headers_mut().insert(
+            "sec-websocket-protocol",
+            HeaderValue::from_static("converger.v1"),
+        );
+        let connecting = tokio_tungstenite::connect_async(request);
+        let (stream, _) = tokio::time::timeout(FRAME_TIMEOUT, connecting)
+            .await
+            .map_err(|_| "connect timed out".to_owned())?
+            .map_err(|error| error.to_string())?;
+        Ok(WsClient {
+            stream,
+            subprotocol: Some("converger.v1".into()),
+            nonce: 0,
+        })
+    }
+
+    /// Sends a JSON frame; false when the connection is gone.
+    pub async fn try_send(&mut self, frame: Value) -> bool {
+        self.stream
+            .send(Message::Text(frame.to_string().into()))
+            .await
+            .is_ok()
+    }
+
     /// Sends a JSON frame.
     pub async fn send(&mut self, frame: Value) {
         self.send_text(&frame.to_string()).await;
@@ -96,19 +125,27 @@ impl WsClient {
         }
     }
 
-    /// The next text frame, or how the connection ended.
+    /// The next text frame, or how the connection ended; panics when nothing came in time.
     pub async fn next_event(&mut self, timeout: Duration) -> Result<Value, Closed> {
+        match self.poll_event(timeout).await {
+            Some(event) => event,
+            None => panic!("no frame within {timeout:?}"),
+        }
+    }
+
+    /// Like `next_event`, but `None` when nothing came within `timeout`.
+    pub async fn poll_event(&mut self, timeout: Duration) -> Option<Result<Value, Closed>> {
         let deadline = tokio::time::Instant::now() + timeout;
-        loop {
-            let next = tokio::time::timeout_at(deadline, self.stream.next())
-                .await
-                .unwrap_or_else(|_| panic!("no frame within {timeout:?}"));
+        Some(loop {
+            let Ok(next) = tokio::time::timeout_at(deadline, self.stream.next()).await else {
+                return None;
+            };
             match next {
                 Some(Ok(Message::Text(text))) => {
-                    return Ok(serde_json::from_str(text.as_str()).expect("server sends JSON"));
+                    break Ok(serde_json::from_str(text.as_str()).expect("server sends JSON"));
                 }
                 Some(Ok(Message::Close(frame))) => {
-                    return Err(frame.map_or(
+                    break Err(frame.map_or(
                         Closed {
                             code: 1005,
                             reason: String::new(),
@@ -121,13 +158,13 @@ impl WsClient {
                 }
                 Some(Ok(_)) => continue,
                 Some(Err(_)) | None => {
-                    return Err(Closed {
+                    break Err(Closed {
                         code: 1006,
                         reason: String::new(),
                     });
                 }
             }
-        }
+        })
     }
 
     /// Frames until one of type `kind` (returned last).

@@ -287,7 +287,6 @@ impl ChannelActor {
         mut inbox: mpsc::UnboundedReceiver<ActorMessage>,
         mut feed: broadcast::Receiver<ChannelEvent>,
     ) {
-        self.remember_pending_turns().await;
         loop {
             tokio::select! {
                 message = inbox.recv() => match message {
@@ -314,6 +313,15 @@ impl ChannelActor {
                 sender_id,
                 deliveries,
             } => {
+                // While no agent of the channel was here, this node skipped the channel's
+                // commits: read the unanswered turns back before the newcomer joins the view, so
+                // turns of members gone meanwhile (or of nobody) are handed to it below.
+                if self.agents.is_empty() {
+                    if let Some(group) = &group {
+                        self.views.entry(group.clone()).or_default();
+                    }
+                    self.remember_pending_turns().await;
+                }
                 if let Some(group) = &group {
                     self.views
                         .entry(group.clone())
@@ -396,9 +404,10 @@ impl ChannelActor {
         }
     }
 
-    /// A node whose first agent of the channel arrives late did not see the turns passed so far;
-    /// it reads the channel's unanswered turns back and remembers whom they were passed to, so
-    /// that a later departure hands them on from here too (every node decides alike).
+    /// A node whose first agent of the channel arrives (or returns) did not see the turns passed
+    /// meanwhile; it reads the channel's unanswered turns back and remembers whom they were
+    /// passed to, so that a later departure hands them on from here too (every node decides
+    /// alike).
     async fn remember_pending_turns(&mut self) {
         let pending = match self
             .store
