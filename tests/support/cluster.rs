@@ -44,7 +44,11 @@ impl NodeProcess {
             .env("CONVERGER_DRAIN__BATCH_INTERVAL_MS", "10")
             .env("CONVERGER_DRAIN__RETRY_AFTER_MS", "50")
             .env("CONVERGER_LOG_FORMAT", "json")
-            .env("RUST_LOG", "info,sqlx=warn,chitchat=warn")
+            .env(
+                "RUST_LOG",
+                std::env::var("NODE_LOG_FILTER")
+                    .unwrap_or_else(|_| "info,sqlx=warn,chitchat=warn".into()),
+            )
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .kill_on_drop(true)

@@ -424,6 +424,7 @@ impl ChannelActor {
                 return;
             }
         };
+        tracing::debug!(channel_id = %self.channel_id, turns = pending.len(), "pending turns read back");
         for turn in pending {
             let conversation = turn.conversation_id.to_string();
             for (group, view) in &self.views {
@@ -446,6 +447,7 @@ impl ChannelActor {
         };
         let decisions: Vec<TakeOver> = memory.take_over(view);
         for decision in decisions {
+            tracing::debug!(conversation_id = %decision.conversation_id, new_owner = %decision.new_owner, seqs = ?decision.seqs, local = self.agents.contains_key(&decision.new_owner), "takeover");
             if !self.agents.contains_key(&decision.new_owner) {
                 continue;
             }
@@ -582,6 +584,7 @@ impl ChannelActor {
                     PassedTurns::new(MEMORY_CONVERSATIONS, MEMORY_TURNS_PER_CONVERSATION)
                 })
                 .remember(&conversation, &owner, turn.seq, at);
+            tracing::debug!(conversation_id = %conversation, seq = turn.seq, owner = %owner, local = self.agents.contains_key(&owner), "turn passed");
             if self.agents.contains_key(&owner) {
                 local_owners.push(owner);
             }
