@@ -118,6 +118,8 @@ struct TwoMembers {
     second: WsClient,
     client: WsClient,
     conversation_id: Uuid,
+    /// The user's conversation-bound token.
+    user_token: String,
 }
 
 async fn two_members_and_a_user_of_the_first() -> TwoMembers {
@@ -140,6 +142,7 @@ async fn two_members_and_a_user_of_the_first() -> TwoMembers {
         second,
         client,
         conversation_id,
+        user_token,
     }
 }
 
@@ -420,6 +423,7 @@ async fn an_unanswered_turn_is_taken_over_when_its_member_leaves_and_an_answered
         mut second,
         mut client,
         conversation_id,
+        ..
     } = two_members_and_a_user_of_the_first().await;
     let answered_seq = say(&mut client, "t-1", "first turn").await;
     let (_, turn) = delivery(&mut first, "text").await;
@@ -809,7 +813,7 @@ async fn a_taken_over_edited_turn_carries_the_edit() {
         mut first,
         mut second,
         mut client,
-        conversation_id: _,
+        ..
     } = two_members_and_a_user_of_the_first().await;
     let original = say(&mut client, "t-1", "first words").await;
     delivery(&mut first, "text").await;
@@ -862,4 +866,44 @@ async fn typing_is_throttled_per_connection_unless_it_changes() {
         vec![true, false],
         "repeats within the throttle window are dropped, a change is not"
     );
+}
+
+#[tokio::test]
+async fn more_unanswered_turns_than_the_memory_keeps_are_all_taken_over() {
+    let TwoMembers {
+        node,
+        mut first,
+        mut second,
+        conversation_id,
+        user_token,
+        ..
+    } = two_members_and_a_user_of_the_first().await;
+    // The takeover memory keeps 64 turns per conversation; 70 unanswered ones overflow it.
+    // Posted over REST: a socket would run into its frame rate limit.
+    let mut seqs = Vec::new();
+    for n in 0..70 {
+        let frame = json!({"type": "text", "data": {"text": format!("piling up {n}")}});
+        let posted = node
+            .client
+            .post_activity(&user_token, conversation_id, &frame, None)
+            .await
+            .unwrap();
+        seqs.push(posted.seq);
+    }
+    let delivered = turns(&mut first, seqs.len()).await;
+    assert_eq!(delivered.len(), 70);
+    first.close().await;
+
+    let taken = turns(&mut second, seqs.len()).await;
+    let mut taken_seqs: Vec<i64> = taken
+        .iter()
+        .map(|envelope| envelope["frame"]["meta"]["turn"]["seq"].as_i64().unwrap())
+        .collect();
+    taken_seqs.sort_unstable();
+    taken_seqs.dedup();
+    assert_eq!(
+        taken_seqs, seqs,
+        "every unanswered turn moves, the evicted ones included"
+    );
+    drop(node);
 }

@@ -121,6 +121,9 @@ pub const NOBODY: &str = "";
 pub struct Passed {
     /// Each remembered pass, oldest first.
     pub passes: VecDeque<Pass>,
+    /// The highest seq that fell out of memory because the conversation had more unanswered
+    /// turns than fit: the shell reads those back from the turn registry at a takeover.
+    pub evicted_up_to: Option<i64>,
 }
 
 /// One turn passed to a member.
@@ -191,7 +194,30 @@ impl PassedTurns {
             owner: owner.to_owned(),
         });
         while entry.passes.len() > self.per_conversation {
-            entry.passes.pop_front();
+            if let Some(evicted) = entry.passes.pop_front() {
+                entry.evicted_up_to =
+                    Some(entry.evicted_up_to.unwrap_or(i64::MIN).max(evicted.seq));
+            }
+        }
+    }
+
+    /// Conversations whose memory overflowed, with the highest seq that fell out.
+    pub fn overflowed(&self) -> Vec<(String, i64)> {
+        let mut overflowed: Vec<(String, i64)> = self
+            .entries
+            .iter()
+            .filter_map(|(conversation_id, passed)| {
+                Some((conversation_id.clone(), passed.evicted_up_to?))
+            })
+            .collect();
+        overflowed.sort();
+        overflowed
+    }
+
+    /// Forgets an overflow once nothing at or below its seq is unanswered any more.
+    pub fn clear_overflow(&mut self, conversation_id: &str) {
+        if let Some(entry) = self.entries.get_mut(conversation_id) {
+            entry.evicted_up_to = None;
         }
     }
 
@@ -258,6 +284,27 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
     use std::collections::BTreeSet;
+
+    #[test]
+    fn an_overflowing_conversation_records_what_fell_out() {
+        let mut memory = PassedTurns::new(10, 2);
+        memory.remember("c", "m1", 1, 10);
+        memory.remember("c", "m1", 2, 20);
+        assert!(memory.overflowed().is_empty());
+        memory.remember("c", "m2", 3, 30);
+        memory.remember("c", "m2", 4, 40);
+        assert_eq!(memory.overflowed(), vec![("c".to_owned(), 2)]);
+        memory.clear_overflow("c");
+        assert!(memory.overflowed().is_empty());
+        let kept: Vec<i64> = memory
+            .get("c")
+            .unwrap()
+            .passes
+            .iter()
+            .map(|pass| pass.seq)
+            .collect();
+        assert_eq!(kept, [3, 4]);
+    }
 
     /// Test vectors: these values are part of the contract (ADR 0006).
     #[test]

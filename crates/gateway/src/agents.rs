@@ -441,6 +441,74 @@ impl ChannelActor {
 
     /// Hands the unanswered turns of departed members to their new owners on this node.
     async fn take_over(&mut self, group: &str) {
+        self.take_over_remembered(group).await;
+        self.take_over_evicted(group).await;
+    }
+
+    /// Turns that fell out of a conversation's memory (more unanswered turns than it keeps) are
+    /// read back from the registry and go to the owner the view gives at their commit time when
+    /// that owner is here. Without the memory this node cannot tell whether a live member already
+    /// has one, so this may deliver a turn twice; the registry still takes one answer.
+    async fn take_over_evicted(&mut self, group: &str) {
+        let Some(memory) = self.memories.get(group) else {
+            return;
+        };
+        for (conversation, up_to) in memory.overflowed() {
+            let Ok(conversation_id) = Uuid::parse_str(&conversation) else {
+                continue;
+            };
+            let pending = match self.store.pending_turns_up_to(conversation_id, up_to).await {
+                Ok(pending) => pending,
+                Err(error) => {
+                    tracing::error!(%error, %conversation_id, "takeover: evicted turns unreadable");
+                    continue;
+                }
+            };
+            if pending.is_empty() {
+                if let Some(memory) = self.memories.get_mut(group) {
+                    memory.clear_overflow(&conversation);
+                }
+                continue;
+            }
+            let Some(view) = self.views.get(group) else {
+                return;
+            };
+            let mut by_owner: HashMap<String, Vec<i64>> = HashMap::new();
+            for turn in &pending {
+                if let Some(owner) = view.owner(&conversation, turn.at_ms)
+                    && self.agents.contains_key(owner)
+                {
+                    by_owner.entry(owner.to_owned()).or_default().push(turn.seq);
+                }
+            }
+            for (owner, seqs) in by_owner {
+                self.deliver_pending(conversation_id, &owner, &seqs).await;
+            }
+        }
+    }
+
+    /// Delivers those of `seqs` still unanswered to a local member, as taken over.
+    async fn deliver_pending(&self, conversation_id: Uuid, owner: &str, seqs: &[i64]) {
+        let pending = match self.store.pending_turns(conversation_id, seqs).await {
+            Ok(pending) => pending,
+            Err(error) => {
+                tracing::error!(%error, %conversation_id, "takeover: pending turns unreadable");
+                return;
+            }
+        };
+        for turn in pending {
+            metrics::counter!("converger_deliveries_total", "kind" => "takeover").increment(1);
+            let turn_ref = TurnRef {
+                seq: turn.turn_seq,
+                revision: turn.revision,
+                reason: turn.reason.as_deref(),
+            };
+            self.deliver_turn(owner, &turn.activity, turn_ref).await;
+        }
+    }
+
+    /// Hands the remembered turns of departed members to their new owners on this node.
+    async fn take_over_remembered(&mut self, group: &str) {
         let (Some(view), Some(memory)) = (self.views.get(group), self.memories.get_mut(group))
         else {
             return;
@@ -454,27 +522,8 @@ impl ChannelActor {
             let Ok(conversation_id) = Uuid::parse_str(&decision.conversation_id) else {
                 continue;
             };
-            let pending = match self
-                .store
-                .pending_turns(conversation_id, &decision.seqs)
-                .await
-            {
-                Ok(pending) => pending,
-                Err(error) => {
-                    tracing::error!(%error, %conversation_id, "takeover: pending turns unreadable");
-                    continue;
-                }
-            };
-            for turn in pending {
-                metrics::counter!("converger_deliveries_total", "kind" => "takeover").increment(1);
-                let turn_ref = TurnRef {
-                    seq: turn.turn_seq,
-                    revision: turn.revision,
-                    reason: turn.reason.as_deref(),
-                };
-                self.deliver_turn(&decision.new_owner, &turn.activity, turn_ref)
-                    .await;
-            }
+            self.deliver_pending(conversation_id, &decision.new_owner, &decision.seqs)
+                .await;
         }
     }
 
@@ -562,6 +611,14 @@ impl ChannelActor {
             let _ = agent.deliveries.send(envelope.clone());
         }
         if activity.sender_role != "user" {
+            // An answer completes the turn for every group (the registry keeps one status per
+            // turn): nothing is left to hand on, so the memory keeps only unanswered turns.
+            if let Some(turn_seq) = activity.turn_seq {
+                let conversation = activity.conversation_id.to_string();
+                for memory in self.memories.values_mut() {
+                    memory.answered(&conversation, turn_seq);
+                }
+            }
             self.deliver_other_party(activity, &envelope);
             return;
         }

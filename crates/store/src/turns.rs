@@ -247,6 +247,36 @@ impl Store {
     }
 }
 
+impl Store {
+    /// The conversation's turns at or below `up_to` whose latest revision is unanswered.
+    pub async fn pending_turns_up_to(
+        &self,
+        conversation_id: Uuid,
+        up_to: i64,
+    ) -> Result<Vec<ChannelPendingTurn>, StoreError> {
+        let rows = self
+            .timed("pending_turns_up_to", async {
+                sqlx::query_as::<_, ChannelPendingTurn>(
+                    "SELECT t.conversation_id, t.seq,
+                            floor(extract(epoch FROM t.created_at) * 1000)::bigint AS at_ms
+                     FROM turns t
+                     WHERE t.conversation_id = $1 AND t.seq <= $2 AND t.status = 'pending'
+                       AND NOT EXISTS (
+                           SELECT 1 FROM turns later
+                           WHERE later.conversation_id = t.conversation_id
+                             AND later.seq = t.seq AND later.revision > t.revision)
+                     ORDER BY t.seq",
+                )
+                .bind(conversation_id)
+                .bind(up_to)
+                .fetch_all(&self.pool)
+                .await
+            })
+            .await?;
+        Ok(rows)
+    }
+}
+
 /// The registry row of a turn's latest revision.
 #[derive(sqlx::FromRow)]
 struct LatestRevision {
