@@ -907,3 +907,51 @@ async fn more_unanswered_turns_than_the_memory_keeps_are_all_taken_over() {
     );
     drop(node);
 }
+
+#[tokio::test]
+async fn a_member_whose_socket_drops_without_a_close_frame_leaves_at_once() {
+    let node = TestNode::start_with(fast_settle).await;
+    let acme = node.tenant_with_channel("acme").await;
+    let token = agent_token(&node, &acme).await;
+    let client = converger_client::agent::Agent::connect(&node.ws_url(""), &token, Some("bot"))
+        .await
+        .unwrap();
+    let connection = client.welcome()["connectionId"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let listed = |view: &Value| {
+        view["members"].as_array().is_some_and(|members| {
+            members
+                .iter()
+                .any(|m| m["connectionId"] == connection.as_str())
+        })
+    };
+    let view = |node: &TestNode| {
+        let request = node
+            .http
+            .get(node.url("/api/v1/admin/cluster"))
+            .bearer_auth(&node.admin_token);
+        async move { request.send().await.unwrap().json::<Value>().await.unwrap() }
+    };
+    let announced = tokio::time::timeout(Duration::from_secs(5), async {
+        while !listed(&view(&node).await) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    assert!(announced.is_ok(), "the member is announced");
+    drop(client);
+    let started = std::time::Instant::now();
+    let withdrawn = tokio::time::timeout(Duration::from_secs(5), async {
+        while listed(&view(&node).await) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    assert!(
+        withdrawn.is_ok(),
+        "the member is withdrawn within 5 s of its socket dropping"
+    );
+    println!("withdrawn after {:?}", started.elapsed());
+}

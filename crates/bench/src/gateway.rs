@@ -25,6 +25,8 @@ pub struct Gateway {
     pub ws_url: String,
     server_url: String,
     database: String,
+    /// The gossip address it logged.
+    pub gossip_addr: Option<String>,
 }
 
 /// The `converger` binary next to this one (build both with `--release`).
@@ -42,13 +44,19 @@ impl Gateway {
         server_url: &str,
         env: &[(&str, String)],
     ) -> anyhow::Result<Gateway> {
-        let database = format!("converger_bench_{}", uuid::Uuid::new_v4().simple());
-        let mut admin = PgConnection::connect(server_url)
-            .await
-            .context("connect to the benchmark database server")?;
-        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {database}")))
-            .execute(&mut admin)
-            .await?;
+        let database = create_database(server_url).await?;
+        Gateway::start_on(binary, server_url, &database, env).await
+    }
+
+    /// Starts `binary serve` on an existing database of `server_url` (another node of a
+    /// cluster), with `env` added.
+    pub async fn start_on(
+        binary: &PathBuf,
+        server_url: &str,
+        database: &str,
+        env: &[(&str, String)],
+    ) -> anyhow::Result<Gateway> {
+        let database = database.to_owned();
         let mut url = server_url
             .rsplit_once('/')
             .map(|(base, _)| base.to_owned())
@@ -63,8 +71,16 @@ impl Gateway {
             .env("CONVERGER_LOG_FORMAT", "json")
             .env("CONVERGER_SECRET_KEY", SECRET_KEY)
             .env("CONVERGER_ADMIN_TOKEN", ADMIN_TOKEN)
-            .env("CONVERGER_STATE_DIR", std::env::temp_dir().join(&database))
-            .env("RUST_LOG", "warn,converger=info,converger_gateway=info")
+            .env("CONVERGER_GOSSIP_ADDR", "127.0.0.1:0")
+            .env(
+                "CONVERGER_STATE_DIR",
+                std::env::temp_dir().join(format!("{database}-{}", uuid::Uuid::new_v4().simple())),
+            )
+            .env(
+                "RUST_LOG",
+                std::env::var("BENCH_NODE_RUST_LOG")
+                    .unwrap_or_else(|_| "warn,converger=info,converger_gateway=info".into()),
+            )
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .kill_on_drop(true);
@@ -76,13 +92,18 @@ impl Gateway {
             .with_context(|| format!("start {}", binary.display()))?;
         let stderr = child.stderr.take().context("stderr")?;
         let mut lines = BufReader::new(stderr).lines();
+        let mut gossip_addr = None;
         let addr = tokio::time::timeout(Duration::from_secs(60), async {
             while let Some(line) = lines.next_line().await? {
                 let Ok(entry) = serde_json::from_str::<serde_json::Value>(&line) else {
                     continue;
                 };
-                if entry["fields"]["message"] == "converger listening" {
-                    return Ok(entry["fields"]["addr"].as_str().map(str::to_owned));
+                let fields = &entry["fields"];
+                if fields["message"] == "gossip started" {
+                    gossip_addr = fields["gossip_addr"].as_str().map(str::to_owned);
+                }
+                if fields["message"] == "converger listening" {
+                    return Ok(fields["addr"].as_str().map(str::to_owned));
                 }
             }
             Ok::<_, std::io::Error>(None)
@@ -92,14 +113,28 @@ impl Gateway {
         let Some(addr) = addr else {
             bail!("the gateway exited before listening")
         };
-        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        // BENCH_NODE_LOGS=1 echoes the node's logs (a run that fails tells why).
+        let echo = std::env::var_os("BENCH_NODE_LOGS").is_some();
+        tokio::spawn(async move {
+            while let Ok(Some(line)) = lines.next_line().await {
+                if echo {
+                    eprintln!("{line}");
+                }
+            }
+        });
         Ok(Gateway {
             child,
             base_url: format!("http://{addr}"),
             ws_url: format!("ws://{addr}/socket/converger/v1"),
             server_url: server_url.to_owned(),
             database,
+            gossip_addr,
         })
+    }
+
+    /// Kills the process (SIGKILL) and keeps the database for the other nodes.
+    pub async fn kill(mut self) {
+        let _ = self.child.kill().await;
     }
 
     /// The process id.
@@ -107,7 +142,7 @@ impl Gateway {
         self.child.id().unwrap_or(0)
     }
 
-    /// Stops the process and drops its database.
+    /// Stops the process and drops its database (and with it every other node's).
     pub async fn stop(mut self) -> anyhow::Result<()> {
         let _ = self.child.kill().await;
         let mut admin = PgConnection::connect(&self.server_url).await?;
@@ -119,4 +154,16 @@ impl Gateway {
         .await?;
         Ok(())
     }
+}
+
+/// Creates a fresh benchmark database on `server_url`; returns its name.
+pub async fn create_database(server_url: &str) -> anyhow::Result<String> {
+    let database = format!("converger_bench_{}", uuid::Uuid::new_v4().simple());
+    let mut admin = PgConnection::connect(server_url)
+        .await
+        .context("connect to the benchmark database server")?;
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {database}")))
+        .execute(&mut admin)
+        .await?;
+    Ok(database)
 }

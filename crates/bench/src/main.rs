@@ -2,6 +2,7 @@
 //! limit they compare against. Programs, never tests: they do not fail a build.
 #![forbid(unsafe_code)]
 
+mod cluster;
 mod gateway;
 mod idle;
 mod machine;
@@ -23,6 +24,8 @@ enum Command {
     Idle(idle::IdleArgs),
     /// U users in closed loop, A agents answering: turns/s and latencies.
     Turns(turns::TurnsArgs),
+    /// Three nodes: membership propagation and node-death takeover times.
+    Cluster(cluster::ClusterArgs),
 }
 
 #[tokio::main]
@@ -31,5 +34,6 @@ async fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Idle(args) => idle::run(args).await,
         Command::Turns(args) => turns::run(args).await,
+        Command::Cluster(args) => cluster::run(args).await,
     }
 }

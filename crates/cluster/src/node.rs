@@ -79,7 +79,7 @@ pub struct MemberStatus {
 pub struct ClusterStatus {
     /// Every node known (live, dead and this one).
     pub nodes: Vec<NodeStatus>,
-    /// Agent connections of the live nodes.
+    /// This node's agent connections and the other live nodes' as membership events reported them.
     pub members: Vec<MemberStatus>,
 }
 
@@ -291,6 +291,7 @@ impl MembershipTask {
     async fn on_command(&mut self, command: Command) {
         match command {
             Command::Publish(record) => {
+                tracing::debug!(channel_id = %record.channel_id, connection_id = %record.connection_id, "publishing in gossip");
                 let peers = {
                     let chitchat = self.handle.chitchat();
                     let mut chitchat = chitchat.lock().await;
@@ -303,6 +304,7 @@ impl MembershipTask {
                 channel_id,
                 connection_id,
             } => {
+                tracing::debug!(%channel_id, %connection_id, "withdrawing from gossip");
                 let peers = {
                     let chitchat = self.handle.chitchat();
                     let mut chitchat = chitchat.lock().await;
@@ -400,20 +402,31 @@ impl MembershipTask {
                 status,
                 last_heartbeat_age_ms,
             });
-            if status == "dead" {
+            // This node's own connections, as published; the others' as the actors know them
+            // (the reported view, which trails gossip by up to one round).
+            if *id != self.self_id {
                 continue;
             }
             for record in members::node_agents(state.key_values()).into_values() {
-                members.push(MemberStatus {
-                    channel_id: record.channel_id,
-                    group: record.group,
-                    connection_id: record.connection_id,
-                    node: id.node_id.to_string(),
-                    since: record.since_ms,
-                });
+                members.push(member_status(&id.node_id, record));
+            }
+        }
+        for (node, agents) in &self.known {
+            for record in agents.values() {
+                members.push(member_status(&node.node_id, record.clone()));
             }
         }
         ClusterStatus { nodes, members }
+    }
+}
+
+fn member_status(node: &str, record: AgentRecord) -> MemberStatus {
+    MemberStatus {
+        channel_id: record.channel_id,
+        group: record.group,
+        connection_id: record.connection_id,
+        node: node.to_owned(),
+        since: record.since_ms,
     }
 }
 

@@ -56,6 +56,7 @@ impl Announced {
 
 impl Drop for Announced {
     fn drop(&mut self) {
+        tracing::debug!(connection_id = %self.record.connection_id, "agent connection withdrawn");
         self.cluster
             .withdraw(self.record.channel_id, &self.record.connection_id);
     }
