@@ -84,6 +84,7 @@ impl Server {
             hub: Arc::new(Hub::new(node_id)),
             actors,
             cluster,
+            status_rates: Arc::default(),
         };
         Ok(Server { state, listener })
     }

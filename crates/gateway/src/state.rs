@@ -31,6 +31,8 @@ pub struct AppState {
     pub actors: Arc<crate::agents::Actors>,
     /// This node's gossip membership.
     pub cluster: converger_cluster::Cluster,
+    /// Counters sampled by the status page, for its rates.
+    pub status_rates: Arc<crate::routes::status::RateSampler>,
 }
 
 impl AppState {

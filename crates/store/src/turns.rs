@@ -248,6 +248,41 @@ impl Store {
 }
 
 impl Store {
+    /// Turns of the last hour still waiting for an answer, cluster-wide (the status page).
+    pub async fn unanswered_turns(&self) -> Result<i64, StoreError> {
+        let count = self
+            .timed("unanswered_turns", async {
+                sqlx::query_scalar::<_, i64>(
+                    "SELECT count(*) FROM turns t
+                     WHERE t.status = 'pending' AND t.created_at > now() - interval '1 hour'
+                       AND NOT EXISTS (
+                           SELECT 1 FROM turns later
+                           WHERE later.conversation_id = t.conversation_id
+                             AND later.seq = t.seq AND later.revision > t.revision)",
+                )
+                .fetch_one(&self.pool)
+                .await
+            })
+            .await?;
+        Ok(count)
+    }
+
+    /// Frames committed per second over the last `window_secs`, cluster-wide, from the outbox.
+    pub async fn committed_per_second(&self, window_secs: u32) -> Result<f64, StoreError> {
+        let frames = self
+            .timed("committed_per_second", async {
+                sqlx::query_scalar::<_, i64>(
+                    "SELECT coalesce(sum(seq_to - seq_from + 1), 0)::bigint FROM outbox
+                     WHERE seq_to IS NOT NULL AND created_at > now() - make_interval(secs => $1)",
+                )
+                .bind(f64::from(window_secs))
+                .fetch_one(&self.pool)
+                .await
+            })
+            .await?;
+        Ok(frames as f64 / f64::from(window_secs.max(1)))
+    }
+
     /// The conversation's turns at or below `up_to` whose latest revision is unanswered.
     pub async fn pending_turns_up_to(
         &self,

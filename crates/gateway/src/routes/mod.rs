@@ -5,6 +5,7 @@ mod body;
 mod channels;
 mod conversations;
 mod health;
+pub mod status;
 pub(crate) mod tokens;
 
 use axum::Router;
@@ -17,6 +18,7 @@ use crate::state::AppState;
 pub fn router(state: AppState) -> Router {
     let body_limit = state.config.limits.max_frame_bytes;
     Router::new()
+        .route("/", get(status::page))
         .route("/api/v1/admin/tenants", post(admin::create_tenant))
         .route("/api/v1/admin/cluster", get(admin::cluster))
         .route(
