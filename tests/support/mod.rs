@@ -7,6 +7,7 @@
 #![allow(dead_code)]
 
 pub mod cluster;
+pub mod schemas;
 pub mod ws;
 
 use std::path::PathBuf;

@@ -11,6 +11,8 @@ use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::http::HeaderValue;
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
+use super::schemas::{Schema, assert_conforms, violations};
+
 /// How long a test waits for an expected frame.
 pub const FRAME_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -20,6 +22,8 @@ pub struct WsClient {
     /// The subprotocol the server selected.
     pub subprotocol: Option<String>,
     nonce: u64,
+    /// The scope its welcome announced; until then a frame may be of either.
+    scope: Option<Schema>,
 }
 
 /// What ended a connection.
@@ -59,6 +63,7 @@ impl WsClient {
             stream,
             subprotocol,
             nonce: 0,
+            scope: None,
         }
     }
 
@@ -85,6 +90,7 @@ impl WsClient {
             stream,
             subprotocol: Some("converger.v1".into()),
             nonce: 0,
+            scope: None,
         })
     }
 
@@ -142,7 +148,10 @@ impl WsClient {
             };
             match next {
                 Some(Ok(Message::Text(text))) => {
-                    break Ok(serde_json::from_str(text.as_str()).expect("server sends JSON"));
+                    let frame: Value =
+                        serde_json::from_str(text.as_str()).expect("server sends JSON");
+                    self.check_conformance(&frame);
+                    break Ok(frame);
                 }
                 Some(Ok(Message::Close(frame))) => {
                     break Err(frame.map_or(
@@ -165,6 +174,26 @@ impl WsClient {
                 }
             }
         })
+    }
+
+    /// Every received frame must conform to the server schema of the connection's scope
+    /// (`docs/protocol/schemas/`), learnt from its welcome.
+    fn check_conformance(&mut self, frame: &Value) {
+        if frame["type"] == "welcome" {
+            self.scope = match frame["data"]["scope"].as_str() {
+                Some("channel") => Some(Schema::ServerChannel),
+                _ => Some(Schema::ServerConversation),
+            };
+        }
+        match self.scope {
+            Some(schema) => assert_conforms(schema, frame),
+            None => {
+                let as_conversation = violations(Schema::ServerConversation, frame);
+                if !as_conversation.is_empty() {
+                    assert_conforms(Schema::ServerChannel, frame);
+                }
+            }
+        }
     }
 
     /// Frames until one of type `kind` (returned last).
