@@ -955,3 +955,141 @@ async fn a_member_whose_socket_drops_without_a_close_frame_leaves_at_once() {
     );
     println!("withdrawn after {:?}", started.elapsed());
 }
+
+async fn lease_member(node: &TestNode, token: &str) -> (WsClient, Value) {
+    let mut client = WsClient::connect(&node.ws_url("")).await;
+    let welcome = client
+        .hello(token, json!({"group": "bot", "claim": "lease"}))
+        .await;
+    (client, welcome)
+}
+
+fn fenced_result(client_id: &str, seq: i64, fence: Option<i64>, text: &str) -> Value {
+    let mut result = turn_result(client_id, seq, text, None);
+    if let Some(fence) = fence {
+        result["turn"]["fence"] = json!(fence);
+    }
+    result
+}
+
+#[tokio::test]
+async fn a_lease_member_gets_each_turn_with_a_fence_and_must_answer_with_it() {
+    let node = TestNode::start_with(fast_settle).await;
+    let acme = node.tenant_with_channel("acme").await;
+    let token = agent_token(&node, &acme).await;
+    let (mut member, welcome) = lease_member(&node, &token).await;
+    assert_eq!(welcome["data"]["claim"], "lease");
+    assert_eq!(welcome["data"]["leaseMs"], 10_000);
+    settle(&welcome).await;
+    let (mut client, conversation_id) = user(&node, &acme, "alice").await;
+    let seq = say(&mut client, "t-1", "hello").await;
+    let (_, turn) = delivery(&mut member, "text").await;
+    assert_eq!(turn["meta"]["turn"]["seq"], seq);
+    let fence = turn["meta"]["turn"]["fence"]
+        .as_i64()
+        .expect("a lease delivery has a fence");
+    assert_eq!(fence, 1, "the first claim of a turn key");
+
+    // No fence: refused in lease mode. An older fence: lease_lost. Nothing stored either way.
+    member.send(json!({"conversationId": conversation_id, "frame": fenced_result("r-1", seq, None, "a")})).await;
+    let (_, refused) = delivery(&mut member, "error").await;
+    assert_eq!(refused["data"]["code"], "bad_request");
+    member.send(json!({"conversationId": conversation_id, "frame": fenced_result("r-1", seq, Some(fence - 1), "a")})).await;
+    let (_, lost) = delivery(&mut member, "error").await;
+    assert_eq!(lost["data"]["code"], "lease_lost");
+    assert_eq!(lost["data"]["number"], 4103);
+    assert_eq!(lost["data"]["retryable"], false);
+    let stored = format!(
+        "SELECT count(*) FROM activities WHERE conversation_id = '{conversation_id}' AND sender_role = 'agent'"
+    );
+    assert_eq!(node.db.count(&stored).await, 0, "nothing stored");
+
+    member.send(json!({"conversationId": conversation_id, "frame": fenced_result("r-1", seq, Some(fence), "answer")})).await;
+    let (_, ack) = delivery(&mut member, "ack").await;
+    assert_eq!(ack["clientId"], "r-1");
+    assert_eq!(node.db.count(&stored).await, 1);
+    let holder = welcome["data"]["connectionId"].as_str().unwrap();
+    assert_eq!(
+        node.db
+            .count(&format!("SELECT count(*) FROM turns WHERE conversation_id = '{conversation_id}' AND seq = {seq} AND status = 'completed' AND claimed_by = '{holder}' AND fence = 1"))
+            .await,
+        1
+    );
+}
+
+#[tokio::test]
+async fn a_departed_lease_holders_late_answer_is_refused_and_the_new_holder_answers() {
+    let node = TestNode::start_with(fast_settle).await;
+    let acme = node.tenant_with_channel("acme").await;
+    let token = agent_token(&node, &acme).await;
+    let (first, welcome_first) = lease_member(&node, &token).await;
+    let (mut second, welcome_second) = lease_member(&node, &token).await;
+    settle(&welcome_first).await;
+    settle(&welcome_second).await;
+    let members = [&welcome_first, &welcome_second];
+    let (conversation_id, user_token) =
+        conversation_owned_by(&node, &acme, &members, &welcome_first).await;
+    let mut client = WsClient::connect(&node.ws_url("")).await;
+    client.hello(&user_token, json!({})).await;
+    let mut first = first;
+    let seq = say(&mut client, "t-1", "who holds it?").await;
+    let (_, turn) = delivery(&mut first, "text").await;
+    let old_fence = turn["meta"]["turn"]["fence"].as_i64().unwrap();
+
+    // The holder leaves: its lease is released and the takeover claims the turn again.
+    first.close().await;
+    let (_, taken) = delivery(&mut second, "text").await;
+    assert_eq!(taken["meta"]["turn"]["seq"], seq);
+    let new_fence = taken["meta"]["turn"]["fence"].as_i64().unwrap();
+    assert!(new_fence > old_fence, "a new claim has a higher fence");
+
+    // The departed process comes back and answers with its old fence: lease_lost.
+    let (mut returning, _) = lease_member(&node, &token).await;
+    returning.send(json!({"conversationId": conversation_id, "frame": fenced_result("late", seq, Some(old_fence), "late")})).await;
+    let (_, lost) = delivery(&mut returning, "error").await;
+    assert_eq!(lost["data"]["code"], "lease_lost");
+    second.send(json!({"conversationId": conversation_id, "frame": fenced_result("r-2", seq, Some(new_fence), "taken over")})).await;
+    delivery(&mut second, "ack").await;
+    assert_eq!(
+        node.db
+            .count(&format!("SELECT count(*) FROM activities WHERE turn_seq = {seq} AND conversation_id = '{conversation_id}'"))
+            .await,
+        1,
+        "one answer stored"
+    );
+}
+
+#[tokio::test]
+async fn a_turn_held_under_a_live_lease_is_delivered_when_the_lease_runs_out() {
+    let node = TestNode::start_with(|config| {
+        fast_settle(config);
+        config.lease_ms = 600;
+    })
+    .await;
+    let acme = node.tenant_with_channel("acme").await;
+    let token = agent_token(&node, &acme).await;
+    // A turn sent while no agent is connected, then held by a holder that is gone (its node
+    // died): the lease runs out by itself.
+    let (mut client, conversation_id) = user(&node, &acme, "alice").await;
+    let seq = say(&mut client, "t-1", "anyone?").await;
+    let mut db = node.db.connect().await;
+    sqlx::query(
+        "UPDATE turns SET claimed_by = 'ghost', fence = 1, lease_until = now() + interval '800 milliseconds'
+         WHERE conversation_id = $1 AND seq = $2",
+    )
+    .bind(conversation_id)
+    .bind(seq)
+    .execute(&mut db)
+    .await
+    .unwrap();
+    let held_at = std::time::Instant::now();
+    let (mut member, _) = lease_member(&node, &token).await;
+    let (_, turn) = delivery(&mut member, "text").await;
+    assert!(
+        held_at.elapsed() >= Duration::from_millis(700),
+        "delivered only once the ghost's lease ran out ({:?})",
+        held_at.elapsed()
+    );
+    assert_eq!(turn["meta"]["turn"]["seq"], seq);
+    assert_eq!(turn["meta"]["turn"]["fence"], 2);
+}

@@ -46,6 +46,7 @@ fn answer(
         conversation_id,
         seq,
         revision: 0,
+        fence: None,
         sender: Sender {
             id: "bot-1".into(),
             role: SenderRole::Agent,

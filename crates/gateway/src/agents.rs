@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use converger_core::groups::{GroupView, NOBODY, PassedTurns, TakeOver};
-use converger_store::{Activity, Store, Viewer};
+use converger_store::{Activity, Claim, Store, Viewer};
 use serde_json::{Value, json};
 use tokio::sync::{broadcast, mpsc};
 use uuid::Uuid;
@@ -76,6 +76,8 @@ pub enum ActorMessage {
         since_ms: i64,
         /// The `sender.id` its frames are stored with.
         sender_id: String,
+        /// Lease mode: each turn is claimed for this long before it is delivered.
+        lease: Option<std::time::Duration>,
         /// Where its deliveries go (enveloped frames).
         deliveries: mpsc::UnboundedSender<Value>,
     },
@@ -114,11 +116,22 @@ pub enum ActorMessage {
     },
     /// The node drains: its members stop owning turns (their sockets stay open a little longer).
     WithdrawLocal,
+    /// Lease mode: another holder's lease on this turn has run out by now; deliver it to the
+    /// member if it is still here and the turn still unanswered.
+    Redeliver {
+        /// The member.
+        connection_id: String,
+        /// Conversation.
+        conversation_id: Uuid,
+        /// The turn's seq.
+        seq: i64,
+    },
 }
 
 struct Agent {
     group: Option<String>,
     sender_id: String,
+    lease: Option<std::time::Duration>,
     deliveries: mpsc::UnboundedSender<Value>,
 }
 
@@ -191,6 +204,7 @@ impl Actors {
         }
         let actor = ChannelActor {
             channel_id,
+            own_inbox: sender.downgrade(),
             store: store.clone(),
             agents: HashMap::new(),
             views,
@@ -273,6 +287,8 @@ impl Actors {
 
 struct ChannelActor {
     channel_id: Uuid,
+    /// For lease retries scheduled by the actor itself; weak so it never keeps itself alive.
+    own_inbox: mpsc::WeakUnboundedSender<ActorMessage>,
     store: Store,
     agents: HashMap<String, Agent>,
     views: HashMap<String, GroupView>,
@@ -311,6 +327,7 @@ impl ChannelActor {
                 group,
                 since_ms,
                 sender_id,
+                lease,
                 deliveries,
             } => {
                 // While no agent of the channel was here, this node skipped the channel's
@@ -333,6 +350,7 @@ impl ChannelActor {
                     Agent {
                         group: group.clone(),
                         sender_id,
+                        lease,
                         deliveries,
                     },
                 );
@@ -380,6 +398,16 @@ impl ChannelActor {
                     .is_some_and(|view| view.leave(&connection_id));
                 if left {
                     self.take_over(&group).await;
+                }
+            }
+            ActorMessage::Redeliver {
+                connection_id,
+                conversation_id,
+                seq,
+            } => {
+                if self.agents.contains_key(&connection_id) {
+                    self.deliver_pending(conversation_id, &connection_id, &[seq])
+                        .await;
                 }
             }
             ActorMessage::WithdrawLocal => {
@@ -654,8 +682,15 @@ impl ChannelActor {
             return;
         };
         for owner in local_owners {
+            let mut delivery = envelope.clone();
+            if !self
+                .claim_for(&owner, activity.conversation_id, turn, &mut delivery)
+                .await
+            {
+                continue;
+            }
             metrics::counter!("converger_deliveries_total", "kind" => "first").increment(1);
-            self.send(&owner, envelope.clone());
+            self.send(&owner, delivery);
         }
     }
 
@@ -724,11 +759,79 @@ impl ChannelActor {
         }
     }
 
-    /// Sends a user turn to a member with its `meta` (PROTOCOL section 4).
+    /// Sends a user turn to a member with its `meta` (PROTOCOL section 4), claimed first for a
+    /// lease-mode member.
     async fn deliver_turn(&self, connection_id: &str, activity: &Activity, turn: TurnRef<'_>) {
-        if let Some(envelope) = self.turn_envelope(activity, turn).await {
+        let Some(mut envelope) = self.turn_envelope(activity, turn).await else {
+            return;
+        };
+        if self
+            .claim_for(connection_id, activity.conversation_id, turn, &mut envelope)
+            .await
+        {
             self.send(connection_id, envelope);
         }
+    }
+
+    /// For a lease-mode member, claims the turn and writes the fence into the delivery; false
+    /// when it must not be delivered now (held by another member: retried when that lease runs
+    /// out; or no longer pending). Other members need no claim.
+    async fn claim_for(
+        &self,
+        connection_id: &str,
+        conversation_id: Uuid,
+        turn: TurnRef<'_>,
+        envelope: &mut Value,
+    ) -> bool {
+        let Some(lease) = self.agents.get(connection_id).and_then(|agent| agent.lease) else {
+            return true;
+        };
+        let started = std::time::Instant::now();
+        let claim = self
+            .store
+            .claim_turn(
+                conversation_id,
+                turn.seq,
+                turn.revision,
+                connection_id,
+                lease,
+            )
+            .await;
+        metrics::histogram!("converger_claim_wait_seconds").record(started.elapsed().as_secs_f64());
+        match claim {
+            Ok(Claim::Claimed { fence }) => {
+                envelope["frame"]["meta"]["turn"]["fence"] = json!(fence);
+                true
+            }
+            Ok(Claim::Held { until_ms }) => {
+                self.redeliver_at(connection_id, conversation_id, turn.seq, until_ms);
+                false
+            }
+            Ok(Claim::NotPending) => false,
+            Err(error) => {
+                tracing::error!(%error, %conversation_id, seq = turn.seq, "claim failed; retrying");
+                let soon = chrono::Utc::now().timestamp_millis() + 1_000;
+                self.redeliver_at(connection_id, conversation_id, turn.seq, soon);
+                false
+            }
+        }
+    }
+
+    /// Asks this actor to try the delivery again once `at_ms` (a lease's end) has passed.
+    fn redeliver_at(&self, connection_id: &str, conversation_id: Uuid, seq: i64, at_ms: i64) {
+        let Some(inbox) = self.own_inbox.upgrade() else {
+            return;
+        };
+        let wait_ms = (at_ms - chrono::Utc::now().timestamp_millis()).max(0) as u64 + 20;
+        let message = ActorMessage::Redeliver {
+            connection_id: connection_id.to_owned(),
+            conversation_id,
+            seq,
+        };
+        tokio::spawn(async move {
+            tokio::time::sleep(std::time::Duration::from_millis(wait_ms)).await;
+            let _ = inbox.send(message);
+        });
     }
 
     /// A user turn enveloped with its `meta` (PROTOCOL section 4); `None` when the runtime

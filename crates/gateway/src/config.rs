@@ -54,6 +54,9 @@ pub struct Config {
     pub outbox_retention_secs: u64,
     /// Gossip timing and failure detection.
     pub gossip: GossipConfig,
+    /// Lease mode: how long a claim on a turn lasts without renewal, in milliseconds (a
+    /// connected member's node renews it every third of this).
+    pub lease_ms: u64,
 }
 
 /// Gossip (cluster membership) tuning; the defaults suit nodes on one LAN.
@@ -164,6 +167,7 @@ impl Default for Config {
             drain: DrainConfig::default(),
             outbox_retention_secs: 600,
             gossip: GossipConfig::default(),
+            lease_ms: 10_000,
         }
     }
 }
@@ -234,6 +238,9 @@ impl Config {
         }
         if self.gossip.phi_threshold.is_nan() || self.gossip.phi_threshold <= 0.0 {
             return Err("gossip.phi_threshold must be greater than 0".into());
+        }
+        if self.lease_ms < 300 {
+            return Err("lease_ms must be at least 300".into());
         }
         if self.outbox_retention_secs < 60 {
             return Err("outbox_retention_secs must be at least 60".into());

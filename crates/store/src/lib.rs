@@ -25,7 +25,8 @@ pub use error::StoreError;
 pub use secrets::{generate_secret, hash_secret};
 pub use tenants::Tenant;
 pub use turns::{
-    AnswerFrame, AnswerOutcome, ChannelPendingTurn, PendingTurn, Revision, RuntimeWrite, TurnAnswer,
+    AnswerFrame, AnswerOutcome, ChannelPendingTurn, Claim, PendingTurn, Revision, RuntimeWrite,
+    TurnAnswer,
 };
 
 /// Postgres channel every commit notifies; payloads are small JSON ids, never bodies.

@@ -52,6 +52,8 @@ pub struct TurnAnswer {
     pub frames: Vec<AnswerFrame>,
     /// The runtime to write, if any.
     pub runtime: Option<RuntimeWrite>,
+    /// Lease mode: the fence of the delivery being answered; an older one is refused.
+    pub fence: Option<i64>,
 }
 
 impl TurnAnswer {
@@ -101,6 +103,11 @@ pub enum AnswerOutcome {
     Superseded {
         /// The latest revision.
         latest: i32,
+    },
+    /// Lease mode: the turn was claimed again since this answer's delivery (its fence is old).
+    LeaseLost {
+        /// The current fence.
+        current: i64,
     },
     /// The runtime moved on since the agent read it.
     StaleRuntime {
@@ -197,6 +204,118 @@ impl Store {
             })
             .collect::<Result<Vec<_>, sqlx::Error>>()
             .map_err(StoreError::from)
+    }
+}
+
+/// What claiming a turn for a lease-mode member gave.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Claim {
+    /// Claimed (or still held by this holder): deliver it with this fence.
+    Claimed {
+        /// The fencing token the answer must carry.
+        fence: i64,
+    },
+    /// Another holder's lease is live until this time (ms): try again then.
+    Held {
+        /// When the lease runs out (database clock, ms).
+        until_ms: i64,
+    },
+    /// The turn (revision) is answered, superseded or unknown: nothing to deliver.
+    NotPending,
+}
+
+impl Store {
+    /// Claims a turn's revision for `holder` for `lease`: a short statement, no row lock kept
+    /// while the agent works. A new holder bumps the fence; the same holder keeps it.
+    pub async fn claim_turn(
+        &self,
+        conversation_id: Uuid,
+        seq: i64,
+        revision: i32,
+        holder: &str,
+        lease: std::time::Duration,
+    ) -> Result<Claim, StoreError> {
+        let row: Option<(i64, Option<String>, Option<i64>, bool)> = self
+            .timed("claim_turn", async {
+                sqlx::query_as(
+                    "WITH current AS (
+                         SELECT status, claimed_by, lease_until FROM turns
+                         WHERE conversation_id = $1 AND seq = $2 AND revision = $3
+                     ), claimed AS (
+                         UPDATE turns t
+                         SET fence = CASE WHEN t.claimed_by = $4 AND t.lease_until >= now()
+                                          THEN t.fence ELSE t.fence + 1 END,
+                             claimed_by = $4,
+                             lease_until = now() + make_interval(secs => $5)
+                         WHERE t.conversation_id = $1 AND t.seq = $2 AND t.revision = $3
+                           AND t.status = 'pending'
+                           AND NOT EXISTS (SELECT 1 FROM turns later
+                                           WHERE later.conversation_id = $1 AND later.seq = $2
+                                             AND later.revision > $3)
+                           AND (t.claimed_by IS NULL OR t.claimed_by = $4 OR t.lease_until < now())
+                         RETURNING t.fence
+                     )
+                     SELECT coalesce((SELECT fence FROM claimed), -1),
+                            (SELECT claimed_by FROM current),
+                            (SELECT floor(extract(epoch FROM lease_until) * 1000)::bigint FROM current),
+                            coalesce((SELECT status = 'pending' FROM current), false)",
+                )
+                .bind(conversation_id)
+                .bind(seq)
+                .bind(revision)
+                .bind(holder)
+                .bind(lease.as_secs_f64())
+                .fetch_optional(&self.pool)
+                .await
+            })
+            .await?;
+        let Some((fence, holder_then, until_ms, pending)) = row else {
+            return Ok(Claim::NotPending);
+        };
+        if fence >= 0 {
+            return Ok(Claim::Claimed { fence });
+        }
+        match (pending, holder_then, until_ms) {
+            (true, Some(_), Some(until_ms)) => Ok(Claim::Held { until_ms }),
+            _ => Ok(Claim::NotPending),
+        }
+    }
+
+    /// Extends every lease `holder` still holds (its member is connected).
+    pub async fn renew_leases(
+        &self,
+        holder: &str,
+        lease: std::time::Duration,
+    ) -> Result<u64, StoreError> {
+        let result = self
+            .timed("renew_leases", async {
+                sqlx::query(
+                    "UPDATE turns SET lease_until = now() + make_interval(secs => $2)
+                     WHERE claimed_by = $1 AND status = 'pending'",
+                )
+                .bind(holder)
+                .bind(lease.as_secs_f64())
+                .execute(&self.pool)
+                .await
+            })
+            .await?;
+        Ok(result.rows_affected())
+    }
+
+    /// Gives up every lease `holder` holds (its member left), so the next owner claims at once.
+    pub async fn release_leases(&self, holder: &str) -> Result<u64, StoreError> {
+        let result = self
+            .timed("release_leases", async {
+                sqlx::query(
+                    "UPDATE turns SET claimed_by = NULL, lease_until = NULL
+                     WHERE claimed_by = $1 AND status = 'pending'",
+                )
+                .bind(holder)
+                .execute(&self.pool)
+                .await
+            })
+            .await?;
+        Ok(result.rows_affected())
     }
 }
 
@@ -321,6 +440,7 @@ struct LatestRevision {
     result_ids: Option<Vec<String>>,
     result_seqs: Option<Vec<i64>>,
     completed_at: Option<DateTime<Utc>>,
+    fence: i64,
 }
 
 async fn commit_answer(
@@ -331,7 +451,7 @@ async fn commit_answer(
     let mut tx = pool.begin().await?;
     // The latest revision's row, locked: concurrent answers to one turn queue here.
     let latest: Option<LatestRevision> = sqlx::query_as(
-        "SELECT revision, status, result_fingerprint, result_ids, result_seqs, completed_at FROM turns
+        "SELECT revision, status, result_fingerprint, result_ids, result_seqs, completed_at, fence FROM turns
          WHERE conversation_id = $1 AND seq = $2 ORDER BY revision DESC LIMIT 1 FOR UPDATE",
     )
     .bind(answer.conversation_id)
@@ -345,6 +465,7 @@ async fn commit_answer(
         result_ids: ids,
         result_seqs: seqs,
         completed_at,
+        fence: current_fence,
     }) = latest
     else {
         return Ok(AnswerOutcome::NoSuchTurn);
@@ -357,14 +478,21 @@ async fn commit_answer(
     if answer.revision > latest_revision {
         return Ok(AnswerOutcome::NoSuchTurn);
     }
-    if status == "completed" {
-        if stored_fingerprint.as_deref() == Some(fingerprint) {
-            return Ok(AnswerOutcome::Duplicate {
-                ids: ids.unwrap_or_default(),
-                seqs: seqs.unwrap_or_default(),
-                completed_at: completed_at.unwrap_or_else(Utc::now),
-            });
-        }
+    let completed = status == "completed";
+    if completed && stored_fingerprint.as_deref() == Some(fingerprint) {
+        return Ok(AnswerOutcome::Duplicate {
+            ids: ids.unwrap_or_default(),
+            seqs: seqs.unwrap_or_default(),
+            completed_at: completed_at.unwrap_or_else(Utc::now),
+        });
+    }
+    // Lease mode: a delivery older than the latest claim no longer holds the turn.
+    if answer.fence.is_some_and(|fence| fence != current_fence) {
+        return Ok(AnswerOutcome::LeaseLost {
+            current: current_fence,
+        });
+    }
+    if completed {
         return Ok(AnswerOutcome::Conflict {
             seqs: seqs.unwrap_or_default(),
         });

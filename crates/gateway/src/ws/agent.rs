@@ -37,6 +37,45 @@ use crate::state::AppState;
 /// Role of agents in `sender.role` and relayed frames.
 const AGENT_ROLE: &str = "agent";
 
+/// Renews a lease-mode member's claims every third of the lease while the session lives.
+struct LeaseRenewal {
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl LeaseRenewal {
+    fn start(state: &AppState, holder: String, lease: Duration) -> LeaseRenewal {
+        let store = state.store.clone();
+        let task = tokio::spawn(async move {
+            let mut ticks = tokio::time::interval(lease / 3);
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                ticks.tick().await;
+                if let Err(error) = store.renew_leases(&holder, lease).await {
+                    tracing::warn!(%error, holder, "leases not renewed");
+                }
+            }
+        });
+        LeaseRenewal { task }
+    }
+}
+
+impl Drop for LeaseRenewal {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Gives a departing lease-mode member's claims up, so the next owner claims them at once.
+async fn release_leases(state: &AppState, holder: &str) {
+    match state.store.release_leases(holder).await {
+        Ok(0) => {}
+        Ok(released) => tracing::debug!(holder, released, "leases released"),
+        Err(error) => {
+            tracing::warn!(%error, holder, "leases not released; they run out by themselves")
+        }
+    }
+}
+
 /// Keeps an agent connection announced in gossip while it lives; withdraws it when dropped, so
 /// no way out of the session forgets it.
 struct Announced {
@@ -71,6 +110,8 @@ struct AgentSession<'a> {
     sender_id: String,
     /// Conversations checked to belong to the channel.
     known_conversations: HashSet<Uuid>,
+    /// Lease mode: how long each claim lasts (answers must carry the delivery's fence).
+    lease: Option<Duration>,
     /// The channel actor (set once joined).
     inbox: Option<mpsc::UnboundedSender<ActorMessage>>,
     rate: TokenBucket,
@@ -89,8 +130,10 @@ pub(super) async fn run(
     let AgentSetup {
         claims,
         group,
+        lease,
         hello,
     } = setup;
+    let lease = lease.then(|| Duration::from_millis(state.config.lease_ms));
     let (control_sender, mut controls) = mpsc::channel::<SessionControl>(8);
     let guard = state.hub.register(claims.channel_id, control_sender);
     let connection_id = guard.connection_id();
@@ -109,6 +152,7 @@ pub(super) async fn run(
         claims,
         connection_id,
         known_conversations: HashSet::new(),
+        lease,
         inbox: None,
         rate: TokenBucket::new(state.config.limits.max_frames_per_sec, now.into_std()),
         last_inbound: now,
@@ -130,6 +174,10 @@ pub(super) async fn run(
     if let Some(group) = &group {
         welcome["data"]["group"] = json!(group);
     }
+    if let Some(lease) = lease {
+        welcome["data"]["claim"] = json!("lease");
+        welcome["data"]["leaseMs"] = json!(lease.as_millis() as u64);
+    }
     if let Err(ending) = session.push(&welcome) {
         return ending;
     }
@@ -144,8 +192,10 @@ pub(super) async fn run(
         group: group.clone(),
         since_ms,
         sender_id: session.sender_id.clone(),
+        lease,
         deliveries: deliveries_sender,
     });
+    let _renewing = lease.map(|lease| LeaseRenewal::start(state, connection_id.to_string(), lease));
     let _announced = Announced::new(
         &state.cluster,
         AgentRecord {
@@ -164,6 +214,9 @@ pub(super) async fn run(
                 continue;
             };
             if let Err(ending) = session.replay(conversation_id, watermark).await {
+                if lease.is_some() {
+                    release_leases(state, &connection_id.to_string()).await;
+                }
                 let _ = inbox.send(ActorMessage::Leave {
                     connection_id: connection_id.to_string(),
                 });
@@ -172,6 +225,9 @@ pub(super) async fn run(
         }
     }
     let ending = session.run(stream, &mut deliveries, &mut controls).await;
+    if lease.is_some() {
+        release_leases(state, &connection_id.to_string()).await;
+    }
     let _ = inbox.send(ActorMessage::Leave {
         connection_id: connection_id.to_string(),
     });
@@ -677,6 +733,14 @@ impl AgentSession<'_> {
                     json!({"revision": latest}),
                 )),
             ),
+            AnswerOutcome::LeaseLost { current } => (
+                "lease_lost",
+                Err((
+                    ErrorCode::LeaseLost,
+                    "the turn was claimed again since this delivery",
+                    json!({"fence": current}),
+                )),
+            ),
             AnswerOutcome::StaleRuntime { current } => (
                 "stale_runtime",
                 Err((
@@ -740,6 +804,21 @@ impl AgentSession<'_> {
                 .filter(|revision| *revision >= 0)
                 .ok_or_else(|| invalid("turn.revision must be a non-negative integer"))?,
         };
+        let fence = match turn.get("fence") {
+            None | Some(Value::Null) => None,
+            Some(value) => Some(
+                value
+                    .as_i64()
+                    .filter(|fence| *fence >= 0)
+                    .ok_or_else(|| invalid("turn.fence must be a non-negative integer"))?,
+            ),
+        };
+        if self.lease.is_some() && fence.is_none() {
+            return Err(Box::new(ErrorFrame::new(
+                ErrorCode::BadRequest,
+                "turn.fence is required in lease mode",
+            )));
+        }
         let frames = frame
             .get("frames")
             .and_then(Value::as_array)
@@ -788,6 +867,7 @@ impl AgentSession<'_> {
             sender: self.sender(),
             frames: answer_frames,
             runtime,
+            fence,
         })
     }
 }

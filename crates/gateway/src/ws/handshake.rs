@@ -33,6 +33,8 @@ pub(crate) struct AgentSetup {
     pub claims: Claims,
     /// The group joined, `None` for an observer.
     pub group: Option<String>,
+    /// `hello.claim: "lease"`: each turn is claimed before delivery, answers carry its fence.
+    pub lease: bool,
     pub hello: Hello,
 }
 
@@ -135,9 +137,21 @@ pub(crate) async fn establish(
                 ));
             }
         };
+        let lease = match hello.claim.as_deref() {
+            None => false,
+            Some("lease") => true,
+            Some(_) => {
+                return Err(Refused::closing(
+                    ErrorCode::BadRequest,
+                    "claim must be \"lease\" or absent",
+                    CloseCode::Protocol,
+                ));
+            }
+        };
         return Ok(Setup::Channel(AgentSetup {
             claims,
             group,
+            lease,
             hello,
         }));
     }
