@@ -1,36 +1,24 @@
 //! The agent side: a channel-scope connection in a group, a stream of typed turns, and replies
-//! that are resent with the same clientId until the server acknowledges them.
+//! that are resent with the same clientId until the server acknowledges them, across
+//! reconnects.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
-use futures_util::{SinkExt, StreamExt};
-use serde_json::{Value, json};
-use tokio::net::TcpStream;
-use tokio_tungstenite::tungstenite::Message;
-use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
+use serde_json::{Map, Value, json};
+use tokio::time::Instant;
 use uuid::Uuid;
 
-/// What the agent side can fail with.
-#[derive(Debug, thiserror::Error)]
-pub enum AgentError {
-    /// The socket failed or closed.
-    #[error("connection error: {0}")]
-    Connection(String),
-    /// The server refused (error frame).
-    #[error("{code}: {message}")]
-    Refused {
-        /// Error code.
-        code: String,
-        /// Message.
-        message: String,
-        /// `details`, when any.
-        details: Value,
-    },
-    /// No acknowledgement after every resend.
-    #[error("no acknowledgement after {0} attempts")]
-    Unacknowledged(u32),
-}
+use crate::error::ClientError;
+use crate::outbox::Outbox;
+use crate::session::{Link, SessionOptions};
+use crate::tracking::{ChannelTracker, REMEMBERED_CONVERSATIONS};
+
+/// The error type of the agent side: the crate's one error type, under its first name.
+pub type AgentError = ClientError;
+
+/// Wait before resending a result the server failed to store (`internal`) without a delay.
+const DEFAULT_RETRY_AFTER: Duration = Duration::from_secs(1);
 
 /// One user turn delivered to this agent.
 #[derive(Debug, Clone, PartialEq)]
@@ -59,7 +47,8 @@ impl Turn {
         self.frame["data"]["text"].as_str()
     }
 
-    fn from_envelope(envelope: &Value) -> Option<Turn> {
+    /// Reads a delivered envelope; `None` for anything that is not a user turn with `meta`.
+    pub fn from_envelope(envelope: &Value) -> Option<Turn> {
         let frame = envelope.get("frame")?;
         let turn = frame.get("meta")?.get("turn")?;
         Some(Turn {
@@ -84,67 +73,149 @@ pub struct ReplyAck {
     pub duplicate: bool,
 }
 
+/// How to open an [`Agent`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AgentOptions {
+    /// The group to join (`None` observes).
+    pub group: Option<String>,
+    /// Per conversation, the highest seq already seen: replayed after the first `welcome`.
+    pub watermarks: HashMap<Uuid, i64>,
+    /// Writes of one reply without an ack before [`ClientError::Unacknowledged`].
+    pub reply_attempts: u32,
+    /// At most this many conversations (the most recently active) in `hello.watermarks`
+    /// on reconnect, which keeps the hello far below `maxFrameBytes`.
+    pub hello_watermarks: usize,
+    /// Timeouts and reconnect settings; `ack_timeout` is the wait between reply writes.
+    pub session: SessionOptions,
+}
+
+impl Default for AgentOptions {
+    /// An observer, no watermarks, 5 writes of a reply 5 s apart, 500 conversations in hello.
+    fn default() -> AgentOptions {
+        AgentOptions {
+            group: None,
+            watermarks: HashMap::new(),
+            reply_attempts: 5,
+            hello_watermarks: 500,
+            session: SessionOptions::default(),
+        }
+    }
+}
+
 /// A connected agent.
+///
+/// When the connection ends for a reason a new connection can fix, the next call reconnects
+/// with jittered exponential backoff (honouring `retryAfterMs`), sends `hello.watermarks` with
+/// the highest seq seen per conversation, and resends every unacknowledged reply with its
+/// clientId (the server answers a resend with the first ack plus `duplicate: true`). A turn is
+/// handed out once per `(conversation, seq, revision)`. A reconnected agent is a new group
+/// member (new `connectionId` and `since`); [`Agent::welcome`] shows the latest.
+///
+/// ```no_run
+/// use converger_client::agent::Agent;
+/// use serde_json::json;
+///
+/// # async fn run() -> Result<(), converger_client::ClientError> {
+/// let url = "ws://127.0.0.1:8080/socket/converger/v1";
+/// let mut agent = Agent::connect(url, "<channel-scope token>", Some("echo")).await?;
+/// println!("member {}", agent.welcome()["connectionId"]);
+/// loop {
+///     let turn = agent.next_turn().await?;
+///     let text = format!("echo: {}", turn.text().unwrap_or(""));
+///     let frames = vec![json!({"type": "text", "data": {"text": text}})];
+///     let ack = agent.reply(&turn, frames, None).await?;
+///     println!("answered {} with seqs {:?}", turn.key, ack.seqs);
+/// }
+/// # }
+/// ```
 pub struct Agent {
-    socket: WebSocketStream<MaybeTlsStream<TcpStream>>,
+    token: String,
+    group: Option<String>,
+    link: Link,
     welcome: Value,
     pending: VecDeque<Value>,
-    ack_timeout: Duration,
-    attempts: u32,
+    outbox: Outbox,
+    seen: ChannelTracker,
+    reply_attempts: u32,
+    hello_watermarks: usize,
 }
 
 impl Agent {
     /// Connects to `ws_url` (…/socket/converger/v1) with a channel-scope token, joining `group`
-    /// (`None` observes), and waits for `welcome`.
+    /// (`None` observes), and waits for `welcome` (one attempt: a failure here is returned,
+    /// later ones are reconnected).
     pub async fn connect(
         ws_url: &str,
         token: &str,
         group: Option<&str>,
-    ) -> Result<Agent, AgentError> {
-        let (mut socket, _) = tokio_tungstenite::connect_async(ws_url)
-            .await
-            .map_err(|error| AgentError::Connection(error.to_string()))?;
-        let mut hello = json!({"type": "hello", "protocol": "converger/1", "token": token});
-        if let Some(group) = group {
-            hello["group"] = json!(group);
-        }
-        socket
-            .send(Message::Text(hello.to_string().into()))
-            .await
-            .map_err(|error| AgentError::Connection(error.to_string()))?;
-        let mut agent = Agent {
-            socket,
-            welcome: Value::Null,
-            pending: VecDeque::new(),
-            ack_timeout: Duration::from_secs(5),
-            attempts: 5,
+    ) -> Result<Agent, ClientError> {
+        let options = AgentOptions {
+            group: group.map(str::to_owned),
+            ..AgentOptions::default()
         };
-        loop {
-            let frame = agent.read().await?;
-            match frame["type"].as_str() {
-                Some("welcome") => {
-                    agent.welcome = frame;
-                    return Ok(agent);
-                }
-                Some("error") => return Err(refusal(&frame)),
-                _ => agent.pending.push_back(frame),
-            }
-        }
+        Agent::connect_with(ws_url, token, options).await
     }
 
-    /// The `welcome.data` object (connectionId, since, group, limits).
+    /// Connects with explicit options.
+    pub async fn connect_with(
+        ws_url: &str,
+        token: &str,
+        options: AgentOptions,
+    ) -> Result<Agent, ClientError> {
+        let mut agent = Agent {
+            token: token.to_owned(),
+            group: options.group,
+            outbox: Outbox::new(options.session.ack_timeout),
+            link: Link::new(ws_url, options.session),
+            welcome: Value::Null,
+            pending: VecDeque::new(),
+            seen: ChannelTracker::new(REMEMBERED_CONVERSATIONS, &options.watermarks),
+            reply_attempts: options.reply_attempts.max(1),
+            hello_watermarks: options.hello_watermarks,
+        };
+        let opened = agent.link.connect_once(&agent.hello()).await?;
+        agent.on_welcome(opened.welcome, opened.early);
+        Ok(agent)
+    }
+
+    /// The latest `welcome.data` object (connectionId, since, group, limits).
     pub fn welcome(&self) -> &Value {
         &self.welcome["data"]
     }
 
-    /// The next turn delivered to this agent; other frames are skipped.
-    pub async fn next_turn(&mut self) -> Result<Turn, AgentError> {
+    /// Per conversation, the highest seq seen (what the next `hello.watermarks` is built from).
+    pub fn watermarks(&self) -> HashMap<Uuid, i64> {
+        self.seen.watermarks(usize::MAX).into_iter().collect()
+    }
+
+    /// Uses `token` for the next reconnects (say, after `token_expired`).
+    pub fn set_token(&mut self, token: &str) {
+        self.token = token.to_owned();
+    }
+
+    /// The next turn delivered to this agent, each `(conversation, seq, revision)` once; other
+    /// frames are skipped. Reconnects as needed (see [`Agent`]).
+    pub async fn next_turn(&mut self) -> Result<Turn, ClientError> {
         loop {
-            let frame = match self.pending.pop_front() {
-                Some(frame) => frame,
-                None => self.read().await?,
+            let envelope = match self.pending.pop_front() {
+                Some(envelope) => envelope,
+                None => match self.step().await? {
+                    Some(envelope) => envelope,
+                    None => continue,
+                },
             };
-            if let Some(turn) = Turn::from_envelope(&frame) {
+            if let Some(client_id) = answered_client_id(&envelope) {
+                // The answer to a reply whose caller stopped waiting (a cancelled future).
+                self.outbox.settle(client_id);
+                continue;
+            }
+            let Some(turn) = Turn::from_envelope(&envelope) else {
+                continue;
+            };
+            if self
+                .seen
+                .first_delivery(turn.conversation_id, turn.seq, turn.revision)
+            {
                 return Ok(turn);
             }
         }
@@ -152,88 +223,238 @@ impl Agent {
 
     /// Answers a turn with `frames` (whole frame objects) and, optionally, the new runtime
     /// state (written against the version the turn was delivered with). The same clientId is
-    /// resent until the server acknowledges, so a lost ack never produces a second answer.
+    /// resent until the server acknowledges, on this connection every `ack_timeout` and after
+    /// every reconnect, so a lost ack never produces a second answer. A refusal is returned as
+    /// [`ClientError::Refused`] (`turn_conflict`, `stale_runtime`, …), except `internal`, which
+    /// is resent. When the session itself fails ([`ClientError::GaveUp`], [`ClientError::Closed`])
+    /// the result stays queued and goes out again after the next successful reconnect.
     pub async fn reply(
         &mut self,
         turn: &Turn,
         frames: Vec<Value>,
         runtime_state: Option<Value>,
-    ) -> Result<ReplyAck, AgentError> {
-        let client_id = format!(
-            "result-{}-{}-{}",
-            turn.conversation_id.simple(),
-            turn.seq,
-            turn.revision
-        );
-        let mut result = json!({
-            "type": "turnResult",
-            "clientId": client_id,
-            "turn": {"seq": turn.seq, "revision": turn.revision},
-            "frames": frames,
-        });
-        if let Some(state) = runtime_state {
-            result["runtime"] = json!({"version": turn.runtime_version, "state": state});
-        }
-        let envelope = json!({"conversationId": turn.conversation_id, "frame": result}).to_string();
-        for _ in 0..self.attempts {
-            self.socket
-                .send(Message::Text(envelope.clone().into()))
-                .await
-                .map_err(|error| AgentError::Connection(error.to_string()))?;
-            let deadline = tokio::time::Instant::now() + self.ack_timeout;
-            while let Ok(frame) = tokio::time::timeout_at(deadline, self.read()).await {
-                let frame = frame?;
-                let inner = &frame["frame"];
-                let answers_us = inner["clientId"] == client_id.as_str()
-                    || inner["data"]["clientId"] == client_id.as_str();
-                if !answers_us {
-                    self.pending.push_back(frame);
-                    continue;
-                }
-                if inner["type"] == "error" {
-                    return Err(refusal(inner));
-                }
-                let seqs = inner["seqs"]
-                    .as_array()
-                    .map(|seqs| seqs.iter().filter_map(Value::as_i64).collect())
-                    .unwrap_or_default();
-                return Ok(ReplyAck {
-                    seqs,
-                    duplicate: inner["duplicate"] == true,
-                });
+    ) -> Result<ReplyAck, ClientError> {
+        let client_id = result_client_id(turn);
+        let envelope = result_envelope(turn, &client_id, frames, runtime_state);
+        self.outbox
+            .push(&client_id, envelope.to_string(), Instant::now());
+        loop {
+            if self
+                .outbox
+                .exhausted(&client_id, self.reply_attempts, Instant::now())
+            {
+                self.outbox.settle(&client_id);
+                return Err(ClientError::Unacknowledged(self.reply_attempts));
             }
+            let Some(envelope) = self.step().await? else {
+                continue;
+            };
+            let Some(answered) = answered_client_id(&envelope) else {
+                self.pending.push_back(envelope);
+                continue;
+            };
+            if answered != client_id {
+                self.outbox.settle(answered);
+                continue;
+            }
+            let frame = &envelope["frame"];
+            if frame["type"] == "ack" {
+                self.outbox.settle(&client_id);
+                return Ok(reply_ack(frame));
+            }
+            let data = &frame["data"];
+            if data["code"] == "internal" {
+                let after = data["retryAfterMs"]
+                    .as_u64()
+                    .map_or(DEFAULT_RETRY_AFTER, Duration::from_millis);
+                self.outbox.retry_at(&client_id, Instant::now() + after);
+                continue;
+            }
+            self.outbox.settle(&client_id);
+            return Err(ClientError::refused(data));
         }
-        Err(AgentError::Unacknowledged(self.attempts))
     }
 
-    async fn read(&mut self) -> Result<Value, AgentError> {
-        loop {
-            match self.socket.next().await {
-                Some(Ok(Message::Text(text))) => {
-                    return serde_json::from_str(text.as_str())
-                        .map_err(|error| AgentError::Connection(error.to_string()));
-                }
-                Some(Ok(Message::Close(frame))) => {
-                    return Err(AgentError::Connection(format!("closed: {frame:?}")));
-                }
-                Some(Ok(_)) => continue,
-                Some(Err(error)) => return Err(AgentError::Connection(error.to_string())),
-                None => return Err(AgentError::Connection("closed".into())),
-            }
+    /// Closes the connection (close 1000), so the member leaves its group at once.
+    pub async fn close(mut self) {
+        self.link.close().await;
+    }
+
+    fn hello(&self) -> Value {
+        let mut hello = json!({"type": "hello", "protocol": "converger/1", "token": self.token});
+        if let Some(group) = &self.group {
+            hello["group"] = json!(group);
+        }
+        let watermarks: Map<String, Value> = self
+            .seen
+            .watermarks(self.hello_watermarks)
+            .into_iter()
+            .map(|(conversation, seq)| (conversation.to_string(), json!(seq)))
+            .collect();
+        if !watermarks.is_empty() {
+            hello["watermarks"] = Value::Object(watermarks);
+        }
+        hello
+    }
+
+    fn on_welcome(&mut self, welcome: Value, early: Vec<Value>) {
+        for envelope in &early {
+            self.observe(envelope);
+        }
+        self.pending.extend(early);
+        if let Some(limit) = welcome["data"]["limits"]["maxInFlight"].as_u64() {
+            self.outbox
+                .set_max_in_flight(usize::try_from(limit).unwrap_or(usize::MAX));
+        }
+        self.outbox.requeue_all(Instant::now());
+        self.welcome = welcome;
+    }
+
+    /// One step: reconnect, or read one envelope (`None` for a timer or control frame).
+    async fn step(&mut self) -> Result<Option<Value>, ClientError> {
+        if !self.link.is_connected() {
+            let opened = self.link.reconnect(&self.hello()).await?;
+            self.on_welcome(opened.welcome, opened.early);
+            return Ok(None);
+        }
+        let Some(envelope) = self.link.read(&mut self.outbox).await? else {
+            return Ok(None);
+        };
+        self.observe(&envelope);
+        Ok(Some(envelope))
+    }
+
+    /// Raises the conversation's watermark for a delivered persistent frame.
+    fn observe(&mut self, envelope: &Value) {
+        let frame = &envelope["frame"];
+        // A proactive ack's seq is this agent's own frame; replays never send it back, so it
+        // must not hide a lower seq that is still on its way.
+        if frame["type"] == "ack" || frame["type"] == "error" {
+            return;
+        }
+        let conversation = envelope["conversationId"]
+            .as_str()
+            .and_then(|id| id.parse::<Uuid>().ok());
+        if let (Some(conversation), Some(seq)) = (conversation, frame["seq"].as_i64()) {
+            self.seen.observe_seq(conversation, seq);
         }
     }
 }
 
-fn refusal(frame: &Value) -> AgentError {
-    AgentError::Refused {
-        code: frame["data"]["code"]
-            .as_str()
-            .unwrap_or("unknown")
-            .to_owned(),
-        message: frame["data"]["message"]
-            .as_str()
-            .unwrap_or_default()
-            .to_owned(),
-        details: frame["data"]["details"].clone(),
+/// The clientId of a turn's result: `result-<conversation as 32 hex digits>-<seq>-<revision>`,
+/// the same for every resend of that answer.
+pub fn result_client_id(turn: &Turn) -> String {
+    format!(
+        "result-{}-{}-{}",
+        turn.conversation_id.simple(),
+        turn.seq,
+        turn.revision
+    )
+}
+
+fn result_envelope(
+    turn: &Turn,
+    client_id: &str,
+    frames: Vec<Value>,
+    runtime_state: Option<Value>,
+) -> Value {
+    let mut result = json!({
+        "type": "turnResult",
+        "clientId": client_id,
+        "turn": {"seq": turn.seq, "revision": turn.revision},
+        "frames": frames,
+    });
+    if let Some(state) = runtime_state {
+        result["runtime"] = json!({"version": turn.runtime_version, "state": state});
+    }
+    json!({"conversationId": turn.conversation_id, "frame": result})
+}
+
+/// The clientId an enveloped `ack` or `error` answers.
+fn answered_client_id(envelope: &Value) -> Option<&str> {
+    let frame = envelope.get("frame")?;
+    match frame["type"].as_str()? {
+        "ack" => frame["clientId"].as_str(),
+        "error" => frame["data"]["clientId"].as_str(),
+        _ => None,
+    }
+}
+
+fn reply_ack(frame: &Value) -> ReplyAck {
+    let seqs = frame["seqs"]
+        .as_array()
+        .map(|seqs| seqs.iter().filter_map(Value::as_i64).collect())
+        .unwrap_or_default();
+    ReplyAck {
+        seqs,
+        duplicate: frame["duplicate"] == true,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CONVERSATION: &str = "0193e0a4-0000-7000-8000-000000000001";
+
+    fn delivered(seq: i64, revision: i64) -> Value {
+        json!({"conversationId": CONVERSATION, "frame": {"type": "text", "id": "a", "seq": seq,
+            "from": "user", "sender": {"id": "alice", "role": "user"},
+            "data": {"text": "hello"}, "timestamp": 1,
+            "meta": {"channel": {"id": "c"}, "participant": {"id": "alice", "role": "user"},
+                "turn": {"seq": seq, "revision": revision,
+                    "key": format!("{CONVERSATION}:{seq}:{revision}")},
+                "runtime": {"version": 3, "state": {"count": 3}}}}})
+    }
+
+    #[test]
+    fn a_delivered_turn_is_read_from_its_envelope() {
+        let turn = Turn::from_envelope(&delivered(18, 1)).unwrap();
+        assert_eq!(turn.conversation_id.to_string(), CONVERSATION);
+        assert_eq!((turn.seq, turn.revision), (18, 1));
+        assert_eq!(turn.key, format!("{CONVERSATION}:18:1"));
+        assert_eq!(turn.text(), Some("hello"));
+        assert_eq!(turn.runtime_version, 3);
+        assert_eq!(turn.runtime_state, json!({"count": 3}));
+        let plain = json!({"conversationId": CONVERSATION, "frame": {"type": "text", "seq": 2}});
+        assert_eq!(Turn::from_envelope(&plain), None);
+    }
+
+    #[test]
+    fn the_result_client_id_is_stable_per_turn_and_revision() {
+        let turn = Turn::from_envelope(&delivered(18, 1)).unwrap();
+        assert_eq!(
+            result_client_id(&turn),
+            "result-0193e0a4000070008000000000000001-18-1"
+        );
+        let envelope = result_envelope(&turn, "r", vec![json!({"type": "text"})], None);
+        assert_eq!(envelope["frame"]["turn"], json!({"seq": 18, "revision": 1}));
+        assert_eq!(envelope["frame"].get("runtime"), None);
+        let with_state = result_envelope(&turn, "r", Vec::new(), Some(json!({"n": 1})));
+        assert_eq!(
+            with_state["frame"]["runtime"],
+            json!({"version": 3, "state": {"n": 1}})
+        );
+    }
+
+    #[test]
+    fn acks_and_errors_name_the_reply_they_answer() {
+        let ack = json!({"conversationId": CONVERSATION, "frame": {"type": "ack",
+            "clientId": "r-1", "turn": {"seq": 1, "revision": 0}, "ids": ["x"], "seqs": [2, 3],
+            "timestamp": 1, "duplicate": true}});
+        assert_eq!(answered_client_id(&ack), Some("r-1"));
+        assert_eq!(
+            reply_ack(&ack["frame"]),
+            ReplyAck {
+                seqs: vec![2, 3],
+                duplicate: true
+            }
+        );
+        let error = json!({"conversationId": CONVERSATION, "frame": {"type": "error",
+            "data": {"code": "turn_conflict", "clientId": "r-2", "details": {"seqs": [4]}}}});
+        assert_eq!(answered_client_id(&error), Some("r-2"));
+        assert_eq!(answered_client_id(&delivered(1, 0)), None);
+        let bare = json!({"type": "error", "data": {"code": "rate_limited", "clientId": "r-3"}});
+        assert_eq!(answered_client_id(&bare), None);
     }
 }

@@ -1,46 +1,12 @@
 //! Typed calls of the REST surface.
 
-use reqwest::{Method, RequestBuilder, StatusCode};
+use reqwest::{Method, RequestBuilder};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use uuid::Uuid;
 
-/// What a REST call can fail with.
-#[derive(Debug, thiserror::Error)]
-pub enum ClientError {
-    /// The server answered with an error body.
-    #[error("{status} {code}: {message}")]
-    Api {
-        /// HTTP status.
-        status: StatusCode,
-        /// `error.code` of the body.
-        code: String,
-        /// `error.message` of the body.
-        message: String,
-    },
-    /// The request did not complete or the answer was not the expected JSON.
-    #[error("transport error: {0}")]
-    Transport(#[from] reqwest::Error),
-}
-
-impl ClientError {
-    /// The error code when the server answered with one.
-    pub fn code(&self) -> Option<&str> {
-        match self {
-            ClientError::Api { code, .. } => Some(code),
-            ClientError::Transport(_) => None,
-        }
-    }
-
-    /// The HTTP status when the server answered.
-    pub fn status(&self) -> Option<StatusCode> {
-        match self {
-            ClientError::Api { status, .. } => Some(*status),
-            ClientError::Transport(error) => error.status(),
-        }
-    }
-}
+use crate::error::ClientError;
 
 /// `POST /api/v1/admin/tenants` answer.
 #[derive(Debug, Clone, Deserialize)]
@@ -158,6 +124,21 @@ pub struct ActivitiesPage {
 }
 
 /// A REST client bound to one node's base URL.
+///
+/// ```no_run
+/// use converger_client::{RestClient, TokenRequest};
+///
+/// # async fn run() -> Result<(), converger_client::ClientError> {
+/// let rest = RestClient::new("http://127.0.0.1:8080")?;
+/// let token = rest
+///     .generate_token("<channel secret>", &TokenRequest::for_user("alice"))
+///     .await?
+///     .token;
+/// let created = rest.create_conversation(&token).await?;
+/// println!("conversation {} for {}", created.conversation_id, created.user_id);
+/// # Ok(())
+/// # }
+/// ```
 #[derive(Debug, Clone)]
 pub struct RestClient {
     base_url: String,
