@@ -102,6 +102,8 @@ fn main() -> ExitCode {
         }
     };
     logging::init(config.log_format);
+    // Test builds only (feature `failpoints`): faults named in FAILPOINTS are switched on.
+    converger_store::faults::setup_from_env();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -173,6 +173,9 @@ impl Store {
     /// Commits one frame (a user turn when the sender is the end user) in a single statement.
     /// A repeated idempotency key returns the original frame with `duplicate: true`.
     pub async fn commit_activity(&self, new: &NewActivity) -> Result<CommitOutcome, StoreError> {
+        if crate::faults::injected(crate::faults::BEFORE_COMMIT) {
+            return Err(StoreError::Injected(crate::faults::BEFORE_COMMIT));
+        }
         match self.insert_activity(new).await {
             Ok(Some(outcome)) => return Ok(outcome),
             Ok(None) => return Err(self.why_not_committed(new.conversation_id).await),

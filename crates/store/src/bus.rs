@@ -364,6 +364,22 @@ async fn run_listener(
         if events.is_closed() {
             return;
         }
+        if crate::faults::injected(crate::faults::LISTENER_DROP) {
+            tracing::warn!("event bus: listener dropped by a failpoint");
+            trouble_since.get_or_insert_with(Instant::now);
+            drop(listener);
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            listener = loop {
+                match connect_listener(&store).await {
+                    Ok(listener) => break listener,
+                    Err(error) => {
+                        tracing::warn!(%error, "event bus: cannot listen again yet");
+                        tokio::time::sleep(backoff).await;
+                    }
+                }
+            };
+            recover(&store, &events, &mut trouble_since).await;
+        }
         match listener.try_recv().await {
             Ok(Some(notification)) => {
                 backoff = Duration::from_millis(100);
@@ -395,14 +411,23 @@ async fn run_listener(
                 metrics::counter!("converger_bus_reconnects_total").increment(1);
             }
         }
-        // Listening again after trouble: read back whatever was notified in between.
-        if let Some(since) = trouble_since {
-            match catch_up(&store, &events, since.elapsed() + CATCH_UP_MARGIN).await {
-                Ok(()) => trouble_since = None,
-                Err(error) => {
-                    tracing::warn!(%error, "event bus: catch-up failed; retrying after the next event")
-                }
-            }
+        recover(&store, &events, &mut trouble_since).await;
+    }
+}
+
+/// Listening again after trouble: reads back whatever was notified in between.
+async fn recover(
+    store: &Store,
+    events: &mpsc::UnboundedSender<BusEvent>,
+    trouble_since: &mut Option<Instant>,
+) {
+    let Some(since) = *trouble_since else {
+        return;
+    };
+    match catch_up(store, events, since.elapsed() + CATCH_UP_MARGIN).await {
+        Ok(()) => *trouble_since = None,
+        Err(error) => {
+            tracing::warn!(%error, "event bus: catch-up failed; retrying after the next event")
         }
     }
 }

@@ -30,6 +30,9 @@ pub enum StoreError {
     /// The channel does not exist.
     #[error("channel not found")]
     ChannelNotFound,
+    /// A test switched a failpoint on here (`failpoints` builds only).
+    #[error("fault injected at {0}")]
+    Injected(&'static str),
 }
 
 impl StoreError {

@@ -9,6 +9,7 @@ mod channels;
 mod conversations;
 pub mod embedded;
 mod error;
+pub mod faults;
 mod secrets;
 mod tenants;
 mod turns;

@@ -17,6 +17,7 @@ use converger_protocol::{
     retry_close_reason,
 };
 use converger_store::bus::{Origin, TransientFrame};
+use converger_store::faults;
 use converger_store::{
     Activity, CommitOutcome, NewActivity, Sender, SenderRole, StoreError, Viewer,
 };
@@ -853,6 +854,11 @@ impl Session<'_> {
                 });
             }
         };
+        if faults::injected(faults::AFTER_COMMIT_BEFORE_NOTIFY) {
+            // As if the node died right after the commit: other nodes hear of it from the
+            // database; this session neither dispatches nor acks.
+            return Ok(());
+        }
         let activity = Arc::new(outcome.activity);
         if !outcome.duplicate {
             metrics::counter!("converger_frames_committed_total").increment(1);
@@ -879,6 +885,9 @@ impl Session<'_> {
         });
         if outcome.duplicate {
             ack["duplicate"] = Value::Bool(true);
+        }
+        if faults::injected(faults::ACK_SEND_DROP) {
+            return Ok(());
         }
         self.push(&ack, false)
     }

@@ -1,0 +1,171 @@
+//! Faults injected at named points (crates/store/src/faults.rs, cargo feature `failpoints`):
+//! whatever breaks, no acked frame is lost, none is stored twice, and every subscriber sees each
+//! frame once, in order. The points are process-wide, so every test here holds a
+//! `FailScenario`, which also runs them one at a time.
+
+mod support;
+
+use std::collections::BTreeSet;
+
+use converger_store::faults;
+use fail::FailScenario;
+use serde_json::{Value, json};
+use support::TestNode;
+use support::ws::WsClient;
+use uuid::Uuid;
+
+fn text(client_id: &str, words: &str) -> Value {
+    json!({"type": "text", "clientId": client_id, "data": {"text": words}})
+}
+
+/// A connected end user of `conversation` (several may share one conversation).
+async fn connect(url: &str, token: &str) -> WsClient {
+    let mut client = WsClient::connect(url).await;
+    client.hello(token, json!({})).await;
+    client
+}
+
+async fn stored(node: &TestNode, conversation_id: Uuid, client_id: &str) -> i64 {
+    node.db
+        .count(&format!(
+            "SELECT count(*) FROM activities WHERE conversation_id = '{conversation_id}' AND client_id = '{client_id}'"
+        ))
+        .await
+}
+
+/// Persistent frames (with a seq) among `frames`.
+fn seqs(frames: &[Value]) -> Vec<i64> {
+    frames
+        .iter()
+        .filter_map(|frame| frame["seq"].as_i64())
+        .collect()
+}
+
+#[tokio::test]
+async fn a_commit_failing_before_the_database_stores_nothing_and_the_resend_succeeds() {
+    let scenario = FailScenario::setup();
+    let node = TestNode::start().await;
+    let acme = node.tenant_with_channel("acme").await;
+    let (conversation_id, token) = node.conversation(&acme, "alice").await;
+    let mut client = connect(&node.ws_url(""), &token).await;
+
+    fail::cfg(faults::BEFORE_COMMIT, "1*return").unwrap();
+    client.send(text("c-1", "first try")).await;
+    let error = client.recv_type("error").await;
+    assert_eq!(error["data"]["clientId"], "c-1");
+    assert_eq!(error["data"]["code"], "internal");
+    assert_eq!(error["data"]["retryable"], true);
+    assert_eq!(
+        stored(&node, conversation_id, "c-1").await,
+        0,
+        "nothing stored"
+    );
+
+    client.send(text("c-1", "first try")).await;
+    let ack = client.recv_type("ack").await;
+    assert_eq!(ack["clientId"], "c-1");
+    assert!(ack.get("duplicate").is_none(), "the first commit");
+    assert_eq!(stored(&node, conversation_id, "c-1").await, 1);
+    scenario.teardown();
+}
+
+#[tokio::test]
+async fn a_lost_ack_is_answered_again_by_the_resend_and_the_frame_is_seen_once() {
+    let scenario = FailScenario::setup();
+    let node = TestNode::start().await;
+    let acme = node.tenant_with_channel("acme").await;
+    let (conversation_id, token) = node.conversation(&acme, "alice").await;
+    let mut sender = connect(&node.ws_url(""), &token).await;
+    let mut other_tab = connect(&node.ws_url(""), &token).await;
+
+    fail::cfg(faults::ACK_SEND_DROP, "1*return").unwrap();
+    sender.send(text("c-1", "hello")).await;
+    let seen = other_tab.recv_type("text").await;
+    let seq = seen["seq"].as_i64().unwrap();
+    assert!(
+        sender
+            .barrier()
+            .await
+            .iter()
+            .all(|frame| frame["type"] != "ack"),
+        "the ack was dropped"
+    );
+
+    sender.send(text("c-1", "hello")).await;
+    let ack = sender.recv_type("ack").await;
+    assert_eq!(ack["seq"], seq);
+    assert_eq!(ack["duplicate"], true);
+    assert_eq!(stored(&node, conversation_id, "c-1").await, 1);
+    assert!(seqs(&other_tab.barrier().await).is_empty(), "seen once");
+    scenario.teardown();
+}
+
+#[tokio::test]
+async fn a_frame_committed_by_a_session_that_dies_at_once_still_reaches_every_subscriber() {
+    let scenario = FailScenario::setup();
+    let node = TestNode::start().await;
+    let peer = node.start_peer().await;
+    let peer_url = format!("ws://{}/socket/converger/v1", peer.addr());
+    let acme = node.tenant_with_channel("acme").await;
+    let (conversation_id, token) = node.conversation(&acme, "alice").await;
+    let mut sender = connect(&node.ws_url(""), &token).await;
+    let mut same_node = connect(&node.ws_url(""), &token).await;
+    let mut other_node = connect(&peer_url, &token).await;
+
+    fail::cfg(faults::AFTER_COMMIT_BEFORE_NOTIFY, "1*return").unwrap();
+    sender.send(text("c-1", "committed, then silence")).await;
+    // Neither node dispatched it directly: both hear it from the database's notification.
+    let on_same = same_node.recv_type("text").await;
+    let on_other = other_node.recv_type("text").await;
+    assert_eq!(on_same["seq"], on_other["seq"]);
+    assert!(
+        sender
+            .barrier()
+            .await
+            .iter()
+            .all(|frame| frame["type"] != "ack"),
+        "no ack from the dead session"
+    );
+
+    // The client resends as it must without an ack: the same frame, acked as a duplicate.
+    sender.send(text("c-1", "committed, then silence")).await;
+    let ack = sender.recv_type("ack").await;
+    assert_eq!(ack["duplicate"], true);
+    assert_eq!(ack["seq"], on_same["seq"]);
+    assert_eq!(stored(&node, conversation_id, "c-1").await, 1);
+    assert!(seqs(&same_node.barrier().await).is_empty(), "seen once");
+    assert!(seqs(&other_node.barrier().await).is_empty(), "seen once");
+    scenario.teardown();
+}
+
+#[tokio::test]
+async fn frames_committed_while_the_listener_is_down_reach_the_other_node_in_order() {
+    let scenario = FailScenario::setup();
+    let node = TestNode::start().await;
+    let peer = node.start_peer().await;
+    let peer_url = format!("ws://{}/socket/converger/v1", peer.addr());
+    let acme = node.tenant_with_channel("acme").await;
+    let (_, token) = node.conversation(&acme, "alice").await;
+    let mut sender = connect(&node.ws_url(""), &token).await;
+    let mut watcher = connect(&peer_url, &token).await;
+
+    // Both nodes drop their LISTEN connection for half a second after the next notification.
+    fail::cfg(faults::LISTENER_DROP, "2*return").unwrap();
+    let mut acked = Vec::new();
+    for n in 0..4 {
+        sender.send(text(&format!("c-{n}"), "while deaf")).await;
+        acked.push(sender.recv_type("ack").await["seq"].as_i64().unwrap());
+    }
+    let mut seen = Vec::new();
+    while seen.len() < acked.len() {
+        let frame = watcher.recv().await;
+        if let Some(seq) = frame["seq"].as_i64() {
+            seen.push(seq);
+        }
+    }
+    assert_eq!(seen, acked, "every frame, once, in order");
+    let unique: BTreeSet<i64> = seen.iter().copied().collect();
+    assert_eq!(unique.len(), seen.len());
+    assert!(seqs(&watcher.barrier().await).is_empty(), "nothing twice");
+    scenario.teardown();
+}
