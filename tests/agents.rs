@@ -1093,3 +1093,55 @@ async fn a_turn_held_under_a_live_lease_is_delivered_when_the_lease_runs_out() {
     assert_eq!(turn["meta"]["turn"]["seq"], seq);
     assert_eq!(turn["meta"]["turn"]["fence"], 2);
 }
+
+#[tokio::test]
+async fn a_lease_claim_without_a_group_or_of_an_unknown_kind_closes_4400() {
+    let node = TestNode::start().await;
+    let acme = node.tenant_with_channel("acme").await;
+    let token = agent_token(&node, &acme).await;
+    for extra in [
+        json!({"claim": "lease"}),
+        json!({"group": "bot", "claim": "exclusive"}),
+    ] {
+        let mut bad = WsClient::connect(&node.ws_url("")).await;
+        let mut hello = json!({"type": "hello", "protocol": "converger/1", "token": token});
+        for (key, value) in extra.as_object().unwrap() {
+            hello[key] = value.clone();
+        }
+        bad.send(hello).await;
+        let (frames, closed) = bad.recv_until_closed().await;
+        assert_eq!(frames[0]["data"]["code"], "bad_request", "{extra}");
+        assert_eq!(closed.code, 4400, "{extra}");
+    }
+}
+
+#[tokio::test]
+async fn the_rust_agent_client_answers_in_lease_mode_with_the_fence() {
+    let node = TestNode::start_with(fast_settle).await;
+    let acme = node.tenant_with_channel("acme").await;
+    let token = agent_token(&node, &acme).await;
+    let options = converger_client::agent::AgentOptions {
+        group: Some("bot".into()),
+        lease: true,
+        ..Default::default()
+    };
+    let mut agent = converger_client::agent::Agent::connect_with(&node.ws_url(""), &token, options)
+        .await
+        .unwrap();
+    assert_eq!(agent.welcome()["claim"], "lease");
+    settle(&json!({"data": agent.welcome().clone()})).await;
+    let (mut client, _) = user(&node, &acme, "alice").await;
+    let seq = say(&mut client, "t-1", "fenced").await;
+    let turn = agent.next_turn().await.unwrap();
+    assert_eq!(turn.seq, seq);
+    assert_eq!(turn.fence, Some(1));
+    let ack = agent
+        .reply(
+            &turn,
+            vec![json!({"type": "text", "data": {"text": "done"}})],
+            None,
+        )
+        .await
+        .unwrap();
+    assert_eq!(ack.seqs.len(), 1);
+}

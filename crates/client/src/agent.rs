@@ -39,6 +39,9 @@ pub struct Turn {
     pub runtime_state: Value,
     /// The whole delivered frame (with `meta`).
     pub frame: Value,
+    /// Lease mode: the fencing token of this delivery (`meta.turn.fence`), sent back with the
+    /// reply.
+    pub fence: Option<i64>,
 }
 
 impl Turn {
@@ -60,6 +63,7 @@ impl Turn {
             runtime_version: frame["meta"]["runtime"]["version"].as_i64().unwrap_or(0),
             runtime_state: frame["meta"]["runtime"]["state"].clone(),
             frame: frame.clone(),
+            fence: turn["fence"].as_i64(),
         })
     }
 }
@@ -82,6 +86,9 @@ pub struct AgentOptions {
     pub watermarks: HashMap<Uuid, i64>,
     /// Writes of one reply without an ack before [`ClientError::Unacknowledged`].
     pub reply_attempts: u32,
+    /// Lease mode (`hello.claim: "lease"`, needs a group): each turn comes with a fence that the
+    /// reply carries back.
+    pub lease: bool,
     /// At most this many conversations (the most recently active) in `hello.watermarks`
     /// on reconnect, which keeps the hello far below `maxFrameBytes`.
     pub hello_watermarks: usize,
@@ -96,6 +103,7 @@ impl Default for AgentOptions {
             group: None,
             watermarks: HashMap::new(),
             reply_attempts: 5,
+            lease: false,
             hello_watermarks: 500,
             session: SessionOptions::default(),
         }
@@ -137,6 +145,7 @@ pub struct Agent {
     outbox: Outbox,
     seen: ChannelTracker,
     reply_attempts: u32,
+    lease: bool,
     hello_watermarks: usize,
 }
 
@@ -171,6 +180,7 @@ impl Agent {
             pending: VecDeque::new(),
             seen: ChannelTracker::new(REMEMBERED_CONVERSATIONS, &options.watermarks),
             reply_attempts: options.reply_attempts.max(1),
+            lease: options.lease,
             hello_watermarks: options.hello_watermarks,
         };
         let opened = agent.link.connect_once(&agent.hello()).await?;
@@ -214,7 +224,7 @@ impl Agent {
             };
             if self
                 .seen
-                .first_delivery(turn.conversation_id, turn.seq, turn.revision)
+                .first_delivery(turn.conversation_id, turn.seq, turn.revision, turn.fence)
             {
                 return Ok(turn);
             }
@@ -284,6 +294,9 @@ impl Agent {
         let mut hello = json!({"type": "hello", "protocol": "converger/1", "token": self.token});
         if let Some(group) = &self.group {
             hello["group"] = json!(group);
+        }
+        if self.lease {
+            hello["claim"] = json!("lease");
         }
         let watermarks: Map<String, Value> = self
             .seen
@@ -364,6 +377,9 @@ fn result_envelope(
         "turn": {"seq": turn.seq, "revision": turn.revision},
         "frames": frames,
     });
+    if let Some(fence) = turn.fence {
+        result["turn"]["fence"] = json!(fence);
+    }
     if let Some(state) = runtime_state {
         result["runtime"] = json!({"version": turn.runtime_version, "state": state});
     }

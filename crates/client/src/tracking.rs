@@ -62,8 +62,8 @@ pub(crate) const REMEMBERED_CONVERSATIONS: usize = 10_000;
 #[derive(Debug, Clone, Default)]
 struct ConversationSeen {
     highest_seq: i64,
-    /// Turn seq → highest revision already handed to the caller.
-    turns: BTreeMap<i64, i64>,
+    /// Turn seq → highest (revision, fence) already handed to the caller.
+    turns: BTreeMap<i64, (i64, i64)>,
     touched: u64,
 }
 
@@ -101,12 +101,20 @@ impl ChannelTracker {
     }
 
     /// Records a delivered turn; true when this revision (or a later one) was not handed out.
-    pub(crate) fn first_delivery(&mut self, conversation: Uuid, seq: i64, revision: i64) -> bool {
+    pub(crate) fn first_delivery(
+        &mut self,
+        conversation: Uuid,
+        seq: i64,
+        revision: i64,
+        fence: Option<i64>,
+    ) -> bool {
         let seen = self.touch(conversation);
-        if seen.turns.get(&seq).is_some_and(|known| *known >= revision) {
+        // A lease-mode redelivery of the same revision under a newer claim (higher fence) is new.
+        let delivery = (revision, fence.unwrap_or(-1));
+        if seen.turns.get(&seq).is_some_and(|known| *known >= delivery) {
             return false;
         }
-        seen.turns.insert(seq, revision);
+        seen.turns.insert(seq, delivery);
         while seen.turns.len() > TURNS_PER_CONVERSATION {
             seen.turns.pop_first();
         }
@@ -218,16 +226,21 @@ mod tests {
     fn a_turn_is_handed_out_once_per_revision() {
         let mut seen = ChannelTracker::new(10, &HashMap::new());
         let a = conversation(1);
-        assert!(seen.first_delivery(a, 18, 0));
-        assert!(!seen.first_delivery(a, 18, 0));
+        assert!(seen.first_delivery(a, 18, 0, None));
+        assert!(!seen.first_delivery(a, 18, 0, None));
         // A regeneration or an edit is a new revision of the same seq.
-        assert!(seen.first_delivery(a, 18, 1));
-        assert!(!seen.first_delivery(a, 18, 0));
+        assert!(seen.first_delivery(a, 18, 1, None));
+        assert!(!seen.first_delivery(a, 18, 0, None));
+        // Lease mode: the same revision claimed again by a new holder (a higher fence) is new;
+        // the same claim delivered twice is not.
+        assert!(seen.first_delivery(a, 19, 0, Some(1)));
+        assert!(!seen.first_delivery(a, 19, 0, Some(1)));
+        assert!(seen.first_delivery(a, 19, 0, Some(2)));
         // A takeover delivers an older turn, below the highest seq seen: still new.
         seen.observe_seq(a, 30);
-        assert!(seen.first_delivery(a, 17, 0));
+        assert!(seen.first_delivery(a, 17, 0, None));
         // Another conversation has its own turns.
-        assert!(seen.first_delivery(conversation(2), 18, 0));
+        assert!(seen.first_delivery(conversation(2), 18, 0, None));
     }
 
     #[test]
@@ -236,11 +249,11 @@ mod tests {
         let a = conversation(1);
         let total = TURNS_PER_CONVERSATION as i64 + 5;
         for seq in 1..=total {
-            assert!(seen.first_delivery(a, seq, 0));
+            assert!(seen.first_delivery(a, seq, 0, None));
         }
-        assert!(!seen.first_delivery(a, total, 0));
+        assert!(!seen.first_delivery(a, total, 0, None));
         // The oldest were dropped, so they would be handed out again (the registry decides).
-        assert!(seen.first_delivery(a, 1, 0));
+        assert!(seen.first_delivery(a, 1, 0, None));
     }
 
     #[test]
@@ -261,7 +274,7 @@ mod tests {
         );
         assert_eq!(seen.watermarks(1), vec![(conversation(2), 7)]);
         // A conversation known only by its turns has no watermark to send.
-        seen.first_delivery(conversation(3), 1, 0);
+        seen.first_delivery(conversation(3), 1, 0, None);
         assert_eq!(seen.watermarks(10).len(), 3);
     }
 

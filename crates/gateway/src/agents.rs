@@ -405,7 +405,14 @@ impl ChannelActor {
                 conversation_id,
                 seq,
             } => {
-                if self.agents.contains_key(&connection_id) {
+                // Still here and still a member (not withdrawn by a drain).
+                let member = self
+                    .agents
+                    .get(&connection_id)
+                    .and_then(|agent| agent.group.as_ref())
+                    .and_then(|group| self.views.get(group))
+                    .is_some_and(|view| view.contains(&connection_id));
+                if member {
                     self.deliver_pending(conversation_id, &connection_id, &[seq])
                         .await;
                 }
@@ -421,6 +428,19 @@ impl ChannelActor {
                 for (connection_id, group) in &local {
                     if let Some(view) = self.views.get_mut(group) {
                         view.leave(connection_id);
+                    }
+                }
+                // Their claims go too, so the members taking over claim at once; a late answer
+                // from a withdrawn member then carries an old fence and is refused.
+                let holders: Vec<String> = self
+                    .agents
+                    .iter()
+                    .filter(|(_, agent)| agent.lease.is_some())
+                    .map(|(connection_id, _)| connection_id.clone())
+                    .collect();
+                for holder in holders {
+                    if let Err(error) = self.store.release_leases(&holder).await {
+                        tracing::warn!(%error, holder, "leases not released at drain");
                     }
                 }
                 let groups: std::collections::BTreeSet<String> =
@@ -803,26 +823,25 @@ impl ChannelActor {
                 envelope["frame"]["meta"]["turn"]["fence"] = json!(fence);
                 true
             }
-            Ok(Claim::Held { until_ms }) => {
-                self.redeliver_at(connection_id, conversation_id, turn.seq, until_ms);
+            Ok(Claim::Held { remaining_ms }) => {
+                self.redeliver_after(connection_id, conversation_id, turn.seq, remaining_ms);
                 false
             }
             Ok(Claim::NotPending) => false,
             Err(error) => {
                 tracing::error!(%error, %conversation_id, seq = turn.seq, "claim failed; retrying");
-                let soon = chrono::Utc::now().timestamp_millis() + 1_000;
-                self.redeliver_at(connection_id, conversation_id, turn.seq, soon);
+                self.redeliver_after(connection_id, conversation_id, turn.seq, 1_000);
                 false
             }
         }
     }
 
-    /// Asks this actor to try the delivery again once `at_ms` (a lease's end) has passed.
-    fn redeliver_at(&self, connection_id: &str, conversation_id: Uuid, seq: i64, at_ms: i64) {
+    /// Asks this actor to try the delivery again after `delay_ms` (a lease's remaining time).
+    fn redeliver_after(&self, connection_id: &str, conversation_id: Uuid, seq: i64, delay_ms: i64) {
         let Some(inbox) = self.own_inbox.upgrade() else {
             return;
         };
-        let wait_ms = (at_ms - chrono::Utc::now().timestamp_millis()).max(0) as u64 + 20;
+        let wait_ms = u64::try_from(delay_ms).unwrap_or(0) + 20;
         let message = ActorMessage::Redeliver {
             connection_id: connection_id.to_owned(),
             conversation_id,

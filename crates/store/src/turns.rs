@@ -215,10 +215,11 @@ pub enum Claim {
         /// The fencing token the answer must carry.
         fence: i64,
     },
-    /// Another holder's lease is live until this time (ms): try again then.
+    /// Another holder's lease is live: try again once it has run out.
     Held {
-        /// When the lease runs out (database clock, ms).
-        until_ms: i64,
+        /// Milliseconds until the lease runs out (measured by the database clock, so node
+        /// clocks do not matter).
+        remaining_ms: i64,
     },
     /// The turn (revision) is answered, superseded or unknown: nothing to deliver.
     NotPending,
@@ -257,7 +258,7 @@ impl Store {
                      )
                      SELECT coalesce((SELECT fence FROM claimed), -1),
                             (SELECT claimed_by FROM current),
-                            (SELECT floor(extract(epoch FROM lease_until) * 1000)::bigint FROM current),
+                            (SELECT ceil(extract(epoch FROM lease_until - now()) * 1000)::bigint FROM current),
                             coalesce((SELECT status = 'pending' FROM current), false)",
                 )
                 .bind(conversation_id)
@@ -269,14 +270,16 @@ impl Store {
                 .await
             })
             .await?;
-        let Some((fence, holder_then, until_ms, pending)) = row else {
+        let Some((fence, holder_then, remaining_ms, pending)) = row else {
             return Ok(Claim::NotPending);
         };
         if fence >= 0 {
             return Ok(Claim::Claimed { fence });
         }
-        match (pending, holder_then, until_ms) {
-            (true, Some(_), Some(until_ms)) => Ok(Claim::Held { until_ms }),
+        match (pending, holder_then, remaining_ms) {
+            (true, Some(_), Some(remaining_ms)) => Ok(Claim::Held {
+                remaining_ms: remaining_ms.max(0),
+            }),
             _ => Ok(Claim::NotPending),
         }
     }

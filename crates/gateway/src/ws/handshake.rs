@@ -139,7 +139,14 @@ pub(crate) async fn establish(
         };
         let lease = match hello.claim.as_deref() {
             None => false,
-            Some("lease") => true,
+            Some("lease") if group.is_some() => true,
+            Some("lease") => {
+                return Err(Refused::closing(
+                    ErrorCode::BadRequest,
+                    "claim \"lease\" needs a group: observers own no turns",
+                    CloseCode::Protocol,
+                ));
+            }
             Some(_) => {
                 return Err(Refused::closing(
                     ErrorCode::BadRequest,
