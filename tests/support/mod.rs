@@ -7,6 +7,8 @@
 #![allow(dead_code)]
 
 pub mod cluster;
+pub mod effects;
+pub mod history;
 pub mod schemas;
 pub mod ws;
 

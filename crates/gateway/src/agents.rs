@@ -710,6 +710,10 @@ impl ChannelActor {
                 continue;
             }
             metrics::counter!("converger_deliveries_total", "kind" => "first").increment(1);
+            // Commit (database clock) to hand-off to the member's socket writer on this node.
+            let waited_ms = chrono::Utc::now().timestamp_millis() - activity.timestamp_ms();
+            metrics::histogram!("converger_commit_to_delivery_seconds")
+                .record(waited_ms.max(0) as f64 / 1000.0);
             self.send(&owner, delivery);
         }
     }

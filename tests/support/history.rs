@@ -1,0 +1,159 @@
+//! A history checker: tests and load runs record what clients saw (acked sends, frames seen by
+//! each subscriber, turns delivered to agents, results acked) and the checker says whether the
+//! promises held: no acked turn lost, at most one committed result per turn key, every
+//! subscriber saw its conversation's frames once and in order, and how many deliveries to
+//! agents were duplicates (allowed, reported).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Mutex;
+
+use uuid::Uuid;
+
+/// A turn key: (conversation, seq, revision).
+pub type TurnKey = (Uuid, i64, i64);
+
+#[derive(Default)]
+struct Records {
+    /// Acked user sends: client id → (conversation, seq).
+    acked: BTreeMap<String, (Uuid, i64)>,
+    /// Per subscriber and conversation: persistent frames received, in arrival order.
+    received: BTreeMap<(String, Uuid), Vec<i64>>,
+    /// Per subscriber and conversation: seqs it knows from its own acks.
+    own: BTreeMap<(String, Uuid), BTreeSet<i64>>,
+    /// Deliveries of each turn key to agents.
+    deliveries: BTreeMap<TurnKey, usize>,
+    /// First-time (not duplicate) result acks per turn key, with the seqs they name.
+    results: BTreeMap<TurnKey, Vec<Vec<i64>>>,
+}
+
+/// What the clients of a run saw.
+#[derive(Default)]
+pub struct History {
+    records: Mutex<Records>,
+}
+
+/// The checker's findings.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Verdict {
+    /// Acked user sends.
+    pub acked: usize,
+    /// Acked sends missing from the database (or stored at another seq).
+    pub lost: Vec<String>,
+    /// Turn keys with more than one committed result.
+    pub duplicate_results: Vec<TurnKey>,
+    /// Seqs a subscriber never saw (nor sent) below the highest frame it received.
+    pub gaps: usize,
+    /// Frames that arrived after a higher seq of the same conversation.
+    pub inversions: usize,
+    /// Frames a subscriber received twice.
+    pub doubles: usize,
+    /// Deliveries of turns to agents, and how many of them repeated a turn key.
+    pub deliveries: usize,
+    /// Repeated deliveries (allowed, reported).
+    pub duplicate_deliveries: usize,
+}
+
+impl Verdict {
+    /// True when every promise held (duplicate deliveries are allowed).
+    pub fn holds(&self) -> bool {
+        self.lost.is_empty()
+            && self.duplicate_results.is_empty()
+            && self.gaps == 0
+            && self.inversions == 0
+            && self.doubles == 0
+    }
+}
+
+impl History {
+    fn records(&self) -> std::sync::MutexGuard<'_, Records> {
+        self.records
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// A user send was acked with `seq`; the subscriber `who` knows its own frame from it.
+    pub fn acked(&self, who: &str, client_id: &str, conversation: Uuid, seq: i64) {
+        let mut records = self.records();
+        records
+            .acked
+            .insert(client_id.to_owned(), (conversation, seq));
+        records
+            .own
+            .entry((who.to_owned(), conversation))
+            .or_default()
+            .insert(seq);
+    }
+
+    /// The subscriber `who` received persistent frame `seq` of `conversation`.
+    pub fn received(&self, who: &str, conversation: Uuid, seq: i64) {
+        self.records()
+            .received
+            .entry((who.to_owned(), conversation))
+            .or_default()
+            .push(seq);
+    }
+
+    /// A turn was delivered to an agent.
+    pub fn delivered(&self, key: TurnKey) {
+        *self.records().deliveries.entry(key).or_default() += 1;
+    }
+
+    /// A result was acked for the first time (not as a duplicate) with these seqs.
+    pub fn result_committed(&self, key: TurnKey, seqs: Vec<i64>) {
+        self.records().results.entry(key).or_default().push(seqs);
+    }
+
+    /// Acked sends recorded so far.
+    pub fn acked_sends(&self) -> BTreeMap<String, (Uuid, i64)> {
+        self.records().acked.clone()
+    }
+
+    /// Checks the records against `stored`: client id → (conversation, seq) as the database has
+    /// the user frames.
+    pub fn verdict(&self, stored: &BTreeMap<String, (Uuid, i64)>) -> Verdict {
+        let records = self.records();
+        let lost = records
+            .acked
+            .iter()
+            .filter(|(client_id, at)| stored.get(*client_id) != Some(*at))
+            .map(|(client_id, _)| client_id.clone())
+            .collect();
+        let duplicate_results = records
+            .results
+            .iter()
+            .filter(|(_, commits)| commits.iter().collect::<BTreeSet<_>>().len() > 1)
+            .map(|(key, _)| *key)
+            .collect();
+        let mut verdict = Verdict {
+            acked: records.acked.len(),
+            lost,
+            duplicate_results,
+            ..Verdict::default()
+        };
+        for (subscriber, seqs) in &records.received {
+            let mut highest = 0;
+            let mut once = BTreeSet::new();
+            for seq in seqs {
+                if !once.insert(*seq) {
+                    verdict.doubles += 1;
+                } else if *seq < highest {
+                    verdict.inversions += 1;
+                }
+                highest = highest.max(*seq);
+            }
+            // Below the highest frame received, every seq was received or is the subscriber's
+            // own (acked). Above it frames may still have been in flight when the run stopped.
+            let own = records.own.get(subscriber).cloned().unwrap_or_default();
+            verdict.gaps += (1..=highest)
+                .filter(|seq| !once.contains(seq) && !own.contains(seq))
+                .count();
+        }
+        verdict.deliveries = records.deliveries.values().sum();
+        verdict.duplicate_deliveries = records
+            .deliveries
+            .values()
+            .map(|count| count.saturating_sub(1))
+            .sum();
+        verdict
+    }
+}
