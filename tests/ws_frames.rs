@@ -219,7 +219,7 @@ async fn typing_never_reaches_the_same_users_connections() {
         .send(json!({"type": "typing", "isTyping": true}))
         .await;
     typist
-        .send(json!({"type": "typing", "isTyping": "yes"}))
+        .send_invalid(json!({"type": "typing", "isTyping": "yes"}))
         .await;
     assert_eq!(typist.recv().await["data"]["code"], "invalid_message");
     assert!(typist.barrier().await.is_empty());
@@ -389,7 +389,7 @@ async fn bad_frames_get_their_codes_store_nothing_and_the_connection_keeps_worki
     assert_eq!(refused["data"]["code"], "invalid_message");
     // A refused text frame echoes its clientId and type.
     client
-        .send(json!({"type": "text", "clientId": "echo-me", "data": {"text": 5}}))
+        .send_invalid(json!({"type": "text", "clientId": "echo-me", "data": {"text": 5}}))
         .await;
     let error = client.recv().await;
     assert_eq!(

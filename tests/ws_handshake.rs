@@ -199,13 +199,13 @@ async fn protocol_field_selects_the_profile() {
     // A wrongly typed protocol is absent: mekik again.
     let mut typed = WsClient::connect(&node.ws_url("")).await;
     typed
-        .send(json!({"type": "hello", "protocol": 1, "token": token}))
+        .send_invalid(json!({"type": "hello", "protocol": 1, "token": token}))
         .await;
     assert_eq!(typed.recv().await["data"]["protocol"], "mekik/1");
 
     let mut unknown = WsClient::connect(&node.ws_url("")).await;
     unknown
-        .send(json!({"type": "hello", "protocol": "converger/9", "token": token}))
+        .send_invalid(json!({"type": "hello", "protocol": "converger/9", "token": token}))
         .await;
     let (frames, closed) = unknown.recv_until_closed().await;
     assert_eq!(frames[0]["data"]["code"], "unsupported_protocol");

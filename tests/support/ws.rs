@@ -102,9 +102,41 @@ impl WsClient {
             .is_ok()
     }
 
-    /// Sends a JSON frame.
+    /// Sends a JSON frame, which must conform to the client schema of the connection's scope.
     pub async fn send(&mut self, frame: Value) {
+        let problems = self.client_violations(&frame);
+        assert!(
+            problems.is_empty(),
+            "the test sends a frame outside the schemas (use send_invalid for a deliberate one): {frame}\n{}",
+            problems.join("\n")
+        );
         self.send_text(&frame.to_string()).await;
+    }
+
+    /// Sends a frame the contract forbids, to test the server's refusal; the schemas must refuse
+    /// it too.
+    pub async fn send_invalid(&mut self, frame: Value) {
+        assert!(
+            !self.client_violations(&frame).is_empty(),
+            "send_invalid with a frame the schemas accept: {frame}"
+        );
+        self.send_text(&frame.to_string()).await;
+    }
+
+    /// What the client schema of this connection's scope says against `frame` (before the
+    /// welcome, a frame may be of either scope).
+    fn client_violations(&self, frame: &Value) -> Vec<String> {
+        match self.scope {
+            Some(Schema::ServerChannel) => violations(Schema::ClientChannel, frame),
+            Some(_) => violations(Schema::ClientConversation, frame),
+            None => {
+                let as_conversation = violations(Schema::ClientConversation, frame);
+                if as_conversation.is_empty() {
+                    return as_conversation;
+                }
+                violations(Schema::ClientChannel, frame)
+            }
+        }
     }
 
     /// Sends raw text.
