@@ -1,6 +1,6 @@
 //! The status page at `GET /`: admin token required, then nodes, channels with their groups and
 //! members, and this node's figures, server-rendered. Checked over HTTP and in headless Chromium
-//! (Debian's `chromium`, installed by `.ci/test`), whose screenshot is kept in
+//! (Debian's `chromium`, installed by `.ci/test-prerequisites`), whose screenshot is kept in
 //! `target/test-artifacts/status-page.png`.
 
 mod support;
@@ -32,7 +32,7 @@ fn chromium() -> PathBuf {
         PathBuf::from(std::env::var("CHROMIUM").unwrap_or_else(|_| "/usr/bin/chromium".into()));
     assert!(
         path.exists(),
-        "{} is missing: install Debian's chromium package (`apt-get install chromium`; .ci/test does)",
+        "{} is missing: install Debian's chromium package (`apt-get install chromium`; .ci/test-prerequisites does)",
         path.display()
     );
     path
