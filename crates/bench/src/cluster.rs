@@ -16,6 +16,7 @@ use serde_json::{Value, json};
 
 use crate::gateway::{ADMIN_TOKEN, DEFAULT_DATABASE_URL, Gateway, create_database, default_binary};
 use crate::machine;
+use crate::stats::percentiles;
 
 /// Arguments of `cluster`.
 #[derive(Debug, clap::Args)]
@@ -330,16 +331,4 @@ async fn wait_for(node: &Gateway, condition: impl Fn(&Value) -> bool) -> anyhow:
 fn http_client() -> &'static reqwest::Client {
     static CLIENT: std::sync::OnceLock<reqwest::Client> = std::sync::OnceLock::new();
     CLIENT.get_or_init(reqwest::Client::new)
-}
-
-fn percentiles(values: &mut [f64]) -> Value {
-    values.sort_by(f64::total_cmp);
-    let at = |q: f64| -> f64 {
-        if values.is_empty() {
-            return 0.0;
-        }
-        let index = ((values.len() as f64 - 1.0) * q).round() as usize;
-        values[index.min(values.len() - 1)]
-    };
-    json!({"p50": at(0.50), "p99": at(0.99), "max": values.last().copied().unwrap_or(0.0)})
 }

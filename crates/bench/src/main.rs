@@ -6,6 +6,7 @@ mod cluster;
 mod gateway;
 mod idle;
 mod machine;
+mod stats;
 mod turns;
 
 use clap::{Parser, Subcommand};

@@ -16,6 +16,7 @@ use uuid::Uuid;
 
 use crate::gateway::{ADMIN_TOKEN, DEFAULT_DATABASE_URL, Gateway, default_binary};
 use crate::machine;
+use crate::stats::percentiles;
 
 /// Arguments of `turns`.
 #[derive(Debug, clap::Args)]
@@ -233,16 +234,4 @@ async fn user_loop(
         }
     }
     Ok(samples)
-}
-
-fn percentiles(values: &mut [f64]) -> Value {
-    values.sort_by(f64::total_cmp);
-    let at = |q: f64| -> f64 {
-        if values.is_empty() {
-            return 0.0;
-        }
-        let index = ((values.len() as f64 - 1.0) * q).round() as usize;
-        values[index.min(values.len() - 1)]
-    };
-    json!({"p50": at(0.50), "p95": at(0.95), "p99": at(0.99)})
 }

@@ -1006,18 +1006,35 @@ impl Session<'_> {
     }
 
     /// Hands a client frame the gateway does not interpret to the channel's agents, on this node
-    /// and the others.
+    /// and (when agents are connected there) the others.
     async fn forward_to_agents(&self, frame: Value) {
+        let remote = self.state.actors.has_remote_agents(self.channel_id);
+        self.publish(frame, true, remote).await;
+    }
+
+    /// Publishes a transient frame to this node's sessions and agents and to the other nodes.
+    async fn publish_transient(&self, frame: Value) {
+        self.publish(frame, false, true).await;
+    }
+
+    /// Hands a transient frame of this user to this node (its agents only, or its sessions and
+    /// agents), then, when `to_other_nodes`, to the other nodes through the bus.
+    async fn publish(&self, frame: Value, agents_only: bool, to_other_nodes: bool) {
         let origin = self.origin();
-        self.state.hub.publish_to_agents(
-            self.channel_id,
-            self.conversation_id,
-            HubEvent::Transient {
-                frame: Arc::new(frame.clone()),
-                origin: Some(Arc::new(origin.clone())),
-            },
-        );
-        if !self.state.actors.has_remote_agents(self.channel_id) {
+        let event = HubEvent::Transient {
+            frame: Arc::new(frame.clone()),
+            origin: Some(Arc::new(origin.clone())),
+        };
+        if agents_only {
+            self.state
+                .hub
+                .publish_to_agents(self.channel_id, self.conversation_id, event);
+        } else {
+            self.state
+                .hub
+                .publish_to_all(self.channel_id, self.conversation_id, event);
+        }
+        if !to_other_nodes {
             return;
         }
         let transient = TransientFrame {
@@ -1026,34 +1043,10 @@ impl Session<'_> {
             conversation_id: self.conversation_id,
             frame,
             origin: Some(origin),
-            agents_only: true,
+            agents_only,
         };
         if let Err(error) = self.state.store.publish_transient(&transient).await {
-            tracing::warn!(%error, "forwarded frame not published to other nodes");
-        }
-    }
-
-    /// Publishes a transient frame to this node's sessions and to the other nodes.
-    async fn publish_transient(&self, frame: Value) {
-        let origin = self.origin();
-        self.state.hub.publish_to_all(
-            self.channel_id,
-            self.conversation_id,
-            HubEvent::Transient {
-                frame: Arc::new(frame.clone()),
-                origin: Some(Arc::new(origin.clone())),
-            },
-        );
-        let transient = TransientFrame {
-            node: self.state.hub.node_id().to_owned(),
-            channel_id: Some(self.channel_id),
-            conversation_id: self.conversation_id,
-            frame,
-            origin: Some(origin),
-            agents_only: false,
-        };
-        if let Err(error) = self.state.store.publish_transient(&transient).await {
-            tracing::warn!(%error, "transient frame not published to other nodes");
+            tracing::warn!(%error, agents_only, "transient frame not published to other nodes");
         }
     }
 
