@@ -587,7 +587,7 @@ async fn a_rolling_restart_under_load_loses_no_acked_turn_and_answers_none_twice
     let db = TestDb::create().await;
     let (a, b, c) = three_nodes(&db).await;
     let channel = channel(&a).await;
-    let effects = Effects::start().await;
+    let effects = Effects::start().await.expect("the effects fixture starts");
     let endpoints: Endpoints = Arc::new(Mutex::new(vec![a.ws_url(), b.ws_url(), c.ws_url()]));
     let history = Arc::new(History::default());
     let (stop_agents, agents_stopped) = tokio::sync::watch::channel(false);

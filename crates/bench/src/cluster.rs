@@ -280,7 +280,8 @@ fn now_ms() -> i64 {
         .unwrap_or_default()
 }
 
-fn live_nodes(view: &Value) -> usize {
+/// How many nodes a cluster view (`GET /api/v1/admin/cluster`) shows live, itself included.
+pub(crate) fn live_nodes(view: &Value) -> usize {
     view["nodes"]
         .as_array()
         .map(|nodes| {

@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use sqlx::Connection;
 use sqlx::postgres::PgConnection;
-use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::process::{Child, Command};
 
 /// Default Postgres server of measurements (the same as the test suite's).
@@ -56,13 +56,19 @@ impl Gateway {
         database: &str,
         env: &[(&str, String)],
     ) -> anyhow::Result<Gateway> {
+        Gateway::start_logged(binary, server_url, database, env, None).await
+    }
+
+    /// Like [`Gateway::start_on`], and appends every line the node logs to `log_file`.
+    pub async fn start_logged(
+        binary: &PathBuf,
+        server_url: &str,
+        database: &str,
+        env: &[(&str, String)],
+        log_file: Option<PathBuf>,
+    ) -> anyhow::Result<Gateway> {
         let database = database.to_owned();
-        let mut url = server_url
-            .rsplit_once('/')
-            .map(|(base, _)| base.to_owned())
-            .unwrap_or_default();
-        url.push('/');
-        url.push_str(&database);
+        let url = database_url(server_url, &database);
         let mut command = Command::new(binary);
         command
             .arg("serve")
@@ -115,10 +121,29 @@ impl Gateway {
         };
         // BENCH_NODE_LOGS=1 echoes the node's logs (a run that fails tells why).
         let echo = std::env::var_os("BENCH_NODE_LOGS").is_some();
+        let mut kept = match log_file {
+            Some(path) => Some(
+                tokio::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&path)
+                    .await
+                    .with_context(|| format!("open {}", path.display()))?,
+            ),
+            None => None,
+        };
         tokio::spawn(async move {
             while let Ok(Some(line)) = lines.next_line().await {
                 if echo {
                     eprintln!("{line}");
+                }
+                if let Some(file) = kept.as_mut()
+                    && file
+                        .write_all(format!("{line}\n").as_bytes())
+                        .await
+                        .is_err()
+                {
+                    kept = None;
                 }
             }
         });
@@ -145,15 +170,34 @@ impl Gateway {
     /// Stops the process and drops its database (and with it every other node's).
     pub async fn stop(mut self) -> anyhow::Result<()> {
         let _ = self.child.kill().await;
-        let mut admin = PgConnection::connect(&self.server_url).await?;
+        drop_database(&self.server_url, &self.database).await
+    }
+}
+
+/// The URL of `database` on the server of `server_url` (a URL naming any database).
+pub fn database_url(server_url: &str, database: &str) -> String {
+    let base = server_url
+        .rsplit_once('/')
+        .map(|(base, _)| base)
+        .unwrap_or_default();
+    format!("{base}/{database}")
+}
+
+/// Drops a benchmark database, ending the connections still open to it.
+pub async fn drop_database(server_url: &str, database: &str) -> anyhow::Result<()> {
+    let drop = async {
+        let mut admin = PgConnection::connect(server_url).await?;
         sqlx::query(sqlx::AssertSqlSafe(format!(
-            "DROP DATABASE IF EXISTS {} WITH (FORCE)",
-            self.database
+            "DROP DATABASE IF EXISTS {database} WITH (FORCE)"
         )))
         .execute(&mut admin)
         .await?;
-        Ok(())
-    }
+        Ok::<_, sqlx::Error>(())
+    };
+    tokio::time::timeout(Duration::from_secs(30), drop)
+        .await
+        .context("dropping the benchmark database timed out")??;
+    Ok(())
 }
 
 /// Creates a fresh benchmark database on `server_url`; returns its name.

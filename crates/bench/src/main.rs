@@ -1,11 +1,16 @@
 //! `converger-bench`: measurements of converger that print their figures, the machine, and the
-//! limit they compare against. Programs, never tests: they do not fail a build.
+//! limit they compare against. Programs, never tests: they do not fail a build, except `soak`,
+//! whose verdict (the history checker's) fails CI on a breach.
 #![forbid(unsafe_code)]
 
 mod cluster;
 mod gateway;
 mod idle;
 mod machine;
+mod peers;
+mod pipelined_agent;
+mod plot;
+mod soak;
 mod stats;
 mod turns;
 
@@ -27,6 +32,13 @@ enum Command {
     Turns(turns::TurnsArgs),
     /// Three nodes: membership propagation and node-death takeover times.
     Cluster(cluster::ClusterArgs),
+    /// The `turns` round trip over Redis Streams and JetStream, and the pgbench ceiling.
+    Peers(peers::PeersArgs),
+    /// Render docs/benchmarks.png from saved `peers` and `turns` JSON lines.
+    Plot(plot::PlotArgs),
+    /// Users and lease-mode agents over three nodes with random faults: the checker's verdict
+    /// (exits non-zero on a breach).
+    Soak(soak::SoakArgs),
 }
 
 #[tokio::main]
@@ -36,5 +48,8 @@ async fn main() -> anyhow::Result<()> {
         Command::Idle(args) => idle::run(args).await,
         Command::Turns(args) => turns::run(args).await,
         Command::Cluster(args) => cluster::run(args).await,
+        Command::Peers(args) => peers::run(args).await,
+        Command::Plot(args) => plot::run(args),
+        Command::Soak(args) => soak::run(args).await,
     }
 }

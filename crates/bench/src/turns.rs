@@ -7,7 +7,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use converger_client::agent::Agent;
 use converger_client::{RestClient, TokenRequest};
 use futures_util::{SinkExt, StreamExt};
 use serde_json::{Value, json};
@@ -16,6 +15,7 @@ use uuid::Uuid;
 
 use crate::gateway::{ADMIN_TOKEN, DEFAULT_DATABASE_URL, Gateway, default_binary};
 use crate::machine;
+use crate::pipelined_agent::{self, Arrivals};
 use crate::stats::percentiles;
 
 /// Arguments of `turns`.
@@ -23,23 +23,20 @@ use crate::stats::percentiles;
 pub struct TurnsArgs {
     /// End users, each in its own conversation, in closed loop.
     #[arg(long, default_value_t = 64)]
-    users: usize,
+    pub users: usize,
     /// Agents in one group answering every turn.
     #[arg(long, default_value_t = 4)]
-    agents: usize,
+    pub agents: usize,
     /// Seconds of measurement.
     #[arg(long, default_value_t = 10)]
-    duration: u64,
+    pub duration: u64,
     /// Postgres server to create the benchmark database on.
     #[arg(long, default_value = DEFAULT_DATABASE_URL)]
-    database_url: String,
+    pub database_url: String,
     /// The `converger` binary (default: next to this one).
     #[arg(long)]
-    binary: Option<PathBuf>,
+    pub binary: Option<PathBuf>,
 }
-
-/// When each turn reached an agent, by (conversation, seq).
-type Arrivals = Arc<Mutex<HashMap<(Uuid, i64), Instant>>>;
 
 #[derive(Default)]
 struct Samples {
@@ -48,8 +45,57 @@ struct Samples {
     round_trip: Vec<f64>,
 }
 
+/// What one `turns` measurement found.
+pub struct TurnsFigures {
+    /// End users in closed loop.
+    pub users: usize,
+    /// Agents in the group.
+    pub agents: usize,
+    /// Seconds measured.
+    pub duration_secs: f64,
+    /// Turns answered (round trips completed).
+    pub turns: usize,
+    /// Round trips completed per second.
+    pub turns_per_sec: f64,
+    /// Send → ack percentiles (ms).
+    pub ack_ms: Value,
+    /// Send → delivered to the agent percentiles (ms).
+    pub to_agent_ms: Value,
+    /// Send → answer received percentiles (ms).
+    pub round_trip_ms: Value,
+    /// Gateway resident set size at the end, KiB.
+    pub gateway_rss_kib: u64,
+    /// Gateway CPU over the measurement, percent of one core.
+    pub gateway_cpu_percent: f64,
+}
+
+impl TurnsFigures {
+    /// The figures as JSON fields (the `turns` line without `bench` and `machine`).
+    pub fn to_json(&self) -> Value {
+        json!({
+            "users": self.users,
+            "agents": self.agents,
+            "duration_secs": self.duration_secs,
+            "turns": self.turns,
+            "turns_per_sec": self.turns_per_sec,
+            "ack_ms": self.ack_ms,
+            "to_agent_ms": self.to_agent_ms,
+            "round_trip_ms": self.round_trip_ms,
+            "gateway_rss_kib": self.gateway_rss_kib,
+            "gateway_cpu_percent": self.gateway_cpu_percent,
+        })
+    }
+}
+
 /// Runs the measurement and prints a table and one JSON line.
 pub async fn run(args: TurnsArgs) -> anyhow::Result<()> {
+    let figures = figures(&args).await?;
+    print(&figures);
+    Ok(())
+}
+
+/// Starts a gateway on a fresh database, measures, stops it and returns the figures.
+pub async fn figures(args: &TurnsArgs) -> anyhow::Result<TurnsFigures> {
     let _ = rlimit::increase_nofile_limit(u64::MAX);
     let binary = args.binary.clone().unwrap_or_else(default_binary);
     let env = [
@@ -58,12 +104,12 @@ pub async fn run(args: TurnsArgs) -> anyhow::Result<()> {
         ("CONVERGER_DATABASE__MAX_CONNECTIONS", "32".to_owned()),
     ];
     let gateway = Gateway::start(&binary, &args.database_url, &env).await?;
-    let outcome = measure(&args, &gateway).await;
+    let outcome = measure(args, &gateway).await;
     gateway.stop().await?;
     outcome
 }
 
-async fn measure(args: &TurnsArgs, gateway: &Gateway) -> anyhow::Result<()> {
+async fn measure(args: &TurnsArgs, gateway: &Gateway) -> anyhow::Result<TurnsFigures> {
     let client = RestClient::new(&gateway.base_url)?;
     let tenant = client.create_tenant(ADMIN_TOKEN, "bench").await?;
     let channel = client.create_channel(&tenant.api_key, "turns").await?;
@@ -74,17 +120,15 @@ async fn measure(args: &TurnsArgs, gateway: &Gateway) -> anyhow::Result<()> {
     let arrivals: Arrivals = Arc::new(Mutex::new(HashMap::new()));
     let mut agents = Vec::new();
     for _ in 0..args.agents {
-        let mut agent = Agent::connect(&gateway.ws_url, &agent_token, Some("bench")).await?;
-        let arrivals = Arc::clone(&arrivals);
+        let serving = pipelined_agent::serve(
+            gateway.ws_url.clone(),
+            agent_token.clone(),
+            "bench",
+            Arc::clone(&arrivals),
+        );
         agents.push(tokio::spawn(async move {
-            while let Ok(turn) = agent.next_turn().await {
-                if let Ok(mut seen) = arrivals.lock() {
-                    seen.insert((turn.conversation_id, turn.seq), Instant::now());
-                }
-                let frames = vec![json!({"type": "text", "data": {"text": "ok"}})];
-                if agent.reply(&turn, frames, None).await.is_err() {
-                    break;
-                }
+            if let Err(error) = serving.await {
+                eprintln!("agent stopped: {error:#}");
             }
         }));
     }
@@ -127,18 +171,36 @@ async fn measure(args: &TurnsArgs, gateway: &Gateway) -> anyhow::Result<()> {
     let ack = percentiles(&mut samples.ack);
     let to_agent = percentiles(&mut samples.to_agent);
     let round_trip = percentiles(&mut samples.round_trip);
+    Ok(TurnsFigures {
+        users: args.users,
+        agents: args.agents,
+        duration_secs: elapsed,
+        turns,
+        turns_per_sec,
+        ack_ms: ack,
+        to_agent_ms: to_agent,
+        round_trip_ms: round_trip,
+        gateway_rss_kib: rss,
+        gateway_cpu_percent: cpu_percent,
+    })
+}
+
+fn print(figures: &TurnsFigures) {
     println!(
         "users {} agents {} duration {:.1} s",
-        args.users, args.agents, elapsed
+        figures.users, figures.agents, figures.duration_secs
     );
-    println!("turns {turns} → {turns_per_sec:.0} turns/s");
+    println!(
+        "turns {} → {:.0} turns/s",
+        figures.turns, figures.turns_per_sec
+    );
     println!("               p50      p95      p99  (ms)");
-    for (name, figures) in [
-        ("ack", &ack),
-        ("to_agent", &to_agent),
-        ("round_trip", &round_trip),
+    for (name, percentiles) in [
+        ("ack", &figures.ack_ms),
+        ("to_agent", &figures.to_agent_ms),
+        ("round_trip", &figures.round_trip_ms),
     ] {
-        let at = |q: &str| figures[q].as_f64().unwrap_or(0.0);
+        let at = |q: &str| percentiles[q].as_f64().unwrap_or(0.0);
         println!(
             "{name:<10} {:>8.2} {:>8.2} {:>8.2}",
             at("p50"),
@@ -146,27 +208,18 @@ async fn measure(args: &TurnsArgs, gateway: &Gateway) -> anyhow::Result<()> {
             at("p99")
         );
     }
-    println!("gateway RSS {rss} KiB, CPU {cpu_percent:.0}% of one core");
+    println!(
+        "gateway RSS {} KiB, CPU {:.0}% of one core",
+        figures.gateway_rss_kib, figures.gateway_cpu_percent
+    );
     println!(
         "goal (issue 7): turns/s ≥ the pgbench single-row insert ceiling at {} clients",
-        args.users
+        figures.users
     );
-    let result = json!({
-        "bench": "turns",
-        "users": args.users,
-        "agents": args.agents,
-        "duration_secs": elapsed,
-        "turns": turns,
-        "turns_per_sec": turns_per_sec,
-        "ack_ms": ack,
-        "to_agent_ms": to_agent,
-        "round_trip_ms": round_trip,
-        "gateway_rss_kib": rss,
-        "gateway_cpu_percent": cpu_percent,
-        "machine": machine::describe(),
-    });
+    let mut result = figures.to_json();
+    result["bench"] = json!("turns");
+    result["machine"] = machine::describe();
     println!("{result}");
-    Ok(())
 }
 
 async fn user_loop(
@@ -175,7 +228,7 @@ async fn user_loop(
     deadline: Instant,
     arrivals: Arrivals,
 ) -> anyhow::Result<Samples> {
-    let (mut socket, _) = tokio_tungstenite::connect_async(url).await?;
+    let (mut socket, _) = tokio_tungstenite::connect_async_with_config(url, None, true).await?;
     let hello = json!({"type": "hello", "protocol": "converger/1", "token": token});
     socket.send(Message::Text(hello.to_string().into())).await?;
     let mut conversation_id = Uuid::nil();

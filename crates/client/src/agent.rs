@@ -365,7 +365,9 @@ pub fn result_client_id(turn: &Turn) -> String {
     )
 }
 
-fn result_envelope(
+/// The enveloped `turnResult` answering `turn` with `frames` (and the runtime written against
+/// the version the turn was delivered with), for agents that write frames themselves.
+pub fn result_envelope(
     turn: &Turn,
     client_id: &str,
     frames: Vec<Value>,

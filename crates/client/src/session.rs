@@ -324,7 +324,8 @@ impl Link {
 }
 
 async fn handshake(url: &str, hello: &Value) -> Result<(Socket, Opened), Failure> {
-    let (mut socket, _) = tokio_tungstenite::connect_async(url)
+    // TCP_NODELAY: frames are small and each waits for an answer.
+    let (mut socket, _) = tokio_tungstenite::connect_async_with_config(url, None, true)
         .await
         .map_err(upgrade_failure)?;
     socket

@@ -20,6 +20,9 @@ use crate::hub::{ChannelEvent, Hub, HubEvent};
 const MEMORY_CONVERSATIONS: usize = 100_000;
 const MEMORY_TURNS_PER_CONVERSATION: usize = 64;
 
+/// Feed events handled together, with one runtime query for all of them.
+const FEED_BATCH: usize = 256;
+
 /// Unanswered turns older than this are not handed on when a node starts serving a channel.
 const PENDING_TURNS_HORIZON: std::time::Duration = std::time::Duration::from_secs(3_600);
 
@@ -210,6 +213,7 @@ impl Actors {
             views,
             memories: HashMap::new(),
             last_seq: HashMap::new(),
+            runtimes: HashMap::new(),
         };
         tokio::spawn(actor.run(receiver, feed));
         registry.inboxes.insert(channel_id, sender.clone());
@@ -295,6 +299,8 @@ struct ChannelActor {
     memories: HashMap<String, PassedTurns>,
     /// Highest seq handled per conversation (local commits arrive twice: directly and via bus).
     last_seq: HashMap<Uuid, i64>,
+    /// Runtimes read for the feed batch being handled; empty between batches.
+    runtimes: HashMap<Uuid, (i64, Value)>,
 }
 
 impl ChannelActor {
@@ -310,7 +316,7 @@ impl ChannelActor {
                     None => return,
                 },
                 event = feed.recv() => match event {
-                    Ok(event) => self.on_event(event).await,
+                    Ok(event) => self.on_events(event, &mut feed).await,
                     Err(broadcast::error::RecvError::Lagged(missed)) => {
                         tracing::warn!(channel_id = %self.channel_id, missed, "agents: channel feed lagged; gaps are read back on the next frame");
                     }
@@ -572,6 +578,71 @@ impl ChannelActor {
             };
             self.deliver_pending(conversation_id, &decision.new_owner, &decision.seqs)
                 .await;
+        }
+    }
+
+    /// Handles `first` and whatever else the feed already holds (up to [`FEED_BATCH`]), with the
+    /// runtimes of all their conversations read in one query: under load the actor then pays one
+    /// database round trip per batch instead of one per turn, and still delivers in feed order.
+    async fn on_events(
+        &mut self,
+        first: ChannelEvent,
+        feed: &mut broadcast::Receiver<ChannelEvent>,
+    ) {
+        let mut batch = vec![first];
+        while batch.len() < FEED_BATCH {
+            match feed.try_recv() {
+                Ok(event) => batch.push(event),
+                Err(broadcast::error::TryRecvError::Lagged(missed)) => {
+                    tracing::warn!(channel_id = %self.channel_id, missed, "agents: channel feed lagged; gaps are read back on the next frame");
+                }
+                Err(_) => break,
+            }
+        }
+        self.prefetch_runtimes(&batch).await;
+        for event in batch {
+            self.on_event(event).await;
+        }
+        self.runtimes.clear();
+    }
+
+    /// Reads the runtimes of the conversations whose user turns are in `batch`, when some group
+    /// member is on this node (otherwise nothing here delivers turns).
+    async fn prefetch_runtimes(&mut self, batch: &[ChannelEvent]) {
+        if !self.agents.values().any(|agent| agent.group.is_some()) {
+            return;
+        }
+        let mut conversations: Vec<Uuid> = batch
+            .iter()
+            .filter(|event| match &event.event {
+                HubEvent::Committed { activity, .. } => activity
+                    .as_ref()
+                    .is_none_or(|activity| activity.sender_role == "user"),
+                HubEvent::Regenerated { .. } => true,
+                HubEvent::Transient { .. } => false,
+            })
+            .map(|event| event.conversation_id)
+            .collect();
+        conversations.sort_unstable();
+        conversations.dedup();
+        if conversations.len() < 2 {
+            // One conversation: the delivery reads it itself, no worse than a prefetch.
+            return;
+        }
+        match self.store.runtimes(&conversations).await {
+            Ok(found) => {
+                for conversation_id in conversations {
+                    let runtime = found
+                        .get(&conversation_id)
+                        .cloned()
+                        .unwrap_or_else(|| (0, json!({})));
+                    self.runtimes.insert(conversation_id, runtime);
+                }
+            }
+            // Each delivery then reads its own runtime, as without a prefetch.
+            Err(error) => {
+                tracing::warn!(%error, channel_id = %self.channel_id, "runtimes unreadable in one query")
+            }
         }
     }
 
@@ -860,7 +931,11 @@ impl ChannelActor {
     /// A user turn enveloped with its `meta` (PROTOCOL section 4); `None` when the runtime
     /// cannot be read (the turn stays pending and a takeover or resend recovers it).
     async fn turn_envelope(&self, activity: &Activity, turn: TurnRef<'_>) -> Option<Value> {
-        let (version, state) = match self.store.runtime(activity.conversation_id).await {
+        let runtime = match self.runtimes.get(&activity.conversation_id) {
+            Some(prefetched) => Ok(prefetched.clone()),
+            None => self.store.runtime(activity.conversation_id).await,
+        };
+        let (version, state) = match runtime {
             Ok(runtime) => runtime,
             Err(error) => {
                 tracing::error!(%error, "delivery: runtime unreadable");

@@ -107,10 +107,10 @@ async fn dispatch(store: &Store, hub: &Hub, event: BusEvent) {
 /// The close every session of a deactivated channel receives.
 pub fn channel_inactive_close() -> SessionControl {
     SessionControl::Close {
-        error: Some(ErrorFrame::new(
+        error: Some(Box::new(ErrorFrame::new(
             ErrorCode::ChannelInactive,
             "channel is inactive",
-        )),
+        ))),
         code: CloseCode::ChannelInactive.number(),
         reason: ErrorCode::ChannelInactive.as_str().to_owned(),
     }

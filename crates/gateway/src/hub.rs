@@ -17,7 +17,7 @@ use uuid::Uuid;
 
 /// Live events buffered per conversation; a session that falls further behind reads the gap
 /// back from the database.
-const CONVERSATION_BUFFER: usize = 32;
+const CONVERSATION_BUFFER: usize = 16;
 
 /// A live event of one conversation.
 #[derive(Debug, Clone)]
@@ -50,8 +50,9 @@ pub enum HubEvent {
 pub enum SessionControl {
     /// Send the error (if any) and close with this code and reason.
     Close {
-        /// Error frame sent first.
-        error: Option<ErrorFrame>,
+        /// Error frame sent first (boxed: every session's control queue reserves room for
+        /// 32 messages, so this enum's size is paid per idle connection).
+        error: Option<Box<ErrorFrame>>,
         /// Close code.
         code: u16,
         /// Close reason.

@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
+use axum::serve::ListenerExt;
 use converger_store::Store;
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
@@ -129,7 +130,14 @@ impl Server {
             drain_sessions(&draining_state).await;
             tracing::info!("shutting down: finishing in-flight requests");
         };
-        let served = axum::serve(self.listener, app)
+        // Frames are small and latency-bound: without TCP_NODELAY a second small write waits
+        // for the peer's delayed ACK (about 40 ms on Linux).
+        let listener = self.listener.tap_io(|stream| {
+            if let Err(error) = stream.set_nodelay(true) {
+                tracing::debug!(%error, "TCP_NODELAY not set");
+            }
+        });
+        let served = axum::serve(listener, app)
             .with_graceful_shutdown(shutdown)
             .await;
         pruner.abort();

@@ -1,11 +1,15 @@
 //! Activities: the persistent frames of a conversation, each with a gap-free seq.
 //!
-//! A commit is one SQL statement (so one round trip and its own transaction): it allocates the
-//! seq under the conversation row lock, inserts the activity, the turn row for user frames, the
-//! outbox row, and calls `pg_notify`, which Postgres delivers only if the statement commits.
+//! A commit is one SQL statement (one round trip): it allocates the seq under the conversation
+//! row lock, inserts the activity, the turn row for user frames, the outbox row, and calls
+//! `pg_notify`, which Postgres delivers only if the transaction commits. Statements of many
+//! sessions share one transaction (`group_commit`).
+
+use std::sync::LazyLock;
 
 use chrono::{DateTime, Utc};
 use serde_json::{Map, Value};
+use sqlx::PgConnection;
 use uuid::Uuid;
 
 use crate::{NOTIFY_CHANNEL, Store, StoreError};
@@ -169,46 +173,17 @@ impl Activity {
     }
 }
 
-impl Store {
-    /// Commits one frame (a user turn when the sender is the end user) in a single statement.
-    /// A repeated idempotency key returns the original frame with `duplicate: true`.
-    pub async fn commit_activity(&self, new: &NewActivity) -> Result<CommitOutcome, StoreError> {
-        if crate::faults::injected(crate::faults::BEFORE_COMMIT) {
-            return Err(StoreError::Injected(crate::faults::BEFORE_COMMIT));
-        }
-        match self.insert_activity(new).await {
-            Ok(Some(outcome)) => return Ok(outcome),
-            Ok(None) => return Err(self.why_not_committed(new.conversation_id).await),
-            // Two concurrent sends with one key: the loser's whole statement rolled back (no seq
-            // was burned), and the winner's row is now visible.
-            Err(error) if error.is_unique_violation() => {}
-            Err(error) => return Err(error),
-        }
-        let original = self.find_by_client_id(new).await?;
-        original
-            .map(|activity| CommitOutcome {
-                activity,
-                duplicate: true,
-            })
-            .ok_or_else(|| StoreError::Config("idempotency key conflict without a row".into()))
-    }
-
-    async fn insert_activity(
-        &self,
-        new: &NewActivity,
-    ) -> Result<Option<CommitOutcome>, StoreError> {
-        let id = new.id.clone().unwrap_or_else(|| Uuid::now_v7().to_string());
-        let is_user_turn = new.sender.role == SenderRole::User;
-        let extra = new
-            .extra
-            .as_ref()
-            .filter(|map| !map.is_empty())
-            .map(|map| Value::Object(map.clone()));
-        // `existing` and `conv` read one snapshot; a racing insert with the same key is caught
-        // by the unique index instead, which aborts this statement as a whole. The timestamp is
-        // read after the row lock is held, so within a conversation it never goes backwards
-        // as seq grows (ownership compares it with members' `since`).
-        let sql = format!(
+/// The one statement that commits a frame: `None` when the conversation is missing or closed.
+/// `existing` and `conv` read one snapshot; a racing insert with the same key is caught by the
+/// unique index instead, which aborts the statement (and its transaction) as a whole. The
+/// timestamp is read after the row lock is held, so within a conversation it never goes
+/// backwards as seq grows (ownership compares it with members' `since`).
+pub(crate) async fn insert_activity(
+    connection: &mut PgConnection,
+    new: &NewActivity,
+) -> Result<Option<CommitOutcome>, sqlx::Error> {
+    static SQL: LazyLock<String> = LazyLock::new(|| {
+        format!(
             "WITH existing AS (
                  SELECT {ACTIVITY_COLUMNS} FROM activities
                  WHERE conversation_id = $1 AND sender_id = $4 AND client_id = $9
@@ -236,28 +211,57 @@ impl Store {
              SELECT {ACTIVITY_COLUMNS}, false AS duplicate FROM act WHERE (SELECT count(*) FROM notified) = 1
              UNION ALL
              SELECT {ACTIVITY_COLUMNS}, true AS duplicate FROM existing"
-        );
-        let row = self
-            .timed("commit_activity", async {
-                sqlx::query_as::<_, ActivityWithFlag>(sqlx::AssertSqlSafe(sql))
-                    .bind(new.conversation_id)
-                    .bind(&id)
-                    .bind(&new.kind)
-                    .bind(&new.sender.id)
-                    .bind(new.sender.role.as_str())
-                    .bind(&new.data)
-                    .bind(&new.metadata)
-                    .bind(&extra)
-                    .bind(&new.client_id)
-                    .bind(is_user_turn)
-                    .fetch_optional(&self.pool)
-                    .await
+        )
+    });
+    let id = new.id.clone().unwrap_or_else(|| Uuid::now_v7().to_string());
+    let is_user_turn = new.sender.role == SenderRole::User;
+    let extra = new
+        .extra
+        .as_ref()
+        .filter(|map| !map.is_empty())
+        .map(|map| Value::Object(map.clone()));
+    let row = sqlx::query_as::<_, ActivityWithFlag>(sqlx::AssertSqlSafe(SQL.as_str()))
+        .bind(new.conversation_id)
+        .bind(&id)
+        .bind(&new.kind)
+        .bind(&new.sender.id)
+        .bind(new.sender.role.as_str())
+        .bind(&new.data)
+        .bind(&new.metadata)
+        .bind(&extra)
+        .bind(&new.client_id)
+        .bind(is_user_turn)
+        .fetch_optional(connection)
+        .await?;
+    Ok(row.map(|row| CommitOutcome {
+        activity: row.activity,
+        duplicate: row.duplicate,
+    }))
+}
+
+impl Store {
+    /// Commits one frame (a user turn when the sender is the end user) in a single statement,
+    /// grouped with other sessions' writes into one transaction (see `group_commit`).
+    /// A repeated idempotency key returns the original frame with `duplicate: true`.
+    pub async fn commit_activity(&self, new: &NewActivity) -> Result<CommitOutcome, StoreError> {
+        if crate::faults::injected(crate::faults::BEFORE_COMMIT) {
+            return Err(StoreError::Injected(crate::faults::BEFORE_COMMIT));
+        }
+        match self.group_commit.activity(new.clone()).await {
+            Ok(Some(outcome)) => return Ok(outcome),
+            Ok(None) => return Err(self.why_not_committed(new.conversation_id).await),
+            // Two concurrent sends with one key: the loser's whole statement rolled back (no seq
+            // was burned), and the winner's row is now visible.
+            Err(error) if error.is_unique_violation() => {}
+            Err(error) => return Err(error),
+        }
+        let original = self.find_by_client_id(new).await?;
+        original
+            .map(|activity| CommitOutcome {
+                activity,
+                duplicate: true,
             })
-            .await?;
-        Ok(row.map(|row| CommitOutcome {
-            activity: row.activity,
-            duplicate: row.duplicate,
-        }))
+            .ok_or_else(|| StoreError::Config("idempotency key conflict without a row".into()))
     }
 
     async fn find_by_client_id(&self, new: &NewActivity) -> Result<Option<Activity>, StoreError> {

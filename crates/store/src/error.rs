@@ -30,6 +30,10 @@ pub enum StoreError {
     /// The channel does not exist.
     #[error("channel not found")]
     ChannelNotFound,
+    /// The shared transaction this write was part of failed; its fate may be unknown, so the
+    /// writer resends with its idempotency key.
+    #[error("group commit failed: {0}")]
+    GroupCommit(String),
     /// A test switched a failpoint on here (`failpoints` builds only).
     #[error("fault injected at {0}")]
     Injected(&'static str),

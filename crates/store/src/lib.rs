@@ -10,6 +10,7 @@ mod conversations;
 pub mod embedded;
 mod error;
 pub mod faults;
+mod group_commit;
 mod secrets;
 mod tenants;
 mod turns;
@@ -53,6 +54,8 @@ pub struct StoreOptions {
 pub struct Store {
     pool: PgPool,
     query_deadline: Duration,
+    /// Frames and answers, committed many to a transaction.
+    group_commit: group_commit::GroupCommit,
 }
 
 /// What `Store::migrate` did.
@@ -77,11 +80,13 @@ impl Store {
             .acquire_timeout(options.acquire_timeout)
             .connect_with(connect_options)
             .await?;
+        // The server cancels a statement at statement_timeout; the client deadline adds slack
+        // for the network so both rarely race.
+        let query_deadline = options.statement_timeout + Duration::from_secs(1);
         Ok(Store {
+            group_commit: group_commit::GroupCommit::start(pool.clone(), query_deadline),
             pool,
-            // The server cancels a statement at statement_timeout; the client deadline adds
-            // slack for the network so both rarely race.
-            query_deadline: options.statement_timeout + Duration::from_secs(1),
+            query_deadline,
         })
     }
 

@@ -4,10 +4,12 @@
 //! and the outbox event — commits in one transaction keyed by (conversation, seq, revision), so a
 //! turn never gets two answers and a resend of the same answer is idempotent.
 
+use std::collections::HashMap;
+
 use chrono::{DateTime, Utc};
 use serde_json::{Map, Value, json};
 use sha2::{Digest, Sha256};
-use sqlx::Row;
+use sqlx::{PgConnection, Row};
 use uuid::Uuid;
 
 use crate::activities::{ACTIVITY_COLUMNS, Activity, Sender};
@@ -133,12 +135,9 @@ pub struct PendingTurn {
 
 impl Store {
     /// Commits an answer to a turn in one transaction (see the module comment).
+    /// Its statements share a transaction with other sessions' writes (see `group_commit`).
     pub async fn commit_answer(&self, answer: &TurnAnswer) -> Result<AnswerOutcome, StoreError> {
-        let fingerprint = answer.fingerprint();
-        self.timed("commit_answer", async {
-            commit_answer(&self.pool, answer, &fingerprint).await
-        })
-        .await
+        self.group_commit.answer(answer.clone()).await
     }
 
     /// The conversation's runtime: (version, state).
@@ -154,6 +153,29 @@ impl Store {
             })
             .await?;
         Ok(row.unwrap_or((0, json!({}))))
+    }
+
+    /// The runtimes of several conversations in one query; a conversation without a runtime
+    /// row is absent (its runtime is version 0, `{}`).
+    pub async fn runtimes(
+        &self,
+        conversation_ids: &[Uuid],
+    ) -> Result<HashMap<Uuid, (i64, Value)>, StoreError> {
+        let rows: Vec<(Uuid, i64, Value)> = self
+            .timed("runtimes", async {
+                sqlx::query_as(
+                    "SELECT conversation_id, version, state FROM conversation_runtime
+                     WHERE conversation_id = ANY($1)",
+                )
+                .bind(conversation_ids)
+                .fetch_all(&self.pool)
+                .await
+            })
+            .await?;
+        Ok(rows
+            .into_iter()
+            .map(|(id, version, state)| (id, (version, state)))
+            .collect())
     }
 
     /// The turns among `seqs` that are still unanswered at their latest revision, in order.
@@ -434,197 +456,117 @@ impl Store {
     }
 }
 
-/// The registry row of a turn's latest revision.
+/// What `converger_answer_turn` returns (migration 20261130000003).
 #[derive(sqlx::FromRow)]
-struct LatestRevision {
-    revision: i32,
-    status: String,
-    result_fingerprint: Option<String>,
-    result_ids: Option<Vec<String>>,
-    result_seqs: Option<Vec<i64>>,
-    completed_at: Option<DateTime<Utc>>,
-    fence: i64,
+struct AnswerRow {
+    o_outcome: String,
+    o_number: Option<i64>,
+    o_ids: Option<Vec<String>>,
+    o_seqs: Option<Vec<i64>>,
+    o_created: Option<Vec<DateTime<Utc>>>,
+    o_completed: Option<DateTime<Utc>>,
 }
 
-async fn commit_answer(
-    pool: &sqlx::PgPool,
+/// The statements of an answer, inside a transaction the caller commits: one call of
+/// `converger_answer_turn`, so the turn's row lock is held for one round trip. Outcomes other
+/// than `Committed` write nothing.
+pub(crate) async fn answer_turn(
+    tx: &mut PgConnection,
     answer: &TurnAnswer,
-    fingerprint: &str,
 ) -> Result<AnswerOutcome, sqlx::Error> {
-    let mut tx = pool.begin().await?;
-    // The latest revision's row, locked: concurrent answers to one turn queue here.
-    let latest: Option<LatestRevision> = sqlx::query_as(
-        "SELECT revision, status, result_fingerprint, result_ids, result_seqs, completed_at, fence FROM turns
-         WHERE conversation_id = $1 AND seq = $2 ORDER BY revision DESC LIMIT 1 FOR UPDATE",
-    )
-    .bind(answer.conversation_id)
-    .bind(answer.seq)
-    .fetch_optional(&mut *tx)
-    .await?;
-    let Some(LatestRevision {
-        revision: latest_revision,
-        status,
-        result_fingerprint: stored_fingerprint,
-        result_ids: ids,
-        result_seqs: seqs,
-        completed_at,
-        fence: current_fence,
-    }) = latest
-    else {
-        return Ok(AnswerOutcome::NoSuchTurn);
-    };
-    if answer.revision < latest_revision {
-        return Ok(AnswerOutcome::Superseded {
-            latest: latest_revision,
-        });
-    }
-    if answer.revision > latest_revision {
-        return Ok(AnswerOutcome::NoSuchTurn);
-    }
-    let completed = status == "completed";
-    if completed && stored_fingerprint.as_deref() == Some(fingerprint) {
-        return Ok(AnswerOutcome::Duplicate {
-            ids: ids.unwrap_or_default(),
-            seqs: seqs.unwrap_or_default(),
-            completed_at: completed_at.unwrap_or_else(Utc::now),
-        });
-    }
-    // Lease mode: a delivery older than the latest claim no longer holds the turn.
-    if answer.fence.is_some_and(|fence| fence != current_fence) {
-        return Ok(AnswerOutcome::LeaseLost {
-            current: current_fence,
-        });
-    }
-    if completed {
-        return Ok(AnswerOutcome::Conflict {
-            seqs: seqs.unwrap_or_default(),
-        });
-    }
-    if let Some(runtime) = &answer.runtime {
-        let current: i64 = sqlx::query_scalar(
-            "SELECT version FROM conversation_runtime WHERE conversation_id = $1 FOR UPDATE",
-        )
-        .bind(answer.conversation_id)
-        .fetch_optional(&mut *tx)
-        .await?
-        .unwrap_or(0);
-        if current != runtime.version {
-            return Ok(AnswerOutcome::StaleRuntime { current });
-        }
-        sqlx::query(
-            "INSERT INTO conversation_runtime (conversation_id, version, state) VALUES ($1, 1, $2)
-             ON CONFLICT (conversation_id) DO UPDATE
-             SET version = conversation_runtime.version + 1, state = EXCLUDED.state, updated_at = now()",
-        )
-        .bind(answer.conversation_id)
-        .bind(&runtime.state)
-        .execute(&mut *tx)
-        .await?;
-    }
-    let count = answer.frames.len() as i64;
-    let activities: Vec<Activity> = if count == 0 {
-        Vec::new()
-    } else {
-        let head: i64 =
-            sqlx::query_scalar("UPDATE conversations SET last_seq = last_seq + $2, updated_at = now() WHERE id = $1 RETURNING last_seq")
-                .bind(answer.conversation_id)
-                .bind(count)
-                .fetch_one(&mut *tx)
-                .await?;
-        let first_seq = head - count + 1;
-        let ids: Vec<String> = answer
-            .frames
-            .iter()
-            .map(|frame| {
-                frame
-                    .id
-                    .clone()
-                    .unwrap_or_else(|| Uuid::now_v7().to_string())
-            })
-            .collect();
-        let kinds: Vec<String> = answer
-            .frames
-            .iter()
-            .map(|frame| frame.kind.clone())
-            .collect();
-        let data: Vec<Value> = answer
-            .frames
-            .iter()
-            .map(|frame| frame.data.clone())
-            .collect();
-        let metadata: Vec<Option<Value>> = answer
-            .frames
-            .iter()
-            .map(|frame| frame.metadata.clone())
-            .collect();
-        let extra: Vec<Option<Value>> = answer
-            .frames
-            .iter()
-            .map(|frame| (!frame.extra.is_empty()).then(|| Value::Object(frame.extra.clone())))
-            .collect();
-        sqlx::query_as::<_, Activity>(sqlx::AssertSqlSafe(format!(
-            "INSERT INTO activities
-                 (conversation_id, seq, id, type, sender_id, sender_role, data, metadata, extra, turn_seq, turn_revision, created_at)
-             SELECT $1, $2 + frame.ordinality - 1, frame.id, frame.kind, $3, $4, frame.data, frame.metadata, frame.extra, $5, $6, clock_timestamp()
-             FROM unnest($7::text[], $8::text[], $9::jsonb[], $10::jsonb[], $11::jsonb[])
-                  WITH ORDINALITY AS frame(id, kind, data, metadata, extra, ordinality)
-             RETURNING {ACTIVITY_COLUMNS}"
-        )))
-        .bind(answer.conversation_id)
-        .bind(first_seq)
-        .bind(&answer.sender.id)
-        .bind(answer.sender.role.as_str())
-        .bind(answer.seq)
-        .bind(answer.revision)
-        .bind(&ids)
-        .bind(&kinds)
-        .bind(&data)
-        .bind(&metadata)
-        .bind(&extra)
-        .fetch_all(&mut *tx)
-        .await?
-    };
-    let mut activities = activities;
-    activities.sort_by_key(|activity| activity.seq);
-    let result_ids: Vec<String> = activities
+    let ids: Vec<String> = answer
+        .frames
         .iter()
-        .map(|activity| activity.id.clone())
+        .map(|frame| {
+            frame
+                .id
+                .clone()
+                .unwrap_or_else(|| Uuid::now_v7().to_string())
+        })
         .collect();
-    let result_seqs: Vec<i64> = activities.iter().map(|activity| activity.seq).collect();
-    let completed_at: DateTime<Utc> = sqlx::query_scalar(
-        "UPDATE turns SET status = 'completed', result_fingerprint = $4, result_ids = $5, result_seqs = $6, completed_at = now()
-         WHERE conversation_id = $1 AND seq = $2 AND revision = $3
-         RETURNING completed_at",
+    let kinds: Vec<&str> = answer
+        .frames
+        .iter()
+        .map(|frame| frame.kind.as_str())
+        .collect();
+    let data: Vec<&Value> = answer.frames.iter().map(|frame| &frame.data).collect();
+    let metadata: Vec<Option<&Value>> = answer
+        .frames
+        .iter()
+        .map(|frame| frame.metadata.as_ref())
+        .collect();
+    let extra: Vec<Option<Value>> = answer.frames.iter().map(frame_extra).collect();
+    let row: AnswerRow = sqlx::query_as(
+        "SELECT o_outcome, o_number, o_ids, o_seqs, o_created, o_completed
+         FROM converger_answer_turn($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)",
     )
     .bind(answer.conversation_id)
     .bind(answer.seq)
     .bind(answer.revision)
-    .bind(fingerprint)
-    .bind(&result_ids)
-    .bind(&result_seqs)
+    .bind(answer.fence)
+    .bind(answer.fingerprint())
+    .bind(&answer.sender.id)
+    .bind(answer.sender.role.as_str())
+    .bind(answer.runtime.is_some())
+    .bind(answer.runtime.as_ref().map_or(0, |runtime| runtime.version))
+    .bind(answer.runtime.as_ref().map(|runtime| &runtime.state))
+    .bind(&ids)
+    .bind(&kinds)
+    .bind(&data)
+    .bind(&metadata)
+    .bind(&extra)
     .fetch_one(&mut *tx)
     .await?;
-    if let (Some(first), Some(last)) = (result_seqs.first(), result_seqs.last()) {
-        sqlx::query(sqlx::AssertSqlSafe(format!(
-            "WITH event AS (
-                 INSERT INTO outbox (conversation_id, seq_from, seq_to) VALUES ($1, $2, $3)
-                 RETURNING id, conversation_id, seq_to
-             ), conv AS (SELECT channel_id FROM conversations WHERE id = $1)
-             SELECT pg_notify('{NOTIFY_CHANNEL}',
-                    json_build_object('k', 'c', 'e', event.id, 'c', event.conversation_id, 's', event.seq_to, 'h', conv.channel_id)::text)::text
-             FROM event, conv"
-        )))
-        .bind(answer.conversation_id)
-        .bind(first)
-        .bind(last)
-        .execute(&mut *tx)
-        .await?;
-    }
-    tx.commit().await?;
-    Ok(AnswerOutcome::Committed {
-        activities,
-        completed_at,
+    let number = row.o_number.unwrap_or(0);
+    let seqs = row.o_seqs.unwrap_or_default();
+    Ok(match row.o_outcome.as_str() {
+        "committed" => {
+            let created = row.o_created.unwrap_or_default();
+            let stored_ids = row.o_ids.unwrap_or_default();
+            let activities = answer
+                .frames
+                .iter()
+                .zip(stored_ids)
+                .zip(seqs.iter().zip(created))
+                .map(|((frame, id), (seq, created_at))| Activity {
+                    conversation_id: answer.conversation_id,
+                    seq: *seq,
+                    id,
+                    kind: frame.kind.clone(),
+                    sender_id: answer.sender.id.clone(),
+                    sender_role: answer.sender.role.as_str().to_owned(),
+                    data: frame.data.clone(),
+                    metadata: frame.metadata.clone(),
+                    extra: frame_extra(frame),
+                    client_id: None,
+                    created_at,
+                    turn_seq: Some(answer.seq),
+                    turn_revision: Some(answer.revision),
+                })
+                .collect();
+            AnswerOutcome::Committed {
+                activities,
+                completed_at: row.o_completed.unwrap_or_else(Utc::now),
+            }
+        }
+        "duplicate" => AnswerOutcome::Duplicate {
+            ids: row.o_ids.unwrap_or_default(),
+            seqs,
+            completed_at: row.o_completed.unwrap_or_else(Utc::now),
+        },
+        "conflict" => AnswerOutcome::Conflict { seqs },
+        "superseded" => AnswerOutcome::Superseded {
+            latest: i32::try_from(number).unwrap_or(i32::MAX),
+        },
+        "lease_lost" => AnswerOutcome::LeaseLost { current: number },
+        "stale_runtime" => AnswerOutcome::StaleRuntime { current: number },
+        _ => AnswerOutcome::NoSuchTurn,
     })
+}
+
+/// A frame's other top-level fields as stored: `NULL` when there are none.
+fn frame_extra(frame: &AnswerFrame) -> Option<Value> {
+    (!frame.extra.is_empty()).then(|| Value::Object(frame.extra.clone()))
 }
 
 /// A new revision of a turn (edit or regenerate).

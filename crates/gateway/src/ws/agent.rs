@@ -11,9 +11,7 @@ use converger_protocol::{
     CloseCode, ErrorCode, ErrorFrame, retry_close_reason, validate_message_frame,
 };
 use converger_store::bus::{Origin, TransientFrame};
-use converger_store::{
-    AnswerFrame, AnswerOutcome, NewActivity, RuntimeWrite, Sender, SenderRole, TurnAnswer,
-};
+use converger_store::{AnswerFrame, NewActivity, RuntimeWrite, Sender, SenderRole, TurnAnswer};
 use futures_util::StreamExt;
 use futures_util::stream::SplitStream;
 use serde_json::{Map, Value, json};
@@ -27,6 +25,7 @@ use super::conversation::{
 use super::handshake::AgentSetup;
 use super::outbound::{Outbound, PushError};
 use super::rate::TokenBucket;
+use super::turn_results::ResultsInFlight;
 use converger_cluster::{AgentRecord, Cluster};
 
 use crate::agents::ActorMessage;
@@ -118,6 +117,8 @@ struct AgentSession<'a> {
     last_inbound: Instant,
     last_outbound: Instant,
     token_expires_at: Instant,
+    /// Turn results committing now.
+    results: ResultsInFlight,
 }
 
 /// Runs an agent connection after its hello.
@@ -157,6 +158,7 @@ pub(super) async fn run(
         rate: TokenBucket::new(state.config.limits.max_frames_per_sec, now.into_std()),
         last_inbound: now,
         last_outbound: now,
+        results: ResultsInFlight::default(),
     };
     let mut welcome = json!({
         "type": "welcome",
@@ -282,11 +284,13 @@ impl AgentSession<'_> {
                     Some(frame) => self.push(&frame),
                     None => Err(Ending::Gone),
                 },
+                Some(reply) = self.results.next_reply(), if !self.results.is_empty() => self.push(&reply),
                 message = stream.next() => self.on_message(message).await,
                 control = controls.recv() => match control {
                     None => Ok(()),
                     Some(SessionControl::Drain { retry_after_ms }) => {
-                        // Agent commits finish inline, so nothing is in flight here.
+                        // Results in flight are acked before the agent is sent away.
+                        let _ = self.finish_results().await;
                         let _ = self.push(&ErrorFrame { retry_after_ms: Some(retry_after_ms), ..ErrorFrame::new(ErrorCode::Unavailable, "node is draining; reconnect elsewhere") }.to_json());
                         Err(Ending::Close { code: CloseCode::Draining.number(), reason: retry_close_reason(ErrorCode::Unavailable, retry_after_ms) })
                     }
@@ -311,9 +315,16 @@ impl AgentSession<'_> {
                     Err(Ending::Close { code: CloseCode::Auth.number(), reason: "token_expired".into() })
                 }
             };
-            if let Err(ending) = outcome {
-                return ending;
+            let Err(ending) = outcome else {
+                continue;
+            };
+            if matches!(ending, Ending::Gone) {
+                self.results.detach();
+            } else {
+                // Acks of the results in flight go out before the close frame.
+                let _ = self.finish_results().await;
             }
+            return ending;
         }
     }
 
@@ -360,6 +371,7 @@ impl AgentSession<'_> {
     }
 
     async fn on_bare(&mut self, frame: Map<String, Value>) -> Result<(), Ending> {
+        self.finish_results().await?;
         let kind = frame
             .get("type")
             .and_then(Value::as_str)
@@ -485,6 +497,9 @@ impl AgentSession<'_> {
             .and_then(Value::as_str)
             .unwrap_or_default()
             .to_owned();
+        if kind != "turnResult" {
+            self.finish_results().await?;
+        }
         match kind.as_str() {
             "turnResult" => self.on_turn_result(conversation_id, frame).await,
             "typing" => {
@@ -675,110 +690,20 @@ impl AgentSession<'_> {
                 );
             }
         };
-        let turn = json!({"seq": answer.seq, "revision": answer.revision});
-        let outcome = match self.state.store.commit_answer(&answer).await {
-            Ok(outcome) => outcome,
-            Err(error) => {
-                tracing::error!(%error, %conversation_id, "turn result not stored");
-                return self.enveloped_error(
-                    conversation_id,
-                    ErrorFrame {
-                        client_id,
-                        ..ErrorFrame::new(ErrorCode::Internal, "the result was not stored; retry")
-                    },
-                );
-            }
-        };
-        // One place decides what each outcome answers and counts it.
-        let (label, answered) = match outcome {
-            AnswerOutcome::Committed {
-                activities,
-                completed_at,
-            } => {
-                let ids = activities
-                    .iter()
-                    .map(|activity| activity.id.clone())
-                    .collect();
-                let seqs = activities.iter().map(|activity| activity.seq).collect();
-                for activity in activities {
-                    let activity = Arc::new(activity);
-                    let event = HubEvent::Committed {
-                        seq: activity.seq,
-                        activity: Some(activity),
-                    };
-                    self.state
-                        .hub
-                        .publish_to_all(self.channel_id, conversation_id, event);
-                }
-                ("committed", Ok((ids, seqs, completed_at, false)))
-            }
-            AnswerOutcome::Duplicate {
-                ids,
-                seqs,
-                completed_at,
-            } => ("duplicate", Ok((ids, seqs, completed_at, true))),
-            AnswerOutcome::Conflict { seqs } => (
-                "conflict",
-                Err((
-                    ErrorCode::TurnConflict,
-                    "another result is committed for this turn",
-                    json!({"seqs": seqs}),
-                )),
-            ),
-            AnswerOutcome::Superseded { latest } => (
-                "superseded",
-                Err((
-                    ErrorCode::TurnSuperseded,
-                    "a newer revision of this turn exists",
-                    json!({"revision": latest}),
-                )),
-            ),
-            AnswerOutcome::LeaseLost { current } => (
-                "lease_lost",
-                Err((
-                    ErrorCode::LeaseLost,
-                    "the turn was claimed again since this delivery",
-                    json!({"fence": current}),
-                )),
-            ),
-            AnswerOutcome::StaleRuntime { current } => (
-                "stale_runtime",
-                Err((
-                    ErrorCode::StaleRuntime,
-                    "runtime.version is not the current one",
-                    json!({"version": current}),
-                )),
-            ),
-            AnswerOutcome::NoSuchTurn => (
-                "no_such_turn",
-                Err((ErrorCode::BadRequest, "no such turn", json!({"turn": turn}))),
-            ),
-        };
-        metrics::counter!("converger_turn_results_total", "outcome" => label).increment(1);
-        let (ids, seqs, completed_at, duplicate): (Vec<String>, Vec<i64>, _, bool) = match answered
-        {
-            Ok(acked) => acked,
-            Err((code, message, details)) => {
-                let refusal = ErrorFrame {
-                    client_id,
-                    frame_type: Some("turnResult".into()),
-                    details: Some(details),
-                    ..ErrorFrame::new(code, message)
-                };
-                return self.enveloped_error(conversation_id, refusal);
-            }
-        };
-        // A resend gets the same ack as the first send, plus `duplicate`.
-        let mut ack = json!({
-            "type": "ack", "turn": turn, "ids": ids, "seqs": seqs, "timestamp": completed_at.timestamp_millis(),
-        });
-        if let Some(client_id) = client_id {
-            ack["clientId"] = json!(client_id);
+        if self.results.must_wait(conversation_id) {
+            self.finish_results().await?;
         }
-        if duplicate {
-            ack["duplicate"] = Value::Bool(true);
+        self.results
+            .start(self.state, self.channel_id, client_id, answer);
+        Ok(())
+    }
+
+    /// Waits for every result in flight and writes its ack or refusal.
+    async fn finish_results(&mut self) -> Result<(), Ending> {
+        while let Some(reply) = self.results.next_reply().await {
+            self.push(&reply)?;
         }
-        self.push_enveloped(conversation_id, ack)
+        Ok(())
     }
 
     fn parse_answer(

@@ -85,9 +85,12 @@ pub(crate) async fn serve(socket: WebSocket, state: AppState, request: UpgradeRe
     ));
     metrics::counter!("converger_ws_connections_total").increment(1);
 
-    let ending = match await_hello(&state, &mut stream, &outbound).await {
+    // The stages are boxed so that this task, which lives as long as the connection, holds only
+    // the stage it is in: inlined, the largest (the agent session) would size every idle
+    // connection's future.
+    let ending = match Box::pin(await_hello(&state, &mut stream, &outbound)).await {
         Err(ending) => ending,
-        Ok(hello) => match establish(&state, &request, *hello).await {
+        Ok(hello) => match Box::pin(establish(&state, &request, *hello)).await {
             Err(refused) => {
                 push_error(&outbound, &refused.error);
                 match refused.close {
@@ -102,10 +105,10 @@ pub(crate) async fn serve(socket: WebSocket, state: AppState, request: UpgradeRe
                 }
             }
             Ok(Setup::Conversation(established)) => {
-                run_session(&state, established, &mut stream, &outbound).await
+                Box::pin(run_session(&state, established, &mut stream, &outbound)).await
             }
             Ok(Setup::Channel(setup)) => {
-                super::agent::run(&state, setup, &mut stream, &outbound).await
+                Box::pin(super::agent::run(&state, setup, &mut stream, &outbound)).await
             }
         },
     };
@@ -281,9 +284,13 @@ async fn run_session(
         typing_relayed: None,
         draining: None,
     };
-    if let Err(ending) = session.welcome(head, &hello, invalid_watermark, plan).await {
+    // Boxed, and the hello and conversation dropped, so the idle session's future and heap keep
+    // only what the session loop needs (memory per idle connection, docs/benchmarks.md).
+    if let Err(ending) = Box::pin(session.welcome(head, &hello, invalid_watermark, plan)).await {
         return ending;
     }
+    drop(hello);
+    drop(conversation);
     session.presence_changed(true);
     let ending = session.run(stream, &mut live, &mut controls).await;
     session.presence_changed(false);
@@ -579,7 +586,7 @@ impl Session<'_> {
                 reason,
             }) => {
                 if let Some(error) = error {
-                    let _ = self.push_error(error);
+                    let _ = self.push_error(*error);
                 }
                 Err(Ending::Close { code, reason })
             }

@@ -8,6 +8,7 @@ mod conversation;
 mod handshake;
 pub(crate) mod outbound;
 mod rate;
+mod turn_results;
 mod writer;
 
 use std::collections::HashMap;
@@ -22,7 +23,7 @@ use crate::error::ApiError;
 use crate::state::AppState;
 
 /// Initial read buffer of a socket.
-const READ_BUFFER_BYTES: usize = 4 * 1024;
+const READ_BUFFER_BYTES: usize = 1024;
 
 /// What the upgrade request carried besides the socket.
 #[derive(Debug, Clone, Default)]

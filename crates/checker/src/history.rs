@@ -1,6 +1,6 @@
-//! A history checker: tests and load runs record what clients saw (acked sends, frames seen by
-//! each subscriber, turns delivered to agents, results acked) and the checker says whether the
-//! promises held: no acked turn lost, at most one committed result per turn key, every
+//! The history checker: tests and load runs record what clients saw (acked sends, frames seen
+//! by each subscriber, turns delivered to agents, results acked) and the checker says whether
+//! the promises held: no acked turn lost, at most one committed result per turn key, every
 //! subscriber saw its conversation's frames once and in order, and how many deliveries to
 //! agents were duplicates (allowed, reported).
 
@@ -155,5 +155,98 @@ impl History {
             .map(|count| count.saturating_sub(1))
             .sum();
         verdict
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CONVERSATION: Uuid = Uuid::from_u128(1);
+
+    fn stored(entries: &[(&str, i64)]) -> BTreeMap<String, (Uuid, i64)> {
+        entries
+            .iter()
+            .map(|(client_id, seq)| ((*client_id).to_owned(), (CONVERSATION, *seq)))
+            .collect()
+    }
+
+    #[test]
+    fn a_clean_history_holds() {
+        let history = History::default();
+        history.acked("u", "c-1", CONVERSATION, 1);
+        history.received("u", CONVERSATION, 2);
+        history.acked("u", "c-2", CONVERSATION, 3);
+        history.received("u", CONVERSATION, 4);
+        history.delivered((CONVERSATION, 1, 0));
+        history.result_committed((CONVERSATION, 1, 0), vec![2]);
+        let verdict = history.verdict(&stored(&[("c-1", 1), ("c-2", 3)]));
+        assert!(verdict.holds(), "{verdict:?}");
+        assert_eq!(verdict.acked, 2);
+        assert_eq!((verdict.deliveries, verdict.duplicate_deliveries), (1, 0));
+    }
+
+    #[test]
+    fn an_acked_send_missing_or_stored_elsewhere_is_lost() {
+        let history = History::default();
+        history.acked("u", "c-1", CONVERSATION, 1);
+        history.acked("u", "c-2", CONVERSATION, 2);
+        history.acked("u", "c-3", CONVERSATION, 3);
+        let verdict = history.verdict(&stored(&[("c-1", 1), ("c-2", 5)]));
+        assert_eq!(verdict.lost, ["c-2", "c-3"]);
+        assert!(!verdict.holds());
+    }
+
+    #[test]
+    fn two_different_results_for_one_turn_key_are_a_duplicate_result() {
+        let history = History::default();
+        let key = (CONVERSATION, 1, 0);
+        history.result_committed(key, vec![2]);
+        // The same commit reported twice (two acks naming the same seqs) is one result.
+        history.result_committed(key, vec![2]);
+        assert!(history.verdict(&BTreeMap::new()).holds());
+        history.result_committed(key, vec![3]);
+        assert_eq!(history.verdict(&BTreeMap::new()).duplicate_results, [key]);
+    }
+
+    #[test]
+    fn a_missing_seq_below_the_highest_received_is_a_gap_unless_it_is_the_subscribers_own() {
+        let history = History::default();
+        history.acked("u", "c-1", CONVERSATION, 1);
+        history.received("u", CONVERSATION, 2);
+        history.received("u", CONVERSATION, 5);
+        // 3 and 4 missing: two gaps; another subscriber's history is checked on its own.
+        history.received("v", CONVERSATION, 1);
+        let verdict = history.verdict(&stored(&[("c-1", 1)]));
+        assert_eq!(
+            (verdict.gaps, verdict.inversions, verdict.doubles),
+            (2, 0, 0)
+        );
+    }
+
+    #[test]
+    fn a_late_lower_seq_is_an_inversion_and_a_repeat_is_a_double() {
+        let history = History::default();
+        for seq in [1, 3, 2, 3] {
+            history.received("u", CONVERSATION, seq);
+        }
+        let verdict = history.verdict(&BTreeMap::new());
+        assert_eq!(
+            (verdict.gaps, verdict.inversions, verdict.doubles),
+            (0, 1, 1)
+        );
+        assert!(!verdict.holds());
+    }
+
+    #[test]
+    fn repeated_deliveries_are_reported_but_allowed() {
+        let history = History::default();
+        for _ in 0..3 {
+            history.delivered((CONVERSATION, 1, 0));
+        }
+        history.delivered((CONVERSATION, 2, 0));
+        let verdict = history.verdict(&BTreeMap::new());
+        assert_eq!((verdict.deliveries, verdict.duplicate_deliveries), (4, 2));
+        assert!(verdict.holds());
     }
 }

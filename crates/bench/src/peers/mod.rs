@@ -1,0 +1,477 @@
+//! `peers --users U --agents A --duration S`: the `turns` round trip over Redis Streams and NATS
+//! JetStream, the pgbench single-row insert ceiling, and optionally converger itself, in one run
+//! and one JSON line, so the ratios come from figures measured side by side.
+
+mod jetstream;
+mod pgbench;
+mod redis_streams;
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use serde_json::{Map, Value, json};
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+
+use crate::gateway::DEFAULT_DATABASE_URL;
+use crate::machine;
+use crate::stats::percentiles;
+use crate::turns::{self, TurnsArgs};
+
+/// Arguments of `peers`.
+#[derive(Debug, clap::Args)]
+pub struct PeersArgs {
+    /// End users, each in its own conversation, in closed loop (and pgbench clients).
+    #[arg(long, default_value_t = 64)]
+    users: usize,
+    /// Agents in one group sharing the turns.
+    #[arg(long, default_value_t = 4)]
+    agents: usize,
+    /// Seconds of measurement per system.
+    #[arg(long, default_value_t = 10)]
+    duration: u64,
+    /// Skip converger (measure only the peers and the ceiling).
+    #[arg(long)]
+    without_converger: bool,
+    /// Postgres server for converger's database and for pgbench.
+    #[arg(long, default_value = DEFAULT_DATABASE_URL)]
+    database_url: String,
+    /// The `converger` binary (default: next to this one).
+    #[arg(long)]
+    binary: Option<PathBuf>,
+    /// Redis server.
+    #[arg(long, default_value = "redis://127.0.0.1:6379")]
+    redis_url: String,
+    /// NATS server with JetStream enabled.
+    #[arg(long, default_value = "nats://127.0.0.1:4222")]
+    nats_url: String,
+    /// Also append the JSON line to this file (for `plot`).
+    #[arg(long)]
+    save: Option<PathBuf>,
+}
+
+/// The closed loop every peer runs: U users, A agents, S seconds.
+#[derive(Debug, Clone, Copy)]
+pub struct LoopSettings {
+    /// End users in closed loop.
+    pub users: usize,
+    /// Agents sharing the turns.
+    pub agents: usize,
+    /// How long users keep sending.
+    pub duration: Duration,
+}
+
+/// How long a user waits for the answer to one turn before the run fails.
+pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(30);
+/// Connect and request timeout towards every peer server.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Latency samples of one closed loop, in milliseconds.
+#[derive(Default)]
+pub struct Samples {
+    /// Send → durably accepted.
+    pub ack: Vec<f64>,
+    /// Send → an agent received the turn.
+    pub to_agent: Vec<f64>,
+    /// Send → the user received the answer.
+    pub round_trip: Vec<f64>,
+}
+
+impl Samples {
+    /// Adds another user's samples.
+    pub fn extend(&mut self, other: Samples) {
+        self.ack.extend(other.ack);
+        self.to_agent.extend(other.to_agent);
+        self.round_trip.extend(other.round_trip);
+    }
+
+    /// Turns, turns/s and the three latency summaries over `elapsed` seconds.
+    pub fn figures(mut self, elapsed: f64) -> Value {
+        let turns = self.round_trip.len();
+        json!({
+            "duration_secs": elapsed,
+            "turns": turns,
+            "turns_per_sec": turns as f64 / elapsed,
+            "ack_ms": percentiles(&mut self.ack),
+            "to_agent_ms": percentiles(&mut self.to_agent),
+            "round_trip_ms": percentiles(&mut self.round_trip),
+        })
+    }
+}
+
+/// One clock for the users and agents of a run: payloads carry microseconds since its epoch, so
+/// the agent's arrival time can be set against the user's send time.
+#[derive(Debug, Clone, Copy)]
+pub struct Clock {
+    epoch: Instant,
+}
+
+impl Clock {
+    /// A clock starting now.
+    pub fn start() -> Clock {
+        Clock {
+            epoch: Instant::now(),
+        }
+    }
+
+    /// Microseconds since the epoch.
+    pub fn now_us(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX)
+    }
+}
+
+/// Waits for every user's samples; fails as soon as a user fails or an agent stops (the users
+/// would only wait for answers that never come). Dropping the sets, here or when the caller is
+/// cancelled, aborts whatever still runs, so nothing writes to a server after its cleanup.
+pub async fn finish(
+    mut users: JoinSet<anyhow::Result<Samples>>,
+    mut agents: JoinSet<anyhow::Result<()>>,
+) -> anyhow::Result<Samples> {
+    let mut samples = Samples::default();
+    loop {
+        tokio::select! {
+            user = users.join_next() => match user {
+                None => return Ok(samples),
+                Some(Ok(Ok(user_samples))) => samples.extend(user_samples),
+                Some(Ok(Err(error))) => return Err(error.context("user")),
+                Some(Err(error)) => return Err(anyhow::Error::from(error).context("user")),
+            },
+            Some(agent) = agents.join_next() => {
+                return Err(match agent {
+                    Ok(Ok(())) => anyhow::anyhow!("an agent stopped while users waited"),
+                    Ok(Err(error)) => error.context("agent"),
+                    Err(error) => anyhow::Error::from(error).context("agent"),
+                });
+            }
+        }
+    }
+}
+
+/// Milliseconds between two clock readings (zero if `to` is earlier).
+pub fn millis_between(from_us: u64, to_us: u64) -> f64 {
+    to_us.saturating_sub(from_us) as f64 / 1000.0
+}
+
+/// What became of one system in a run.
+pub enum Outcome {
+    /// The figures.
+    Measured(Value),
+    /// The server did not answer (not an error).
+    Skipped(String),
+    /// The measurement failed after the server answered.
+    Failed(String),
+}
+
+impl Outcome {
+    fn to_json(&self) -> Value {
+        match self {
+            Outcome::Measured(figures) => figures.clone(),
+            Outcome::Skipped(reason) => json!({"skipped": reason}),
+            Outcome::Failed(reason) => json!({"failed": reason}),
+        }
+    }
+
+    fn figures(&self) -> Option<&Value> {
+        match self {
+            Outcome::Measured(figures) => Some(figures),
+            _ => None,
+        }
+    }
+}
+
+/// Ctrl-C, observed by every phase so that each can undo what it changed on its server.
+#[derive(Clone)]
+pub struct Interrupt {
+    pressed: watch::Receiver<bool>,
+}
+
+impl Interrupt {
+    fn listen() -> Interrupt {
+        let (sender, pressed) = watch::channel(false);
+        tokio::spawn(async move {
+            if tokio::signal::ctrl_c().await.is_ok() {
+                let _ = sender.send(true);
+            }
+        });
+        Interrupt { pressed }
+    }
+
+    /// Returns once Ctrl-C has been pressed (never if the listener is gone).
+    pub async fn pressed(&mut self) {
+        if self.pressed.wait_for(|pressed| *pressed).await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+/// Runs every system in turn and prints a table and one JSON line.
+pub async fn run(args: PeersArgs) -> anyhow::Result<()> {
+    let _ = rlimit::increase_nofile_limit(u64::MAX);
+    let interrupt = Interrupt::listen();
+    let settings = LoopSettings {
+        users: args.users,
+        agents: args.agents,
+        duration: Duration::from_secs(args.duration),
+    };
+    let machine = machine::describe();
+    println!("machine: {}", describe_machine(&machine));
+    println!(
+        "users {} agents {} duration {} s per system",
+        args.users, args.agents, args.duration
+    );
+
+    eprintln!("pgbench: {} clients, {} s …", args.users, args.duration);
+    let pgbench = pgbench::measure(
+        &args.database_url,
+        args.users,
+        settings.duration,
+        interrupt.clone(),
+    )
+    .await;
+    stop_if_interrupted(&interrupt)?;
+
+    let converger = if args.without_converger {
+        Outcome::Skipped("--without-converger".to_owned())
+    } else {
+        eprintln!("converger: {} users, {} agents …", args.users, args.agents);
+        measure_converger(&args, interrupt.clone()).await
+    };
+    stop_if_interrupted(&interrupt)?;
+
+    eprintln!("redis: {} users, {} agents …", args.users, args.agents);
+    let redis = redis_streams::measure(&args.redis_url, settings, interrupt.clone()).await;
+    stop_if_interrupted(&interrupt)?;
+
+    eprintln!("jetstream: {} users, {} agents …", args.users, args.agents);
+    let jetstream = jetstream::measure(&args.nats_url, settings, interrupt.clone()).await;
+    stop_if_interrupted(&interrupt)?;
+
+    let systems = [
+        ("converger", &converger),
+        ("redis", &redis),
+        ("jetstream", &jetstream),
+    ];
+    print_table(&systems, &pgbench, args.users);
+    let ratios = ratios(
+        &converger,
+        &[("redis", &redis), ("jetstream", &jetstream)],
+        &pgbench,
+    );
+    print_ratios(&ratios);
+
+    let mut system_figures = Map::new();
+    for (name, outcome) in systems {
+        system_figures.insert(name.to_owned(), outcome.to_json());
+    }
+    system_figures.insert("pgbench".to_owned(), pgbench.to_json());
+    let result = json!({
+        "bench": "peers",
+        "users": args.users,
+        "agents": args.agents,
+        "duration_secs": args.duration,
+        "systems": system_figures,
+        "ratios": ratios,
+        "limit": format!(
+            "issue 7: converger turns/s >= pgbench single-row insert tps at {} clients",
+            args.users
+        ),
+        "machine": machine,
+    });
+    if let Some(path) = &args.save {
+        save_line(path, &result)?;
+    }
+    println!("{result}");
+    let failed: Vec<&str> = [
+        ("pgbench", &pgbench),
+        ("converger", &converger),
+        ("redis", &redis),
+        ("jetstream", &jetstream),
+    ]
+    .into_iter()
+    .filter(|(_, outcome)| matches!(outcome, Outcome::Failed(_)))
+    .map(|(name, _)| name)
+    .collect();
+    if !failed.is_empty() {
+        anyhow::bail!("failed: {}", failed.join(", "));
+    }
+    Ok(())
+}
+
+fn stop_if_interrupted(interrupt: &Interrupt) -> anyhow::Result<()> {
+    if *interrupt.pressed.borrow() {
+        anyhow::bail!("interrupted");
+    }
+    Ok(())
+}
+
+async fn measure_converger(args: &PeersArgs, mut interrupt: Interrupt) -> Outcome {
+    let turns_args = TurnsArgs {
+        users: args.users,
+        agents: args.agents,
+        duration: args.duration,
+        database_url: args.database_url.clone(),
+        binary: args.binary.clone(),
+    };
+    let figures = tokio::select! {
+        figures = turns::figures(&turns_args) => figures,
+        () = interrupt.pressed() => return Outcome::Failed("interrupted".to_owned()),
+    };
+    match figures {
+        Ok(figures) => {
+            let mut json = figures.to_json();
+            json["round_trip"] = json!(
+                "WebSocket send → ack (committed in Postgres) → agent turnResult committed → \
+                 answer pushed to the user"
+            );
+            Outcome::Measured(json)
+        }
+        Err(error) => Outcome::Failed(format!("{error:#}")),
+    }
+}
+
+fn describe_machine(machine: &Value) -> String {
+    let memory_gib = machine["memory_kib"].as_f64().unwrap_or(0.0) / 1024.0 / 1024.0;
+    format!(
+        "{} CPUs ({}), {:.1} GiB, Linux {}",
+        machine["cpus"],
+        machine["cpu_model"].as_str().unwrap_or("?"),
+        memory_gib,
+        machine["kernel"].as_str().unwrap_or("?"),
+    )
+}
+
+fn percentile(figures: &Value, field: &str, quantile: &str) -> f64 {
+    figures[field][quantile].as_f64().unwrap_or(0.0)
+}
+
+fn print_table(systems: &[(&str, &Outcome)], pgbench: &Outcome, users: usize) {
+    println!();
+    println!(
+        "{:<10} {:>9}  {:>23}  {:>17}  {:>23}",
+        "system", "turns/s", "ack p50/p95/p99 ms", "to_agent p50/p99", "round trip p50/p95/p99"
+    );
+    for (name, outcome) in systems {
+        match outcome {
+            Outcome::Measured(figures) => println!(
+                "{name:<10} {:>9.0}  {:>23}  {:>17}  {:>23}",
+                figures["turns_per_sec"].as_f64().unwrap_or(0.0),
+                format!(
+                    "{:.1} / {:.1} / {:.1}",
+                    percentile(figures, "ack_ms", "p50"),
+                    percentile(figures, "ack_ms", "p95"),
+                    percentile(figures, "ack_ms", "p99")
+                ),
+                format!(
+                    "{:.1} / {:.1}",
+                    percentile(figures, "to_agent_ms", "p50"),
+                    percentile(figures, "to_agent_ms", "p99")
+                ),
+                format!(
+                    "{:.1} / {:.1} / {:.1}",
+                    percentile(figures, "round_trip_ms", "p50"),
+                    percentile(figures, "round_trip_ms", "p95"),
+                    percentile(figures, "round_trip_ms", "p99")
+                ),
+            ),
+            Outcome::Skipped(reason) => println!("{name:<10} skipped: {reason}"),
+            Outcome::Failed(reason) => println!("{name:<10} FAILED: {reason}"),
+        }
+    }
+    match pgbench {
+        Outcome::Measured(figures) => println!(
+            "{:<10} {:>9.0}  insert latency p50/p95/p99 {:.1} / {:.1} / {:.1} ms ({} clients{})",
+            "pgbench",
+            figures["tps"].as_f64().unwrap_or(0.0),
+            percentile(figures, "latency_ms", "p50"),
+            percentile(figures, "latency_ms", "p95"),
+            percentile(figures, "latency_ms", "p99"),
+            figures["clients"],
+            if figures["clients"] == figures["requested_clients"] {
+                String::new()
+            } else {
+                format!(", capped by max_connections {}", figures["max_connections"])
+            },
+        ),
+        Outcome::Skipped(reason) => println!("{:<10} skipped: {reason}", "pgbench"),
+        Outcome::Failed(reason) => println!("{:<10} FAILED: {reason}", "pgbench"),
+    }
+    println!();
+    println!("durability:");
+    for (name, outcome) in systems.iter().chain([("pgbench", pgbench)].iter()) {
+        if let Some(durability) = outcome.figures().and_then(|f| f["durability"].as_str()) {
+            println!("  {name}: {durability}");
+        }
+    }
+    println!(
+        "limit (issue 7): converger turns/s ≥ the pgbench single-row insert ceiling at {users} \
+         clients"
+    );
+}
+
+/// Converger's figures divided by each peer's (and by the pgbench ceiling).
+fn ratios(converger: &Outcome, peers: &[(&str, &Outcome)], pgbench: &Outcome) -> Value {
+    let mut ratios = Map::new();
+    let Some(ours) = converger.figures() else {
+        return Value::Object(ratios);
+    };
+    let our_rate = ours["turns_per_sec"].as_f64().unwrap_or(0.0);
+    let our_p99 = percentile(ours, "round_trip_ms", "p99");
+    for (name, outcome) in peers {
+        let Some(theirs) = outcome.figures() else {
+            continue;
+        };
+        ratios.insert(
+            format!("converger/{name}"),
+            json!({
+                "turns_per_sec": divide(our_rate, theirs["turns_per_sec"].as_f64().unwrap_or(0.0)),
+                "round_trip_p99": divide(our_p99, percentile(theirs, "round_trip_ms", "p99")),
+            }),
+        );
+    }
+    if let Some(ceiling) = pgbench.figures() {
+        ratios.insert(
+            "converger/pgbench".to_owned(),
+            json!({"turns_per_sec": divide(our_rate, ceiling["tps"].as_f64().unwrap_or(0.0))}),
+        );
+    }
+    Value::Object(ratios)
+}
+
+fn divide(numerator: f64, denominator: f64) -> Option<f64> {
+    (denominator > 0.0).then(|| numerator / denominator)
+}
+
+fn print_ratios(ratios: &Value) {
+    let Some(ratios) = ratios.as_object() else {
+        return;
+    };
+    if ratios.is_empty() {
+        println!("ratios: none (converger not measured)");
+        return;
+    }
+    for (pair, figures) in ratios {
+        let rate = figures["turns_per_sec"].as_f64().unwrap_or(f64::NAN);
+        match figures["round_trip_p99"].as_f64() {
+            Some(p99) => println!("{pair}: turns/s ×{rate:.3}, round trip p99 ×{p99:.2}"),
+            None => println!("{pair}: turns/s ×{rate:.3}"),
+        }
+    }
+}
+
+fn save_line(path: &PathBuf, result: &Value) -> anyhow::Result<()> {
+    use std::io::Write;
+    if let Some(parent) = path
+        .parent()
+        .filter(|parent| !parent.as_os_str().is_empty())
+    {
+        std::fs::create_dir_all(parent)?;
+    }
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .with_context(|| format!("open {}", path.display()))?;
+    writeln!(file, "{result}")?;
+    Ok(())
+}

@@ -1,0 +1,244 @@
+//! The fault injector: every `fault_every_ms` (jittered between half and one and a half
+//! times), one fault drawn from a seeded RNG, so a seed replays the same sequence of fault
+//! kinds, targets and pauses (what the load does meanwhile still depends on timing).
+
+use std::time::Duration;
+
+use anyhow::Context;
+use rand::RngExt;
+use rand::rngs::StdRng;
+use serde_json::{Value, json};
+use sqlx::Connection;
+use sqlx::postgres::PgConnection;
+use tokio::time::Instant;
+
+use super::load::Agents;
+use super::nodes::Cluster;
+
+/// Longest a database call of the injector may take.
+const DB_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The kinds of fault.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    /// Abort an agent's task (its socket goes without a close frame) and start a new agent.
+    KillAgent,
+    /// SIGKILL a node, wait, start it again on the same ports.
+    KillNode,
+    /// `pg_terminate_backend` some or all of the soak database's backends, LISTEN ones too.
+    TerminateBackends,
+    /// Cut one or all live client connections of a node's proxy (no close frame).
+    DropSockets,
+}
+
+const FAULTS: [Fault; 4] = [
+    Fault::KillAgent,
+    Fault::KillNode,
+    Fault::TerminateBackends,
+    Fault::DropSockets,
+];
+
+/// How often and how hard.
+pub struct FaultPlan {
+    /// Mean pause between faults.
+    pub every: Duration,
+    /// A killed node stays down between half of this and all of it.
+    pub node_down: Duration,
+}
+
+/// Faults injected, by kind, and what they hit.
+#[derive(Debug, Clone, Default)]
+pub struct FaultCounts {
+    /// Agents killed (and replaced).
+    pub agents_killed: u64,
+    /// Nodes killed with SIGKILL (and restarted).
+    pub nodes_killed: u64,
+    /// Times backends were terminated.
+    pub backend_terminations: u64,
+    /// Backends terminated in all.
+    pub backends_terminated: u64,
+    /// Of them, `LISTEN` backends (the nodes' event bus).
+    pub listen_backends_terminated: u64,
+    /// Times sockets were cut.
+    pub socket_drops: u64,
+    /// Client connections cut in all.
+    pub sockets_dropped: u64,
+    /// Faults that could not be carried out (logged).
+    pub failed: u64,
+}
+
+impl FaultCounts {
+    /// Faults injected, all kinds.
+    pub fn total(&self) -> u64 {
+        self.agents_killed + self.nodes_killed + self.backend_terminations + self.socket_drops
+    }
+
+    /// The counts as JSON.
+    pub fn to_json(&self) -> Value {
+        json!({
+            "total": self.total(),
+            "kill_agent": self.agents_killed,
+            "kill_node": self.nodes_killed,
+            "terminate_backends": self.backend_terminations,
+            "backends_terminated": self.backends_terminated,
+            "listen_backends_terminated": self.listen_backends_terminated,
+            "drop_sockets": self.socket_drops,
+            "sockets_dropped": self.sockets_dropped,
+            "failed": self.failed,
+        })
+    }
+}
+
+/// Injects faults until `until`. A node killed here is running again when this returns; an
+/// error means the cluster could not be brought back (a node failed to restart).
+pub async fn inject(
+    cluster: &mut Cluster,
+    agents: &mut Agents,
+    plan: &FaultPlan,
+    rng: &mut StdRng,
+    until: Instant,
+) -> anyhow::Result<FaultCounts> {
+    let mut counts = FaultCounts::default();
+    let every_ms = plan.every.as_millis().max(1) as u64;
+    loop {
+        let pause = Duration::from_millis(every_ms / 2 + rng.random_range(0..=every_ms));
+        if Instant::now() + pause >= until {
+            return Ok(counts);
+        }
+        tokio::time::sleep(pause).await;
+        let fault = FAULTS[rng.random_range(0..FAULTS.len())];
+        match fault {
+            Fault::KillAgent => {
+                if agents.len() == 0 {
+                    continue;
+                }
+                let slot = rng.random_range(0..agents.len());
+                tracing::info!(fault = "kill_agent", slot, "killing an agent");
+                agents.replace(slot);
+                counts.agents_killed += 1;
+            }
+            Fault::KillNode => {
+                let index = rng.random_range(0..cluster.len());
+                let node_down_ms = plan.node_down.as_millis().max(2) as u64;
+                let down = Duration::from_millis(
+                    node_down_ms / 2 + rng.random_range(0..=node_down_ms / 2),
+                );
+                tracing::info!(fault = "kill_node", node = %cluster.name(index), down_ms = down.as_millis() as u64, "kill -9");
+                cluster.kill(index).await?;
+                counts.nodes_killed += 1;
+                tokio::time::sleep(down).await;
+                cluster
+                    .restart(index)
+                    .await
+                    .with_context(|| format!("restart node {}", cluster.name(index)))?;
+                tracing::info!(node = %cluster.name(index), "node restarted");
+            }
+            Fault::TerminateBackends => {
+                let all = rng.random_bool(0.3);
+                let pick = rng.random::<u64>();
+                match terminate_backends(&cluster.database_url(), cluster.database(), all, pick)
+                    .await
+                {
+                    Ok((terminated, listening)) => {
+                        tracing::info!(
+                            fault = "terminate_backends",
+                            all,
+                            terminated,
+                            listening,
+                            "backends terminated"
+                        );
+                        counts.backend_terminations += 1;
+                        counts.backends_terminated += terminated;
+                        counts.listen_backends_terminated += listening;
+                    }
+                    Err(error) => {
+                        tracing::warn!(fault = "terminate_backends", %error, "fault failed");
+                        counts.failed += 1;
+                    }
+                }
+            }
+            Fault::DropSockets => {
+                let everywhere = rng.random_bool(0.2);
+                let all = rng.random_bool(0.3);
+                let pick = rng.random_range(0..usize::MAX);
+                let chosen = rng.random_range(0..cluster.len());
+                let nodes: Vec<usize> = if everywhere {
+                    (0..cluster.len()).collect()
+                } else {
+                    vec![chosen]
+                };
+                let mut dropped = 0u64;
+                for index in nodes {
+                    let proxy = cluster.proxy(index);
+                    if all {
+                        dropped += proxy.cut_all() as u64;
+                    } else if proxy.cut_one(pick) {
+                        dropped += 1;
+                    }
+                }
+                tracing::info!(
+                    fault = "drop_sockets",
+                    everywhere,
+                    all,
+                    dropped,
+                    "sockets cut"
+                );
+                counts.socket_drops += 1;
+                counts.sockets_dropped += dropped;
+            }
+        }
+    }
+}
+
+/// Terminates the backends of `database` other than our own: all of them, or each with even
+/// odds as drawn from `pick`'s bits (at least one). Returns (terminated, of which LISTEN).
+async fn terminate_backends(
+    url: &str,
+    database: &str,
+    all: bool,
+    pick: u64,
+) -> anyhow::Result<(u64, u64)> {
+    let work = async {
+        let mut connection = PgConnection::connect(url).await?;
+        let backends: Vec<(i32, bool)> = sqlx::query_as(
+            "SELECT pid, coalesce(query ILIKE 'LISTEN%', false) FROM pg_stat_activity \
+             WHERE datname = $1 AND pid <> pg_backend_pid()",
+        )
+        .bind(database)
+        .fetch_all(&mut connection)
+        .await?;
+        let chosen: Vec<(i32, bool)> = if all {
+            backends
+        } else {
+            let mut some: Vec<(i32, bool)> = backends
+                .iter()
+                .enumerate()
+                .filter(|(n, _)| pick.rotate_right(*n as u32) & 1 == 1)
+                .map(|(_, backend)| *backend)
+                .collect();
+            if some.is_empty()
+                && let Some(first) = backends.get(pick as usize % backends.len().max(1))
+            {
+                some.push(*first);
+            }
+            some
+        };
+        let pids: Vec<i32> = chosen.iter().map(|(pid, _)| *pid).collect();
+        // Only the chosen pids reach pg_terminate_backend: never another database's backend.
+        let terminated: Vec<i32> = sqlx::query_scalar(
+            "SELECT pid FROM unnest($1::int4[]) AS pid WHERE pg_terminate_backend(pid)",
+        )
+        .bind(&pids)
+        .fetch_all(&mut connection)
+        .await?;
+        let listening = chosen
+            .iter()
+            .filter(|(pid, listening)| *listening && terminated.contains(pid))
+            .count();
+        let _ = connection.close().await;
+        Ok::<_, sqlx::Error>((terminated.len() as u64, listening as u64))
+    };
+    Ok(tokio::time::timeout(DB_TIMEOUT, work)
+        .await
+        .context("terminating backends timed out")??)
+}

@@ -1,0 +1,759 @@
+//! `soak --nodes 3 --users N --agents M --duration S --fault-every-ms X --seed K`: N end users
+//! and M lease-mode agents of one group over three `converger serve` processes (one fresh
+//! database, real gossip, every client connection through a per-node proxy) for S seconds, with
+//! a random fault every X ms on average: kill an agent, `kill -9` a node and restart it, terminate
+//! database backends, cut client sockets without a close frame. Then the faults stop, the run
+//! settles (every committed turn answered, every user caught up with its conversation), and the
+//! history checker gives its verdict. Exits non-zero on a breach, so CI fails on it.
+
+mod faults;
+mod load;
+mod metrics;
+mod nodes;
+mod proxy;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use converger_checker::effects::{EffectFigures, Effects};
+use converger_checker::history::Verdict;
+use converger_client::{RestClient, TokenRequest};
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+use serde_json::{Value, json};
+use sqlx::Connection;
+use sqlx::postgres::PgConnection;
+use tokio::sync::watch;
+use tokio::time::Instant;
+use uuid::Uuid;
+
+use self::faults::{FaultCounts, FaultPlan};
+use self::load::{Agents, Counters, Load, LoadSettings, Phase};
+use self::metrics::Totals;
+use self::nodes::{Cluster, NodeSettings};
+use crate::gateway::{ADMIN_TOKEN, DEFAULT_DATABASE_URL, create_database, default_binary};
+use crate::machine;
+
+/// Longest a checker query may take.
+const DB_TIMEOUT: Duration = Duration::from_secs(10);
+/// The agents' group.
+const GROUP: &str = "soak";
+
+/// Arguments of `soak`.
+#[derive(Debug, clap::Args)]
+pub struct SoakArgs {
+    /// Gateway nodes (processes over one database).
+    #[arg(long, default_value_t = 3)]
+    nodes: usize,
+    /// End users, each in its own conversation, in closed loop.
+    #[arg(long, default_value_t = 8)]
+    users: usize,
+    /// Agents in one group, in lease mode.
+    #[arg(long, default_value_t = 3)]
+    agents: usize,
+    /// Seconds of load with faults (the settle phase comes after).
+    #[arg(long, default_value_t = 60)]
+    duration: u64,
+    /// Mean pause between faults, in ms (each pause is drawn between half and 1.5 times this).
+    #[arg(long, default_value_t = 3000)]
+    fault_every_ms: u64,
+    /// Seed of the fault sequence and the think times (default: drawn, and printed).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Longest time a killed node stays down, in ms (at least half of it).
+    #[arg(long, default_value_t = 2000)]
+    node_down_ms: u64,
+    /// The nodes' `lease_ms`: how long a dead node's claims hold its turns.
+    #[arg(long, default_value_t = 3000)]
+    lease_ms: u64,
+    /// Mean pause between an answer and the user's next turn, in ms.
+    #[arg(long, default_value_t = 100)]
+    think_ms: u64,
+    /// Longest wait, in seconds, for the run to settle after the faults stop.
+    #[arg(long, default_value_t = 60)]
+    settle_timeout: u64,
+    /// Folder for the node logs (default: a new folder under the temp dir).
+    #[arg(long)]
+    logs_dir: Option<PathBuf>,
+    /// Keep the database and the node logs of a green run too (a breach always keeps them).
+    #[arg(long)]
+    keep: bool,
+    /// Postgres server to create the soak database on.
+    #[arg(long, default_value = DEFAULT_DATABASE_URL)]
+    database_url: String,
+    /// The `converger` binary (default: next to this one).
+    #[arg(long)]
+    binary: Option<PathBuf>,
+}
+
+/// Runs the soak, prints a table and one JSON line, and fails on a breach.
+pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
+    let _ = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("SOAK_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,sqlx=error")),
+        )
+        .try_init();
+    let _ = rlimit::increase_nofile_limit(u64::MAX);
+    if args.nodes == 0 || args.agents == 0 || args.users == 0 {
+        bail!("--nodes, --agents and --users must be at least 1");
+    }
+    let seed = args.seed.unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|elapsed| elapsed.as_nanos() as u64)
+            .unwrap_or_default()
+    });
+    let binary = args.binary.clone().unwrap_or_else(default_binary);
+    let database = create_database(&args.database_url).await?;
+    let logs_dir = args
+        .logs_dir
+        .clone()
+        .unwrap_or_else(|| std::env::temp_dir().join(format!("converger-soak-{database}")));
+    std::fs::create_dir_all(&logs_dir).with_context(|| format!("create {}", logs_dir.display()))?;
+    tracing::info!(seed, database = %database, logs = %logs_dir.display(), "soak starting");
+    let token_ttl_secs = (args.duration + 3600).min(2_592_000);
+    let settings = NodeSettings {
+        binary,
+        server_url: args.database_url.clone(),
+        database: database.clone(),
+        env: vec![
+            ("CONVERGER_LEASE_MS", args.lease_ms.to_string()),
+            // Users read a frame at least this often, so they notice when to stop waiting.
+            ("CONVERGER_LIMITS__HEARTBEAT_INTERVAL_MS", "2000".to_owned()),
+            ("CONVERGER_TOKEN_TTL_SECS", token_ttl_secs.to_string()),
+        ],
+        logs_dir: logs_dir.clone(),
+    };
+    let mut cluster = match Cluster::start(settings, args.nodes).await {
+        Ok(cluster) => cluster,
+        Err(error) => {
+            let _ = crate::gateway::drop_database(&args.database_url, &database).await;
+            return Err(error.context("starting the nodes"));
+        }
+    };
+    let outcome = soak(&args, seed, &mut cluster).await;
+    let keep = args.keep || !matches!(&outcome, Ok(report) if report.breaches.is_empty());
+    let logs = cluster.logs_dir().to_owned();
+    cluster.shutdown(keep).await?;
+    let kept = || {
+        print_node_warnings(&logs);
+        eprintln!(
+            "kept for investigation: database {database} on {}, node logs in {}",
+            args.database_url,
+            logs.display()
+        );
+    };
+    let report = match outcome {
+        Ok(report) => report,
+        Err(error) => {
+            kept();
+            return Err(error);
+        }
+    };
+    if report.breaches.is_empty() {
+        // A folder the caller named is theirs to remove.
+        if !keep && args.logs_dir.is_none() {
+            let _ = std::fs::remove_dir_all(&logs);
+        }
+        return Ok(());
+    }
+    kept();
+    bail!("the checker found breaches: {}", report.breaches.join(", "))
+}
+
+/// Prints the last warnings and errors of each node log to stderr: of a CI run, only its output
+/// is read.
+fn print_node_warnings(logs: &std::path::Path) {
+    let Ok(entries) = std::fs::read_dir(logs) else {
+        return;
+    };
+    let mut files: Vec<PathBuf> = entries.flatten().map(|entry| entry.path()).collect();
+    files.sort();
+    for file in files {
+        let Ok(text) = std::fs::read_to_string(&file) else {
+            continue;
+        };
+        let warnings: Vec<&str> = text
+            .lines()
+            .filter(|line| {
+                line.contains("\"level\":\"WARN\"") || line.contains("\"level\":\"ERROR\"")
+            })
+            .collect();
+        eprintln!(
+            "{}: {} warnings and errors, the last ones:",
+            file.display(),
+            warnings.len()
+        );
+        for line in &warnings[warnings.len().saturating_sub(20)..] {
+            eprintln!("  {line}");
+        }
+    }
+}
+
+/// What `soak` found, for the exit code.
+struct Report {
+    breaches: Vec<String>,
+}
+
+async fn soak(args: &SoakArgs, seed: u64, cluster: &mut Cluster) -> anyhow::Result<Report> {
+    let effects = Effects::start().await?;
+    let rest = RestClient::new(cluster.base_url(0))?;
+    let tenant = rest.create_tenant(ADMIN_TOKEN, "soak").await?;
+    let channel = rest.create_channel(&tenant.api_key, "soak").await?;
+    let agent_token = rest
+        .generate_token(&channel.secret, &TokenRequest::channel_scope())
+        .await?
+        .token;
+    let (phase_tx, phase) = watch::channel(Phase::Running);
+    let load = Arc::new(Load::new(
+        LoadSettings {
+            ws_urls: (0..cluster.len())
+                .map(|index| cluster.ws_url(index))
+                .collect(),
+            agent_token,
+            group: GROUP.to_owned(),
+            effects_url: effects.url.clone(),
+            seed,
+            think_ms: args.think_ms,
+        },
+        phase,
+    )?);
+    let mut agents = Agents::start(Arc::clone(&load), args.agents);
+    cluster
+        .wait_for_members(args.agents, Duration::from_secs(30))
+        .await?;
+    let mut users = Vec::new();
+    for index in 0..args.users {
+        let token = rest
+            .generate_token(
+                &channel.secret,
+                &TokenRequest::for_user(&format!("user-{index}")),
+            )
+            .await?
+            .token;
+        let created = rest.create_conversation(&token).await?;
+        users.push(tokio::spawn(load::user(
+            Arc::clone(&load),
+            index,
+            created.conversation_id,
+            created.token,
+        )));
+    }
+
+    let started = Instant::now();
+    let progress = tokio::spawn(report_progress(Arc::clone(&load)));
+    let plan = FaultPlan {
+        every: Duration::from_millis(args.fault_every_ms),
+        node_down: Duration::from_millis(args.node_down_ms),
+    };
+    let mut rng = StdRng::seed_from_u64(seed);
+    let until = started + Duration::from_secs(args.duration);
+    let injected = faults::inject(cluster, &mut agents, &plan, &mut rng, until).await;
+    progress.abort();
+    let faults = match injected {
+        Ok(faults) => faults,
+        Err(error) => {
+            agents.stop();
+            let _ = phase_tx.send(Phase::Stopped);
+            return Err(error.context("injecting faults"));
+        }
+    };
+    tokio::time::sleep_until(until).await;
+    let loaded_secs = started.elapsed().as_secs_f64();
+
+    // Settle: no new turns, every node sees the others, every committed turn answered and
+    // every user caught up with its conversation, or the timeout.
+    let _ = phase_tx.send(Phase::Draining);
+    let settling = Instant::now();
+    cluster.wait_for_live_nodes(Duration::from_secs(60)).await?;
+    let settled = settle(
+        &cluster.database_url(),
+        &load,
+        Duration::from_secs(args.settle_timeout),
+    )
+    .await?;
+    let settle_secs = settling.elapsed().as_secs_f64();
+    let _ = phase_tx.send(Phase::Stopped);
+    for user in users {
+        if tokio::time::timeout(Duration::from_secs(10), user)
+            .await
+            .is_err()
+        {
+            tracing::warn!("a user did not stop in time");
+        }
+    }
+    agents.stop();
+
+    let totals = cluster.metrics().await?;
+    let database = DatabaseFigures::read(&cluster.database_url(), &load).await?;
+    let verdict = load.history.verdict(&database.stored);
+    let effect_figures = effects.figures();
+    let breaches = breaches(&verdict, &effect_figures, &database, &settled);
+    print_report(&Printed {
+        args,
+        seed,
+        loaded_secs,
+        settle_secs,
+        faults: &faults,
+        load: &load,
+        verdict: &verdict,
+        effects: &effect_figures,
+        database: &database,
+        settled: &settled,
+        totals: &totals,
+        breaches: &breaches,
+    });
+    Ok(Report { breaches })
+}
+
+/// Logs the load's progress every 10 s while the faults run.
+async fn report_progress(load: Arc<Load>) {
+    let started = Instant::now();
+    loop {
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        let counters = &load.counters;
+        tracing::info!(
+            elapsed_secs = started.elapsed().as_secs(),
+            sent = Counters::get(&counters.turns_sent),
+            acked = Counters::get(&counters.turns_acked),
+            answered = Counters::get(&counters.answers_received),
+            reconnects = Counters::get(&counters.user_reconnects),
+            "progress"
+        );
+    }
+}
+
+/// How the settle phase ended.
+struct Settled {
+    /// Every condition held before the timeout.
+    complete: bool,
+    /// Turns still pending when it ended.
+    pending_turns: i64,
+    /// Users whose client had not seen their conversation up to its head.
+    users_behind: usize,
+    /// Users still waiting for an answer.
+    users_waiting: usize,
+}
+
+/// Waits until no turn is pending and every user has seen its conversation up to the head and
+/// waits for nothing, or `timeout`.
+async fn settle(url: &str, load: &Load, timeout: Duration) -> anyhow::Result<Settled> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let (pending_turns, heads) = within("settle check", async {
+            let mut connection = PgConnection::connect(url).await?;
+            let pending: i64 =
+                sqlx::query_scalar("SELECT count(*) FROM turns WHERE status = 'pending'")
+                    .fetch_one(&mut connection)
+                    .await?;
+            let heads: Vec<(Uuid, i64)> = sqlx::query_as("SELECT id, last_seq FROM conversations")
+                .fetch_all(&mut connection)
+                .await?;
+            let _ = connection.close().await;
+            Ok((pending, heads.into_iter().collect::<BTreeMap<Uuid, i64>>()))
+        })
+        .await?;
+        let statuses = load.user_statuses();
+        let users_behind = statuses
+            .iter()
+            .filter(|user| user.watermark < heads.get(&user.conversation_id).copied().unwrap_or(0))
+            .count();
+        let users_waiting = statuses.iter().filter(|user| user.in_flight).count();
+        let complete = pending_turns == 0 && users_behind == 0 && users_waiting == 0;
+        if complete || Instant::now() > deadline {
+            return Ok(Settled {
+                complete,
+                pending_turns,
+                users_behind,
+                users_waiting,
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// What the database says after the run.
+struct DatabaseFigures {
+    /// User frames as stored: clientId → (conversation, seq).
+    stored: BTreeMap<String, (Uuid, i64)>,
+    /// Turns completed.
+    completed_turns: i64,
+    /// Turns not completed.
+    open_turns: Vec<Value>,
+    /// Frames stored from agents (one per committed answer).
+    agent_frames: i64,
+    /// Acked turns that were never completed.
+    unanswered_acked: usize,
+}
+
+impl DatabaseFigures {
+    async fn read(url: &str, load: &Load) -> anyhow::Result<DatabaseFigures> {
+        let (stored, completed, open, agent_frames) = within("checker queries", async {
+            let mut connection = PgConnection::connect(url).await?;
+            let stored: Vec<(String, Uuid, i64)> = sqlx::query_as(
+                "SELECT client_id, conversation_id, seq FROM activities \
+                 WHERE sender_role = 'user' AND client_id IS NOT NULL",
+            )
+            .fetch_all(&mut connection)
+            .await?;
+            let completed: Vec<(Uuid, i64)> =
+                sqlx::query_as("SELECT conversation_id, seq FROM turns WHERE status = 'completed'")
+                    .fetch_all(&mut connection)
+                    .await?;
+            let open: Vec<(Uuid, i64, i32, String, i64, Option<String>)> = sqlx::query_as(
+                "SELECT conversation_id, seq, revision, status, fence, claimed_by FROM turns \
+                 WHERE status <> 'completed' ORDER BY conversation_id, seq LIMIT 20",
+            )
+            .fetch_all(&mut connection)
+            .await?;
+            let agent_frames: i64 =
+                sqlx::query_scalar("SELECT count(*) FROM activities WHERE sender_role = 'agent'")
+                    .fetch_one(&mut connection)
+                    .await?;
+            let _ = connection.close().await;
+            Ok((stored, completed, open, agent_frames))
+        })
+        .await?;
+        let stored: BTreeMap<String, (Uuid, i64)> = stored
+            .into_iter()
+            .map(|(client_id, conversation, seq)| (client_id, (conversation, seq)))
+            .collect();
+        let completed: BTreeSet<(Uuid, i64)> = completed.into_iter().collect();
+        let unanswered_acked = load
+            .history
+            .acked_sends()
+            .values()
+            .filter(|turn| !completed.contains(turn))
+            .count();
+        let open_turns = open
+            .into_iter()
+            .map(|(conversation, seq, revision, status, fence, holder)| {
+                json!({"conversation": conversation, "seq": seq, "revision": revision,
+                    "status": status, "fence": fence, "claimed_by": holder})
+            })
+            .collect();
+        Ok(DatabaseFigures {
+            stored,
+            completed_turns: completed.len() as i64,
+            open_turns,
+            agent_frames,
+            unanswered_acked,
+        })
+    }
+}
+
+/// Runs a database step within [`DB_TIMEOUT`].
+async fn within<T>(
+    what: &str,
+    step: impl std::future::Future<Output = Result<T, sqlx::Error>>,
+) -> anyhow::Result<T> {
+    tokio::time::timeout(DB_TIMEOUT, step)
+        .await
+        .with_context(|| format!("{what} timed out"))?
+        .with_context(|| format!("{what} failed"))
+}
+
+/// The promises the run broke, by name.
+fn breaches(
+    verdict: &Verdict,
+    effects: &EffectFigures,
+    database: &DatabaseFigures,
+    settled: &Settled,
+) -> Vec<String> {
+    let mut breaches = Vec::new();
+    let mut breach = |holds: bool, name: &str| {
+        if !holds {
+            breaches.push(name.to_owned());
+        }
+    };
+    breach(verdict.lost.is_empty(), "lost");
+    breach(verdict.duplicate_results.is_empty(), "duplicate_results");
+    breach(verdict.gaps == 0, "gaps");
+    breach(verdict.inversions == 0, "inversions");
+    breach(verdict.doubles == 0, "doubles");
+    breach(effects.holds(), "effects_per_turn");
+    breach(
+        database.unanswered_acked == 0 && settled.pending_turns == 0,
+        "unanswered",
+    );
+    breach(settled.users_behind == 0, "not_delivered");
+    // One stored answer frame per completed turn: a second commit for a turn would show here.
+    breach(
+        database.agent_frames == database.completed_turns,
+        "stored_answers",
+    );
+    breach(
+        !settled.complete || effects.effects as i64 == database.completed_turns,
+        "effects_vs_answers",
+    );
+    breaches
+}
+
+/// Everything the report prints.
+struct Printed<'a> {
+    args: &'a SoakArgs,
+    seed: u64,
+    loaded_secs: f64,
+    settle_secs: f64,
+    faults: &'a FaultCounts,
+    load: &'a Load,
+    verdict: &'a Verdict,
+    effects: &'a EffectFigures,
+    database: &'a DatabaseFigures,
+    settled: &'a Settled,
+    totals: &'a Totals,
+    breaches: &'a [String],
+}
+
+fn print_report(printed: &Printed<'_>) {
+    let Printed {
+        args,
+        seed,
+        loaded_secs,
+        settle_secs,
+        faults,
+        load,
+        verdict,
+        effects,
+        database,
+        settled,
+        totals,
+        breaches,
+    } = printed;
+    let counters = &load.counters;
+    let sent = Counters::get(&counters.turns_sent);
+    let answered = verdict.acked.saturating_sub(database.unanswered_acked);
+    let retry_ratio = totals.retry_ratio();
+    let claim_wait_p95_ms = totals
+        .quantile("converger_claim_wait_seconds", 0.95)
+        .map(|seconds| seconds * 1000.0);
+    let commit_to_delivery_p99_ms = totals
+        .quantile("converger_commit_to_delivery_seconds", 0.99)
+        .map(|seconds| seconds * 1000.0);
+    let results = totals.by_label("converger_turn_results_total", "outcome");
+    let deliveries = totals.by_label("converger_deliveries_total", "kind");
+    let refused = counters.refused();
+    let optional = |value: Option<f64>, digits: usize| {
+        value.map_or_else(|| "–".to_owned(), |value| format!("{value:.digits$}"))
+    };
+
+    println!(
+        "converger soak: {} nodes, {} users, {} agents (lease mode, lease {} ms), {:.0} s of faults every ~{} ms, seed {seed}",
+        args.nodes, args.users, args.agents, args.lease_ms, loaded_secs, args.fault_every_ms
+    );
+    println!(
+        "settle: {} in {settle_secs:.1} s (pending turns {}, users behind {}, users waiting {})",
+        if settled.complete {
+            "complete"
+        } else {
+            "TIMED OUT"
+        },
+        settled.pending_turns,
+        settled.users_behind,
+        settled.users_waiting
+    );
+    println!("{:<34} {:>10}", "turns", "");
+    for (name, value) in [
+        ("  sent", sent),
+        ("  acked", verdict.acked as u64),
+        ("  answered (completed in the db)", answered as u64),
+        (
+            "  answers seen by their user",
+            Counters::get(&counters.answers_received),
+        ),
+        (
+            "  user reconnects",
+            Counters::get(&counters.user_reconnects),
+        ),
+        (
+            "  agent connections",
+            Counters::get(&counters.agent_connections),
+        ),
+    ] {
+        println!("{name:<34} {value:>10}");
+    }
+    println!("{:<34} {:>10}", "faults", faults.total());
+    for (name, value) in [
+        ("  kill an agent", faults.agents_killed),
+        ("  kill -9 a node (and restart)", faults.nodes_killed),
+        ("  terminate backends", faults.backend_terminations),
+        ("    backends terminated", faults.backends_terminated),
+        ("    of them LISTEN", faults.listen_backends_terminated),
+        ("  drop sockets", faults.socket_drops),
+        ("    connections cut", faults.sockets_dropped),
+        ("  failed to inject", faults.failed),
+    ] {
+        println!("{name:<34} {value:>10}");
+    }
+    println!("{:<34} {:>10}", "checker", "");
+    for (name, value) in [
+        ("  lost", verdict.lost.len()),
+        ("  duplicate results", verdict.duplicate_results.len()),
+        ("  gaps", verdict.gaps),
+        ("  inversions", verdict.inversions),
+        ("  doubles", verdict.doubles),
+        ("  deliveries to agents", verdict.deliveries),
+        ("  duplicate deliveries", verdict.duplicate_deliveries),
+        ("  acked turns never answered", database.unanswered_acked),
+    ] {
+        println!("{name:<34} {value:>10}");
+    }
+    println!("{:<34} {:>10}", "effects", effects.effects);
+    for (name, value) in [
+        ("  calls", effects.calls as usize),
+        (
+            "  max calls per turn key",
+            effects.max_calls_per_key as usize,
+        ),
+        ("  keys called more than once", effects.keys_called_again),
+        ("  max effects per turn", effects.max_effects_per_turn),
+        (
+            "  turns with several effects",
+            effects.turns_with_several_effects,
+        ),
+    ] {
+        println!("{name:<34} {value:>10}");
+    }
+    println!("{:<34} {:>10}", "nodes' metrics (all incarnations)", "");
+    println!("{:<34} {:>10}", "  retry ratio", optional(retry_ratio, 4));
+    println!(
+        "{:<34} {:>10}",
+        "  claim wait p95 ms",
+        optional(claim_wait_p95_ms, 2)
+    );
+    println!(
+        "{:<34} {:>10}",
+        "  commit-to-delivery p99 ms",
+        optional(commit_to_delivery_p99_ms, 2)
+    );
+    println!(
+        "{:<34} {:>10}",
+        "  turn results by outcome",
+        format_counts(&results)
+    );
+    println!(
+        "{:<34} {:>10}",
+        "  deliveries by kind",
+        format_counts(&deliveries)
+    );
+    if !refused.is_empty() {
+        let refused: BTreeMap<String, f64> = refused
+            .iter()
+            .map(|(code, count)| (code.clone(), *count as f64))
+            .collect();
+        println!(
+            "{:<34} {:>10}",
+            "agents' refused results",
+            format_counts(&refused)
+        );
+    }
+    if !database.open_turns.is_empty() {
+        println!("turns not completed (first 20):");
+        for turn in &database.open_turns {
+            println!("  {turn}");
+        }
+    }
+    if !verdict.lost.is_empty() {
+        println!(
+            "lost (first 20): {:?}",
+            &verdict.lost[..verdict.lost.len().min(20)]
+        );
+    }
+    if !verdict.duplicate_results.is_empty() {
+        let shown = &verdict.duplicate_results[..verdict.duplicate_results.len().min(20)];
+        println!("duplicate results (first 20): {shown:?}");
+    }
+    println!(
+        "verdict: {}",
+        if breaches.is_empty() {
+            "every promise held".to_owned()
+        } else {
+            format!("BREACH: {}", breaches.join(", "))
+        }
+    );
+    let report = json!({
+        "bench": "soak",
+        "machine": machine::describe(),
+        "nodes": args.nodes,
+        "users": args.users,
+        "agents": args.agents,
+        "duration_secs": loaded_secs,
+        "fault_every_ms": args.fault_every_ms,
+        "node_down_ms": args.node_down_ms,
+        "lease_ms": args.lease_ms,
+        "seed": seed,
+        "settle": {
+            "complete": settled.complete,
+            "secs": settle_secs,
+            "pending_turns": settled.pending_turns,
+            "users_behind": settled.users_behind,
+            "users_waiting": settled.users_waiting,
+        },
+        "turns": {
+            "sent": sent,
+            "acked": verdict.acked,
+            "answered": answered,
+            "answers_seen_by_users": Counters::get(&counters.answers_received),
+            "answers_waited_out": Counters::get(&counters.answers_waited_out),
+            "user_reconnects": Counters::get(&counters.user_reconnects),
+            "user_errors": Counters::get(&counters.user_errors),
+            "agent_connections": Counters::get(&counters.agent_connections),
+        },
+        "faults": faults.to_json(),
+        "checker": {
+            "acked": verdict.acked,
+            "lost": verdict.lost.len(),
+            "duplicate_results": verdict.duplicate_results.len(),
+            "gaps": verdict.gaps,
+            "inversions": verdict.inversions,
+            "doubles": verdict.doubles,
+            "deliveries": verdict.deliveries,
+            "duplicate_deliveries": verdict.duplicate_deliveries,
+            "unanswered": database.unanswered_acked,
+        },
+        "effects": {
+            "performed": effects.effects,
+            "calls": effects.calls,
+            "max_calls_per_key": effects.max_calls_per_key,
+            "keys_called_more_than_once": effects.keys_called_again,
+            "max_effects_per_turn": effects.max_effects_per_turn,
+            "turns_with_several_effects": effects.turns_with_several_effects,
+            "keys_with_several_turns": effects.keys_with_several_turns,
+            "failed_calls": Counters::get(&counters.effect_failures),
+        },
+        "agents_results": {
+            "committed": Counters::get(&counters.results_committed),
+            "duplicate": Counters::get(&counters.results_duplicate),
+            "refused": refused,
+        },
+        "database": {
+            "completed_turns": database.completed_turns,
+            "agent_frames": database.agent_frames,
+        },
+        "metrics": {
+            "retry_ratio": retry_ratio,
+            "claim_wait_p95_ms": claim_wait_p95_ms,
+            "claim_waits": totals.count("converger_claim_wait_seconds"),
+            "commit_to_delivery_p99_ms": commit_to_delivery_p99_ms,
+            "commit_to_deliveries": totals.count("converger_commit_to_delivery_seconds"),
+            "turn_results": results,
+            "deliveries": deliveries,
+        },
+        "breaches": breaches,
+    });
+    println!("{report}");
+}
+
+fn format_counts(counts: &BTreeMap<String, f64>) -> String {
+    counts
+        .iter()
+        .map(|(name, count)| format!("{name} {count:.0}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
