@@ -288,8 +288,16 @@ async fn a_member_gets_turns_with_meta_and_its_result_commits_and_reaches_the_us
     assert_eq!(stale["data"]["retryable"], true);
 }
 
-#[tokio::test]
-async fn resends_are_acked_identically_and_a_different_result_is_a_conflict() {
+/// A node, a member of group `bot`, and alice's turn delivered to it (results may come fast).
+struct OneTurn {
+    node: TestNode,
+    bot: WsClient,
+    alice: WsClient,
+    conversation_id: Uuid,
+    seq: i64,
+}
+
+async fn one_delivered_turn() -> OneTurn {
     let node = TestNode::start_with(|config| {
         fast_settle(config);
         config.limits.max_frames_per_sec = 1_000;
@@ -302,6 +310,24 @@ async fn resends_are_acked_identically_and_a_different_result_is_a_conflict() {
     let (mut alice, conversation_id) = user(&node, &acme, "alice").await;
     let seq = say(&mut alice, "a-1", "hi").await;
     delivery(&mut bot, "text").await;
+    OneTurn {
+        node,
+        bot,
+        alice,
+        conversation_id,
+        seq,
+    }
+}
+
+#[tokio::test]
+async fn resends_are_acked_identically_and_a_different_result_is_a_conflict() {
+    let OneTurn {
+        node,
+        mut bot,
+        alice: _alice,
+        conversation_id,
+        seq,
+    } = one_delivered_turn().await;
     let result =
         json!({"conversationId": conversation_id, "frame": turn_result("r-1", seq, "once", None)});
     let mut acks = Vec::new();
@@ -331,6 +357,154 @@ async fn resends_are_acked_identically_and_a_different_result_is_a_conflict() {
             .await,
         1
     );
+}
+
+#[tokio::test]
+async fn a_burst_of_resends_sent_without_waiting_commits_once_and_is_acked_alike() {
+    let OneTurn {
+        node,
+        mut bot,
+        mut alice,
+        conversation_id,
+        seq,
+    } = one_delivered_turn().await;
+
+    // Results are committed concurrently per connection; 100 copies of one must still make one
+    // answer, and each copy gets the same ack.
+    let result =
+        json!({"conversationId": conversation_id, "frame": turn_result("r-1", seq, "once", None)});
+    for _ in 0..100 {
+        bot.send(result.clone()).await;
+    }
+    let mut acks = Vec::new();
+    for _ in 0..100 {
+        acks.push(delivery(&mut bot, "ack").await.1);
+    }
+    let firsts: Vec<&Value> = acks
+        .iter()
+        .filter(|ack| ack.get("duplicate").is_none())
+        .collect();
+    assert_eq!(firsts.len(), 1, "one commit, 99 duplicates");
+    assert!(acks.iter().all(|ack| ack["seqs"] == acks[0]["seqs"]
+        && ack["ids"] == acks[0]["ids"]
+        && ack["timestamp"] == acks[0]["timestamp"]));
+    assert_eq!(
+        node.db
+            .count("SELECT count(*) FROM activities WHERE turn_seq IS NOT NULL")
+            .await,
+        1
+    );
+    let answer_seq = acks[0]["seqs"][0].as_i64().unwrap();
+    let mut seen = vec![alice.recv_type("text").await];
+    seen.extend(alice.barrier().await);
+    assert_eq!(
+        seen.iter()
+            .filter(|frame| frame["seq"] == answer_seq)
+            .count(),
+        1,
+        "the user sees the answer once"
+    );
+}
+
+/// Turn deliveries (`text` envelopes) a member has received so far, after a barrier.
+async fn turns_received(member: &mut WsClient) -> Vec<(Uuid, Value)> {
+    member
+        .barrier()
+        .await
+        .into_iter()
+        .filter(|envelope| envelope["frame"]["type"] == "text")
+        .map(|envelope| {
+            let conversation_id = envelope["conversationId"]
+                .as_str()
+                .unwrap()
+                .parse()
+                .unwrap();
+            (conversation_id, envelope["frame"].clone())
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn two_replicas_work_each_turn_once_across_turns_and_conversations_of_one_user() {
+    let node = TestNode::start_with(fast_settle).await;
+    let acme = node.tenant_with_channel("acme").await;
+    let token = agent_token(&node, &acme).await;
+    let (mut first, first_welcome) = agent(&node, &token, Some("bot")).await;
+    let (mut second, second_welcome) = agent(&node, &token, Some("bot")).await;
+    settle(&first_welcome).await;
+    settle(&second_welcome).await;
+    let effects = support::effects::Effects::start()
+        .await
+        .expect("the effects fixture starts");
+    // One user, two conversations, two turns in each.
+    let mut tabs = Vec::new();
+    for _ in 0..2 {
+        let (_, user_token) = node.conversation(&acme, "alice").await;
+        let mut tab = WsClient::connect(&node.ws_url("")).await;
+        tab.hello(&user_token, json!({})).await;
+        tabs.push(tab);
+    }
+    for round in 0..2 {
+        for (index, tab) in tabs.iter_mut().enumerate() {
+            say(tab, &format!("t-{index}-{round}"), "work once").await;
+        }
+    }
+
+    // Every turn reaches one replica; nothing else is read meanwhile, so none is skipped.
+    let mut handed: Vec<(usize, Uuid, Value)> = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while handed.len() < 4 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "only {} of 4 turns delivered",
+            handed.len()
+        );
+        for (index, member) in [&mut first, &mut second].into_iter().enumerate() {
+            for (conversation_id, turn) in turns_received(member).await {
+                handed.push((index, conversation_id, turn));
+            }
+        }
+    }
+    // Each replica performs the effect of what it was handed (keyed by meta.turn.key) and answers.
+    let http = reqwest::Client::new();
+    for (index, conversation_id, turn) in &handed {
+        let member = if *index == 0 { &mut first } else { &mut second };
+        let key = turn["meta"]["turn"]["key"].as_str().unwrap();
+        http.post(&effects.url)
+            .header("idempotency-key", key)
+            .header("x-turn", key)
+            .send()
+            .await
+            .unwrap()
+            .error_for_status()
+            .unwrap();
+        let seq = turn["meta"]["turn"]["seq"].as_i64().unwrap();
+        member
+            .send(json!({"conversationId": conversation_id, "frame": turn_result(&format!("r-{key}"), seq, "done", None)}))
+            .await;
+        assert_eq!(delivery(member, "ack").await.1["turn"]["seq"], seq);
+    }
+    let mut handed: Vec<String> = handed
+        .iter()
+        .map(|(_, _, turn)| turn["meta"]["turn"]["key"].as_str().unwrap().to_owned())
+        .collect();
+    handed.sort();
+    handed.dedup();
+    assert_eq!(
+        handed.len(),
+        4,
+        "four distinct turn keys, each handed to one replica once"
+    );
+    assert_eq!(effects.performed(), 4, "one effect per turn key");
+    assert_eq!(effects.repeated_calls(), 0, "no turn was worked twice");
+    assert_eq!(
+        node.db
+            .count("SELECT count(*) FROM turns WHERE status = 'completed'")
+            .await,
+        4
+    );
+    assert!(turns_received(&mut first).await.is_empty());
+    assert!(turns_received(&mut second).await.is_empty());
 }
 
 #[tokio::test]
@@ -634,7 +808,10 @@ async fn edit_and_regenerate_open_new_revisions_for_the_current_owner() {
     let ack = alice.recv_until("ack").await.pop().unwrap();
     assert_eq!(ack["turn"], json!({"seq": original, "revision": 2}));
     let (_, regenerated) = delivery(&mut bot, "text").await;
-    assert_eq!(regenerated["seq"], original);
+    // The turn as it reads now: its latest edit, as a takeover would deliver it.
+    assert_eq!(regenerated["seq"], edit_seq);
+    assert_eq!(regenerated["data"]["text"], "what is 3+3");
+    assert_eq!(regenerated["meta"]["turn"]["seq"], original);
     assert_eq!(regenerated["meta"]["turn"]["revision"], 2);
     assert_eq!(regenerated["meta"]["turn"]["reason"], "regenerate");
     assert_eq!(

@@ -288,3 +288,48 @@ async fn draining_finishes_in_flight_sends_then_closes_1012_with_a_jittered_retr
     acked.sort();
     assert_eq!(stored, acked);
 }
+
+#[tokio::test]
+async fn a_repeated_notification_shows_no_frame_twice() {
+    let node = TestNode::start().await;
+    let peer = node.start_peer().await;
+    let acme = node.tenant_with_channel("acme").await;
+    let (conversation_id, token) = node.conversation(&acme, "alice").await;
+    let mut on_peer = WsClient::connect(&format!("ws://{}/socket/converger/v1", peer.addr())).await;
+    on_peer.hello(&token, json!({})).await;
+    let post = |text: &'static str| {
+        let node = &node;
+        let token = token.clone();
+        async move {
+            node.client
+                .post_activity(
+                    &token,
+                    conversation_id,
+                    &json!({"type": "text", "data": {"text": text}}),
+                    None,
+                )
+                .await
+                .unwrap();
+        }
+    };
+    post("reply").await;
+    assert_eq!(read_until_seq(&mut on_peer, 1).await, vec![1]);
+
+    // The same event twice more, as a duplicating transport would bring it.
+    let mut db = node.db.connect().await;
+    for _ in 0..2 {
+        sqlx::query(
+            "SELECT pg_notify('converger_events', json_build_object('k', 'c', 'e', o.id, 'c', o.conversation_id, 's', o.seq_to, 'h', c.channel_id)::text)
+             FROM outbox o JOIN conversations c ON c.id = o.conversation_id
+             WHERE o.conversation_id = $1 AND o.seq_to = 1",
+        )
+        .bind(conversation_id)
+        .execute(&mut db)
+        .await
+        .unwrap();
+    }
+    // Notifications reach the peer in order on its one LISTEN connection, so by the time the
+    // next frame arrives the repeats have been handled: nothing came before it.
+    post("next").await;
+    assert_eq!(read_until_seq(&mut on_peer, 2).await, vec![2]);
+}

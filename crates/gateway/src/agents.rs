@@ -683,23 +683,29 @@ impl ChannelActor {
                 }
             }
             HubEvent::Regenerated { turn, revision } => {
-                // Answered again by the conversation's current owner in each group.
+                // Answered again by the conversation's current owner in each group, when that
+                // owner is here.
                 let now = chrono::Utc::now().timestamp_millis();
                 let owners: Vec<String> = self
                     .views
                     .values()
-                    .filter_map(|view| {
-                        view.owner(&conversation_id.to_string(), now)
-                            .map(str::to_owned)
-                    })
+                    .filter_map(|view| view.owner(&conversation_id.to_string(), now))
+                    .filter(|owner| self.agents.contains_key(*owner))
+                    .map(str::to_owned)
                     .collect();
+                if owners.is_empty() {
+                    return;
+                }
+                let Some(frame) = self.regenerated_frame(&turn, revision).await else {
+                    return;
+                };
                 for owner in owners {
                     let turn_ref = TurnRef {
                         seq: turn.seq,
                         revision,
                         reason: Some("regenerate"),
                     };
-                    self.deliver_turn(&owner, &turn, turn_ref).await;
+                    self.deliver_turn(&owner, &frame, turn_ref).await;
                 }
             }
             HubEvent::Transient { frame, .. } => {
@@ -786,6 +792,26 @@ impl ChannelActor {
             metrics::histogram!("converger_commit_to_delivery_seconds")
                 .record(waited_ms.max(0) as f64 / 1000.0);
             self.send(&owner, delivery);
+        }
+    }
+
+    /// The frame a regenerated turn is delivered with: its latest edit when it has one (as a
+    /// takeover would deliver it), else the turn itself; `None` when that revision is no longer
+    /// pending (answered, or superseded by a newer revision, which has its own event).
+    async fn regenerated_frame(&self, turn: &Activity, revision: i32) -> Option<Arc<Activity>> {
+        match self
+            .store
+            .pending_turns(turn.conversation_id, &[turn.seq])
+            .await
+        {
+            Ok(pending) => pending
+                .into_iter()
+                .find(|pending| pending.revision == revision)
+                .map(|pending| Arc::new(pending.activity)),
+            Err(error) => {
+                tracing::warn!(%error, conversation_id = %turn.conversation_id, seq = turn.seq, "regenerate: latest edit unreadable; delivering the turn as sent");
+                Some(Arc::new(turn.clone()))
+            }
         }
     }
 
@@ -895,6 +921,11 @@ impl ChannelActor {
         metrics::histogram!("converger_claim_wait_seconds").record(started.elapsed().as_secs_f64());
         match claim {
             Ok(Claim::Claimed { fence }) => {
+                // A claim that does not continue a live lease of the same connection raises the
+                // fence, so above 1 the registry says the turn was handed out before, on any node.
+                if fence > 1 {
+                    metrics::counter!("converger_duplicate_deliveries_total").increment(1);
+                }
                 envelope["frame"]["meta"]["turn"]["fence"] = json!(fence);
                 true
             }

@@ -642,6 +642,11 @@ fn print_report(printed: &Printed<'_>) {
         "  deliveries by kind",
         format_counts(&deliveries)
     );
+    println!(
+        "{:<34} {:>10}",
+        "  duplicate deliveries (registry)",
+        totals.sum("converger_duplicate_deliveries_total", None)
+    );
     if !refused.is_empty() {
         let refused: BTreeMap<String, f64> = refused
             .iter()
@@ -744,6 +749,7 @@ fn print_report(printed: &Printed<'_>) {
             "commit_to_deliveries": totals.count("converger_commit_to_delivery_seconds"),
             "turn_results": results,
             "deliveries": deliveries,
+            "duplicate_deliveries": totals.sum("converger_duplicate_deliveries_total", None),
         },
         "breaches": breaches,
     });
