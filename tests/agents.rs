@@ -8,6 +8,7 @@ use std::time::Duration;
 use converger_client::TokenRequest;
 use converger_core::groups::GroupView;
 use serde_json::{Value, json};
+use support::cluster::{eventually, member_connections};
 use support::ws::WsClient;
 use support::{TenantFixture, TestNode};
 use uuid::Uuid;
@@ -182,7 +183,7 @@ async fn channel_welcome_announces_since_group_and_max_conversations_and_bad_gro
     assert!(data["limits"]["maxConversations"].as_u64().is_some());
 
     let mut bad = WsClient::connect(&node.ws_url("")).await;
-    bad.send(
+    bad.send_invalid(
         json!({"type": "hello", "protocol": "converger/1", "token": token, "group": "no spaces"}),
     )
     .await;
@@ -439,10 +440,7 @@ async fn two_replicas_work_each_turn_once_across_turns_and_conversations_of_one_
     // One user, two conversations, two turns in each.
     let mut tabs = Vec::new();
     for _ in 0..2 {
-        let (_, user_token) = node.conversation(&acme, "alice").await;
-        let mut tab = WsClient::connect(&node.ws_url("")).await;
-        tab.hello(&user_token, json!({})).await;
-        tabs.push(tab);
+        tabs.push(user(&node, &acme, "alice").await.0);
     }
     for round in 0..2 {
         for (index, tab) in tabs.iter_mut().enumerate() {
@@ -488,6 +486,7 @@ async fn two_replicas_work_each_turn_once_across_turns_and_conversations_of_one_
         .iter()
         .map(|(_, _, turn)| turn["meta"]["turn"]["key"].as_str().unwrap().to_owned())
         .collect();
+    assert_eq!(handed.len(), 4, "four deliveries in all");
     handed.sort();
     handed.dedup();
     assert_eq!(
@@ -1097,40 +1096,28 @@ async fn a_member_whose_socket_drops_without_a_close_frame_leaves_at_once() {
         .as_str()
         .unwrap()
         .to_owned();
-    let listed = |view: &Value| {
-        view["members"].as_array().is_some_and(|members| {
-            members
-                .iter()
-                .any(|m| m["connectionId"] == connection.as_str())
-        })
-    };
-    let view = |node: &TestNode| {
+    let listed = || {
         let request = node
             .http
             .get(node.url("/api/v1/admin/cluster"))
             .bearer_auth(&node.admin_token);
-        async move { request.send().await.unwrap().json::<Value>().await.unwrap() }
+        let connection = connection.clone();
+        async move {
+            let view: Value = request.send().await.unwrap().json().await.unwrap();
+            member_connections(&view).contains(&connection)
+        }
     };
-    let announced = tokio::time::timeout(Duration::from_secs(5), async {
-        while !listed(&view(&node).await) {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await;
-    assert!(announced.is_ok(), "the member is announced");
+    eventually("the member is announced", Duration::from_secs(5), listed).await;
     drop(client);
-    let started = std::time::Instant::now();
-    let withdrawn = tokio::time::timeout(Duration::from_secs(5), async {
-        while listed(&view(&node).await) {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
+    eventually(
+        "the member is withdrawn within 5 s of its socket dropping",
+        Duration::from_secs(5),
+        || {
+            let listed = listed();
+            async move { !listed.await }
+        },
+    )
     .await;
-    assert!(
-        withdrawn.is_ok(),
-        "the member is withdrawn within 5 s of its socket dropping"
-    );
-    println!("withdrawn after {:?}", started.elapsed());
 }
 
 async fn lease_member(node: &TestNode, token: &str) -> (WsClient, Value) {
@@ -1285,7 +1272,7 @@ async fn a_lease_claim_without_a_group_or_of_an_unknown_kind_closes_4400() {
         for (key, value) in extra.as_object().unwrap() {
             hello[key] = value.clone();
         }
-        bad.send(hello).await;
+        bad.send_invalid(hello).await;
         let (frames, closed) = bad.recv_until_closed().await;
         assert_eq!(frames[0]["data"]["code"], "bad_request", "{extra}");
         assert_eq!(closed.code, 4400, "{extra}");

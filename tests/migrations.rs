@@ -37,3 +37,19 @@ async fn migrations_apply_on_an_empty_database_then_are_no_ops() {
     }
     store.pool().close().await;
 }
+
+#[tokio::test]
+async fn the_answer_function_notifies_on_the_stores_channel() {
+    let db = TestDb::create().await;
+    // The plpgsql answer function names the channel itself; the bus listens on NOTIFY_CHANNEL.
+    let expected = format!("'{}'", converger_store::NOTIFY_CHANNEL);
+    let mut connection = db.connect().await;
+    let bodies_naming_it: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_proc WHERE proname = 'converger_answer_turn' AND strpos(prosrc, $1) > 0",
+    )
+    .bind(&expected)
+    .fetch_one(&mut connection)
+    .await
+    .unwrap();
+    assert_eq!(bodies_naming_it, 1);
+}

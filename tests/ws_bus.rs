@@ -312,21 +312,33 @@ async fn a_repeated_notification_shows_no_frame_twice() {
                 .unwrap();
         }
     };
-    post("reply").await;
-    assert_eq!(read_until_seq(&mut on_peer, 1).await, vec![1]);
-
-    // The same event twice more, as a duplicating transport would bring it.
-    let mut db = node.db.connect().await;
-    for _ in 0..2 {
-        sqlx::query(
-            "SELECT pg_notify('converger_events', json_build_object('k', 'c', 'e', o.id, 'c', o.conversation_id, 's', o.seq_to, 'h', c.channel_id)::text)
-             FROM outbox o JOIN conversations c ON c.id = o.conversation_id
-             WHERE o.conversation_id = $1 AND o.seq_to = 1",
-        )
-        .bind(conversation_id)
-        .execute(&mut db)
+    // Listen alongside the nodes, so the repeats below are the server's own notification.
+    let mut listener = sqlx::postgres::PgListener::connect(&node.db.url)
         .await
         .unwrap();
+    listener.listen("converger_events").await.unwrap();
+    post("reply").await;
+    assert_eq!(read_until_seq(&mut on_peer, 1).await, vec![1]);
+    let notified = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            let notification = listener.recv().await.unwrap();
+            let payload: Value = serde_json::from_str(notification.payload()).unwrap();
+            if payload["k"] == "c" && payload["s"] == 1 {
+                return notification;
+            }
+        }
+    })
+    .await
+    .expect("the commit is notified");
+
+    // The same notification twice more, as a duplicating transport would bring it.
+    let mut db = node.db.connect().await;
+    for _ in 0..2 {
+        sqlx::query("SELECT pg_notify('converger_events', $1)")
+            .bind(notified.payload())
+            .execute(&mut db)
+            .await
+            .unwrap();
     }
     // Notifications reach the peer in order on its one LISTEN connection, so by the time the
     // next frame arrives the repeats have been handled: nothing came before it.

@@ -124,11 +124,15 @@ impl WsClient {
     }
 
     /// What the client schema of this connection's scope says against `frame` (before the
-    /// welcome, a frame may be of either scope).
+    /// welcome, a frame may be of either scope, except a hello naming agent-only fields, which
+    /// is checked as an agent's: the end-user hello leaves unknown fields open).
     fn client_violations(&self, frame: &Value) -> Vec<String> {
+        let agent_hello = frame["type"] == "hello"
+            && (frame.get("group").is_some() || frame.get("claim").is_some());
         match self.scope {
             Some(Schema::ServerChannel) => violations(Schema::ClientChannel, frame),
             Some(_) => violations(Schema::ClientConversation, frame),
+            None if agent_hello => violations(Schema::ClientChannel, frame),
             None => {
                 let as_conversation = violations(Schema::ClientConversation, frame);
                 if as_conversation.is_empty() {

@@ -14,7 +14,9 @@ use converger_client::{RestClient, TokenRequest};
 use converger_core::groups::GroupView;
 use serde_json::{Value, json};
 
-use crate::gateway::{ADMIN_TOKEN, DEFAULT_DATABASE_URL, Gateway, create_database, default_binary};
+use crate::gateway::{
+    ADMIN_TOKEN, DEFAULT_DATABASE_URL, Gateway, bench_channel, create_database, default_binary,
+};
 use crate::machine;
 use crate::stats::percentiles;
 
@@ -69,12 +71,8 @@ pub async fn run(args: ClusterArgs) -> anyhow::Result<()> {
             wait_for(node, |view| live_nodes(view) >= 3).await?;
         }
         let rest = RestClient::new(&a.base_url)?;
-        let tenant = rest.create_tenant(ADMIN_TOKEN, "bench").await?;
-        let channel = rest.create_channel(&tenant.api_key, "cluster").await?;
-        let agent_token = rest
-            .generate_token(&channel.secret, &TokenRequest::channel_scope())
-            .await?
-            .token;
+        let (channel, agent_token) =
+            bench_channel(&rest, "cluster", &TokenRequest::channel_scope()).await?;
         let propagation = propagation(&nodes, &agent_token, args.trials).await?;
         let deaths = takeover(
             &args,

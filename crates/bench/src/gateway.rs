@@ -211,3 +211,16 @@ pub async fn create_database(server_url: &str) -> anyhow::Result<String> {
         .await?;
     Ok(database)
 }
+
+/// A tenant with one channel named `name` on the gateway `rest` speaks to, and a token of the
+/// kind `request` asks for: what every measurement sets up first.
+pub async fn bench_channel(
+    rest: &converger_client::RestClient,
+    name: &str,
+    request: &converger_client::TokenRequest,
+) -> anyhow::Result<(converger_client::CreatedChannel, String)> {
+    let tenant = rest.create_tenant(ADMIN_TOKEN, "bench").await?;
+    let channel = rest.create_channel(&tenant.api_key, name).await?;
+    let token = rest.generate_token(&channel.secret, request).await?.token;
+    Ok((channel, token))
+}

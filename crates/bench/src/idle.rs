@@ -12,7 +12,7 @@ use serde_json::json;
 use tokio::sync::Semaphore;
 use tokio_tungstenite::tungstenite::Message;
 
-use crate::gateway::{ADMIN_TOKEN, DEFAULT_DATABASE_URL, Gateway, default_binary};
+use crate::gateway::{DEFAULT_DATABASE_URL, Gateway, bench_channel, default_binary};
 use crate::machine;
 
 /// Arguments of `idle`.
@@ -61,12 +61,7 @@ pub async fn run(args: IdleArgs) -> anyhow::Result<()> {
 
 async fn measure(args: &IdleArgs, gateway: &Gateway) -> anyhow::Result<()> {
     let client = RestClient::new(&gateway.base_url)?;
-    let tenant = client.create_tenant(ADMIN_TOKEN, "bench").await?;
-    let channel = client.create_channel(&tenant.api_key, "idle").await?;
-    let token = client
-        .generate_token(&channel.secret, &TokenRequest::default())
-        .await?
-        .token;
+    let (_, token) = bench_channel(&client, "idle", &TokenRequest::default()).await?;
 
     // Warm up allocator and pools with a few sessions so the baseline is not an empty process.
     let mut sockets = open_sessions(gateway, &token, 100, args.concurrency).await?;

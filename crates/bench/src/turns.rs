@@ -13,7 +13,7 @@ use serde_json::{Value, json};
 use tokio_tungstenite::tungstenite::Message;
 use uuid::Uuid;
 
-use crate::gateway::{ADMIN_TOKEN, DEFAULT_DATABASE_URL, Gateway, default_binary};
+use crate::gateway::{DEFAULT_DATABASE_URL, Gateway, bench_channel, default_binary};
 use crate::machine;
 use crate::pipelined_agent::{self, Arrivals};
 use crate::stats::percentiles;
@@ -111,12 +111,8 @@ pub async fn figures(args: &TurnsArgs) -> anyhow::Result<TurnsFigures> {
 
 async fn measure(args: &TurnsArgs, gateway: &Gateway) -> anyhow::Result<TurnsFigures> {
     let client = RestClient::new(&gateway.base_url)?;
-    let tenant = client.create_tenant(ADMIN_TOKEN, "bench").await?;
-    let channel = client.create_channel(&tenant.api_key, "turns").await?;
-    let agent_token = client
-        .generate_token(&channel.secret, &TokenRequest::channel_scope())
-        .await?
-        .token;
+    let (channel, agent_token) =
+        bench_channel(&client, "turns", &TokenRequest::channel_scope()).await?;
     let arrivals: Arrivals = Arc::new(Mutex::new(HashMap::new()));
     let mut agents = Vec::new();
     for _ in 0..args.agents {

@@ -606,7 +606,7 @@ impl ChannelActor {
         self.runtimes.clear();
     }
 
-    /// Reads the runtimes of the conversations whose user turns are in `batch`, when some group
+    /// Reads the runtimes of the conversations with one user turn in `batch`, when some group
     /// member is on this node (otherwise nothing here delivers turns).
     async fn prefetch_runtimes(&mut self, batch: &[ChannelEvent]) {
         if !self.agents.values().any(|agent| agent.group.is_some()) {
@@ -623,8 +623,18 @@ impl ChannelActor {
             })
             .map(|event| event.conversation_id)
             .collect();
+        // A conversation with several turns in the batch is left to read at each delivery: an
+        // answer to its first turn may move the runtime on before the next one is delivered.
         conversations.sort_unstable();
-        conversations.dedup();
+        let mut once: Vec<Uuid> = Vec::with_capacity(conversations.len());
+        for (index, conversation_id) in conversations.iter().enumerate() {
+            let repeated = (index > 0 && conversations[index - 1] == *conversation_id)
+                || conversations.get(index + 1) == Some(conversation_id);
+            if !repeated {
+                once.push(*conversation_id);
+            }
+        }
+        let conversations = once;
         if conversations.len() < 2 {
             // One conversation: the delivery reads it itself, no worse than a prefetch.
             return;

@@ -16,14 +16,17 @@
 //! one bad write never fails another session's.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use sqlx::PgPool;
 use tokio::sync::{Mutex, mpsc, oneshot};
 
-use crate::StoreError;
 use crate::activities::{CommitOutcome, NewActivity, insert_activity};
 use crate::turns::{AnswerOutcome, TurnAnswer, answer_turn};
+use crate::{StoreError, within_deadline};
+
+/// The operation name in metrics and timeouts.
+const OPERATION: &str = "group_commit";
 
 /// Writes in one transaction at most.
 pub(crate) const MAX_BATCH: usize = 128;
@@ -49,6 +52,7 @@ enum Write {
     },
     Answer {
         answer: TurnAnswer,
+        fingerprint: String,
         outcome: Option<AnswerOutcome>,
         done: oneshot::Sender<Result<AnswerOutcome, StoreError>>,
     },
@@ -69,9 +73,12 @@ impl Write {
                 *outcome = Some(insert_activity(connection, new).await?);
             }
             Write::Answer {
-                answer, outcome, ..
+                answer,
+                fingerprint,
+                outcome,
+                ..
             } => {
-                *outcome = Some(answer_turn(connection, answer).await?);
+                *outcome = Some(answer_turn(connection, answer, fingerprint).await?);
             }
         }
         Ok(())
@@ -143,11 +150,16 @@ impl GroupCommit {
     }
 
     /// Commits an answer to a turn.
-    pub(crate) async fn answer(&self, answer: TurnAnswer) -> Result<AnswerOutcome, StoreError> {
+    pub(crate) async fn answer(
+        &self,
+        answer: TurnAnswer,
+        fingerprint: String,
+    ) -> Result<AnswerOutcome, StoreError> {
         let (done, outcome) = oneshot::channel();
         self.submit(
             Write::Answer {
                 answer,
+                fingerprint,
                 outcome: None,
                 done,
             },
@@ -161,7 +173,7 @@ impl GroupCommit {
         write: Write,
         outcome: oneshot::Receiver<Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
-        let operation = "group_commit";
+        let operation = OPERATION;
         // Queueing and the batch each have their own deadline, so a caller waits at most twice.
         let queued = tokio::time::timeout(self.deadline, self.queue.send(write)).await;
         match queued {
@@ -196,43 +208,35 @@ async fn work(pool: PgPool, receiver: Arc<Mutex<mpsc::Receiver<Write>>>, deadlin
 /// Runs `batch` as one transaction; when its statements fail, runs each write on its own.
 async fn commit_batch(pool: &PgPool, mut batch: Vec<Write>, deadline: Duration) {
     batch.sort_by_key(Write::conversation_id);
-    let started = Instant::now();
-    let attempt = tokio::time::timeout(deadline, run_together(pool, &mut batch)).await;
-    let status = if matches!(attempt, Ok(Ok(()))) {
-        "ok"
-    } else {
-        "error"
-    };
-    metrics::histogram!("converger_db_query_seconds", "operation" => "group_commit", "status" => status)
-        .record(started.elapsed().as_secs_f64());
+    let attempt = within_deadline(deadline, OPERATION, run_together(pool, &mut batch)).await;
     match attempt {
-        Ok(Ok(())) => batch.into_iter().for_each(Write::committed),
+        Some(Ok(())) => batch.into_iter().for_each(Write::committed),
         // A statement failed (a racing idempotency key, say): nothing of the batch is stored,
         // so each write is tried again alone and gets its own outcome.
-        Ok(Err(BatchError::Statement(_))) if batch.len() > 1 => {
+        Some(Err(BatchError::Statement(_))) if batch.len() > 1 => {
             for mut write in batch {
-                match tokio::time::timeout(deadline, run_alone(pool, &mut write)).await {
-                    Ok(Ok(())) => write.committed(),
-                    Ok(Err(error)) => write.failed(StoreError::from(error)),
-                    Err(_) => write.failed(timed_out()),
+                match within_deadline(deadline, OPERATION, run_alone(pool, &mut write)).await {
+                    Some(Ok(())) => write.committed(),
+                    Some(Err(error)) => write.failed(StoreError::from(error)),
+                    None => write.failed(timed_out()),
                 }
             }
         }
         // A write alone keeps its own error (a unique violation is answered as a duplicate).
-        Ok(Err(BatchError::Statement(error) | BatchError::Commit(error))) if batch.len() == 1 => {
+        Some(Err(BatchError::Statement(error) | BatchError::Commit(error))) if batch.len() == 1 => {
             if let Some(write) = batch.pop() {
                 write.failed(StoreError::Database(error));
             }
         }
         // The commit itself failed: whether it landed is unknown, so every writer hears the
         // error and resends with its idempotency key.
-        Ok(Err(BatchError::Statement(error) | BatchError::Commit(error))) => {
+        Some(Err(BatchError::Statement(error) | BatchError::Commit(error))) => {
             let message = error.to_string();
             for write in batch {
                 write.failed(StoreError::GroupCommit(message.clone()));
             }
         }
-        Err(_) => batch
+        None => batch
             .into_iter()
             .for_each(|write| write.failed(timed_out())),
     }
@@ -240,7 +244,7 @@ async fn commit_batch(pool: &PgPool, mut batch: Vec<Write>, deadline: Duration) 
 
 fn timed_out() -> StoreError {
     StoreError::Timeout {
-        operation: "group_commit",
+        operation: OPERATION,
     }
 }
 

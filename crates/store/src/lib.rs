@@ -153,17 +153,28 @@ impl Store {
         operation: &'static str,
         query: impl Future<Output = Result<T, sqlx::Error>>,
     ) -> Result<T, StoreError> {
-        let started = Instant::now();
-        let outcome = tokio::time::timeout(self.query_deadline, query).await;
-        let elapsed = started.elapsed().as_secs_f64();
-        let result = match outcome {
-            Ok(Ok(value)) => Ok(value),
-            Ok(Err(error)) => Err(StoreError::from(error)),
-            Err(_) => Err(StoreError::Timeout { operation }),
-        };
-        let status = if result.is_ok() { "ok" } else { "error" };
-        metrics::histogram!("converger_db_query_seconds", "operation" => operation, "status" => status)
-            .record(elapsed);
-        result
+        match within_deadline(self.query_deadline, operation, query).await {
+            Some(result) => result.map_err(StoreError::from),
+            None => Err(StoreError::Timeout { operation }),
+        }
     }
+}
+
+/// Runs `query` under `deadline` and records its latency in `converger_db_query_seconds`;
+/// `None` when the deadline passed first.
+pub(crate) async fn within_deadline<T, E>(
+    deadline: Duration,
+    operation: &'static str,
+    query: impl Future<Output = Result<T, E>>,
+) -> Option<Result<T, E>> {
+    let started = Instant::now();
+    let outcome = tokio::time::timeout(deadline, query).await.ok();
+    let status = if matches!(outcome, Some(Ok(_))) {
+        "ok"
+    } else {
+        "error"
+    };
+    metrics::histogram!("converger_db_query_seconds", "operation" => operation, "status" => status)
+        .record(started.elapsed().as_secs_f64());
+    outcome
 }

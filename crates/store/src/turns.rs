@@ -137,7 +137,9 @@ impl Store {
     /// Commits an answer to a turn in one transaction (see the module comment).
     /// Its statements share a transaction with other sessions' writes (see `group_commit`).
     pub async fn commit_answer(&self, answer: &TurnAnswer) -> Result<AnswerOutcome, StoreError> {
-        self.group_commit.answer(answer.clone()).await
+        // Hashed here, before the write joins a transaction that holds other writes' locks.
+        let fingerprint = answer.fingerprint();
+        self.group_commit.answer(answer.clone(), fingerprint).await
     }
 
     /// The conversation's runtime: (version, state).
@@ -316,7 +318,9 @@ impl Store {
             .timed("renew_leases", async {
                 sqlx::query(
                     "UPDATE turns SET lease_until = now() + make_interval(secs => $2)
-                     WHERE claimed_by = $1 AND status = 'pending'",
+                     WHERE (conversation_id, seq, revision) IN (SELECT conversation_id, seq, revision FROM turns
+                         WHERE claimed_by = $1 AND status = 'pending'
+                         ORDER BY conversation_id FOR UPDATE)",
                 )
                 .bind(holder)
                 .bind(lease.as_secs_f64())
@@ -333,7 +337,9 @@ impl Store {
             .timed("release_leases", async {
                 sqlx::query(
                     "UPDATE turns SET claimed_by = NULL, lease_until = NULL
-                     WHERE claimed_by = $1 AND status = 'pending'",
+                     WHERE (conversation_id, seq, revision) IN (SELECT conversation_id, seq, revision FROM turns
+                         WHERE claimed_by = $1 AND status = 'pending'
+                         ORDER BY conversation_id FOR UPDATE)",
                 )
                 .bind(holder)
                 .execute(&self.pool)
@@ -473,6 +479,7 @@ struct AnswerRow {
 pub(crate) async fn answer_turn(
     tx: &mut PgConnection,
     answer: &TurnAnswer,
+    fingerprint: &str,
 ) -> Result<AnswerOutcome, sqlx::Error> {
     let ids: Vec<String> = answer
         .frames
@@ -504,7 +511,7 @@ pub(crate) async fn answer_turn(
     .bind(answer.seq)
     .bind(answer.revision)
     .bind(answer.fence)
-    .bind(answer.fingerprint())
+    .bind(fingerprint)
     .bind(&answer.sender.id)
     .bind(answer.sender.role.as_str())
     .bind(answer.runtime.is_some())
@@ -560,7 +567,12 @@ pub(crate) async fn answer_turn(
         },
         "lease_lost" => AnswerOutcome::LeaseLost { current: number },
         "stale_runtime" => AnswerOutcome::StaleRuntime { current: number },
-        _ => AnswerOutcome::NoSuchTurn,
+        "no_such_turn" => AnswerOutcome::NoSuchTurn,
+        other => {
+            return Err(sqlx::Error::Protocol(format!(
+                "converger_answer_turn returned an unknown outcome {other:?}"
+            )));
+        }
     })
 }
 

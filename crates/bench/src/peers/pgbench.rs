@@ -45,7 +45,7 @@ pub async fn measure(
         outcome = run(server_url, &mut admin, &database, &workdir, clients, duration) => outcome,
         () = interrupt.pressed() => Err(anyhow!("interrupted")),
     };
-    let dropped = drop_database(&mut admin, &database).await;
+    let dropped = crate::gateway::drop_database(server_url, &database).await;
     let _ = std::fs::remove_dir_all(&workdir);
     let mut figures = match outcome {
         Ok(figures) => figures,
@@ -79,13 +79,6 @@ async fn show(connection: &mut PgConnection, setting: &str) -> anyhow::Result<St
     Ok(tokio::time::timeout(CONNECT_TIMEOUT, query.fetch_one(connection)).await??)
 }
 
-async fn drop_database(admin: &mut PgConnection, database: &str) -> anyhow::Result<()> {
-    let statement = format!("DROP DATABASE IF EXISTS {database} WITH (FORCE)");
-    let query = sqlx::query(sqlx::AssertSqlSafe(statement));
-    tokio::time::timeout(Duration::from_secs(30), query.execute(admin)).await??;
-    Ok(())
-}
-
 async fn run(
     server_url: &str,
     admin: &mut PgConnection,
@@ -106,7 +99,7 @@ async fn run(
     let clients = clients
         .min(max_connections.saturating_sub(reserved + CONNECTION_MARGIN))
         .max(1);
-    drop_database(admin, database).await?;
+    crate::gateway::drop_database(server_url, database).await?;
     let create = sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {database}")));
     tokio::time::timeout(Duration::from_secs(30), create.execute(&mut *admin)).await??;
     let options = PgConnectOptions::from_str(server_url)?.database(database);

@@ -34,7 +34,7 @@ use self::faults::{FaultCounts, FaultPlan};
 use self::load::{Agents, Counters, Load, LoadSettings, Phase};
 use self::metrics::Totals;
 use self::nodes::{Cluster, NodeSettings};
-use crate::gateway::{ADMIN_TOKEN, DEFAULT_DATABASE_URL, create_database, default_binary};
+use crate::gateway::{DEFAULT_DATABASE_URL, bench_channel, create_database, default_binary};
 use crate::machine;
 
 /// Longest a checker query may take.
@@ -204,12 +204,8 @@ struct Report {
 async fn soak(args: &SoakArgs, seed: u64, cluster: &mut Cluster) -> anyhow::Result<Report> {
     let effects = Effects::start().await?;
     let rest = RestClient::new(cluster.base_url(0))?;
-    let tenant = rest.create_tenant(ADMIN_TOKEN, "soak").await?;
-    let channel = rest.create_channel(&tenant.api_key, "soak").await?;
-    let agent_token = rest
-        .generate_token(&channel.secret, &TokenRequest::channel_scope())
-        .await?
-        .token;
+    let (channel, agent_token) =
+        bench_channel(&rest, "soak", &TokenRequest::channel_scope()).await?;
     let (phase_tx, phase) = watch::channel(Phase::Running);
     let load = Arc::new(Load::new(
         LoadSettings {

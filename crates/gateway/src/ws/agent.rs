@@ -284,7 +284,7 @@ impl AgentSession<'_> {
                     Some(frame) => self.push(&frame),
                     None => Err(Ending::Gone),
                 },
-                Some(reply) = self.results.next_reply(), if !self.results.is_empty() => self.push(&reply),
+                Some((conversation_id, reply)) = self.results.next_reply(), if !self.results.is_empty() => self.push_enveloped(conversation_id, reply),
                 message = stream.next() => self.on_message(message).await,
                 control = controls.recv() => match control {
                     None => Ok(()),
@@ -700,8 +700,8 @@ impl AgentSession<'_> {
 
     /// Waits for every result in flight and writes its ack or refusal.
     async fn finish_results(&mut self) -> Result<(), Ending> {
-        while let Some(reply) = self.results.next_reply().await {
-            self.push(&reply)?;
+        while let Some((conversation_id, reply)) = self.results.next_reply().await {
+            self.push_enveloped(conversation_id, reply)?;
         }
         Ok(())
     }

@@ -28,7 +28,7 @@ pub(super) const MAX_IN_FLIGHT: usize = 64;
 /// The results of one connection that are committing now.
 #[derive(Default)]
 pub(super) struct ResultsInFlight {
-    tasks: JoinSet<Value>,
+    tasks: JoinSet<(Uuid, Value)>,
     /// Which conversation each task answers, so a panicked task still frees its conversation.
     conversations: HashMap<Id, Uuid>,
 }
@@ -59,13 +59,14 @@ impl ResultsInFlight {
         let handle = self.tasks.spawn(async move {
             let outcome = state.store.commit_answer(&answer).await;
             let reply = reply_to(&state, channel_id, &answer, client_id, outcome);
-            json!({"conversationId": answer.conversation_id, "frame": reply})
+            (answer.conversation_id, reply)
         });
         self.conversations.insert(handle.id(), conversation_id);
     }
 
-    /// The next finished result's enveloped ack or refusal; `None` when nothing is in flight.
-    pub(super) async fn next_reply(&mut self) -> Option<Value> {
+    /// The next finished result's conversation and its ack or refusal; `None` when nothing is
+    /// in flight.
+    pub(super) async fn next_reply(&mut self) -> Option<(Uuid, Value)> {
         loop {
             let (id, finished) = match self.tasks.join_next_with_id().await? {
                 Ok((id, reply)) => (id, Some(reply)),
