@@ -20,6 +20,9 @@ use crate::hub::{ChannelEvent, Hub, HubEvent};
 const MEMORY_CONVERSATIONS: usize = 100_000;
 const MEMORY_TURNS_PER_CONVERSATION: usize = 64;
 
+/// How long the actor waits before reading a frame again that the database did not return.
+const FRAMES_RETRY: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Feed events handled together, with one runtime query for all of them.
 const FEED_BATCH: usize = 256;
 
@@ -129,6 +132,8 @@ pub enum ActorMessage {
         /// The turn's seq.
         seq: i64,
     },
+    /// A feed event whose frames could not be read the first time; sent by the actor itself.
+    Retry(ChannelEvent),
 }
 
 struct Agent {
@@ -406,6 +411,7 @@ impl ChannelActor {
                     self.take_over(&group).await;
                 }
             }
+            ActorMessage::Retry(event) => self.on_event(event).await,
             ActorMessage::Redeliver {
                 connection_id,
                 conversation_id,
@@ -667,7 +673,6 @@ impl ChannelActor {
                 if last.is_some_and(|last| seq <= last) {
                     return;
                 }
-                self.last_seq.insert(conversation_id, seq);
                 // A known conversation with a hole (a lagged feed) is read back from the hole on;
                 // otherwise the event's own frame is enough (read when it came without one).
                 let missed_from = last.filter(|last| *last < seq - 1);
@@ -682,12 +687,23 @@ impl ChannelActor {
                         {
                             Ok(rows) => rows.into_iter().map(Arc::new).collect(),
                             Err(error) => {
-                                tracing::error!(%error, %conversation_id, "agents: frames unreadable");
+                                // Not marked as handled: the retry (or the conversation's next
+                                // frame) reads from the same place, so no turn is skipped.
+                                tracing::warn!(%error, %conversation_id, seq, "agents: frames unreadable; retrying");
+                                let event = ChannelEvent {
+                                    conversation_id,
+                                    event: HubEvent::Committed {
+                                        seq,
+                                        activity: None,
+                                    },
+                                };
+                                self.retry_after(event, FRAMES_RETRY);
                                 return;
                             }
                         }
                     }
                 };
+                self.last_seq.insert(conversation_id, seq);
                 for frame in frames {
                     self.on_committed(&frame).await;
                 }
@@ -966,6 +982,17 @@ impl ChannelActor {
         tokio::spawn(async move {
             tokio::time::sleep(std::time::Duration::from_millis(wait_ms)).await;
             let _ = inbox.send(message);
+        });
+    }
+
+    /// Hands `event` back to this actor after `delay` (its frames could not be read).
+    fn retry_after(&self, event: ChannelEvent, delay: std::time::Duration) {
+        let Some(inbox) = self.own_inbox.upgrade() else {
+            return;
+        };
+        tokio::spawn(async move {
+            tokio::time::sleep(delay).await;
+            let _ = inbox.send(ActorMessage::Retry(event));
         });
     }
 
