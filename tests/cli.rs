@@ -150,9 +150,13 @@ async fn start_serve(state_dir: &Path) -> ServeProcess {
         .expect("serve starts");
     let stderr = child.stderr.take().expect("stderr piped");
     let mut lines = BufReader::new(stderr).lines();
+    // Everything serve printed before listening, so a failed start says why.
+    let mut seen = Vec::new();
     let find_addr = async {
         while let Some(line) = lines.next_line().await.expect("read serve logs") {
-            let Ok(entry) = serde_json::from_str::<Value>(&line) else {
+            let entry = serde_json::from_str::<Value>(&line).ok();
+            seen.push(line);
+            let Some(entry) = entry else {
                 continue;
             };
             if entry["fields"]["message"] == "converger listening" {
@@ -164,8 +168,14 @@ async fn start_serve(state_dir: &Path) -> ServeProcess {
     // initdb on first start takes a few seconds on this machine.
     let addr = tokio::time::timeout(Duration::from_secs(120), find_addr)
         .await
-        .expect("serve logs its address in time")
-        .expect("serve logged its address before exiting");
+        .expect("serve logs its address in time");
+    let Some(addr) = addr else {
+        let status = child.wait().await.expect("wait on serve");
+        panic!(
+            "serve exited ({status}) before logging its address; it printed:\n{}",
+            seen.join("\n")
+        );
+    };
     // Keep draining the pipe so the process never blocks on a full stderr.
     tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
     ServeProcess {

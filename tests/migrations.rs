@@ -39,17 +39,20 @@ async fn migrations_apply_on_an_empty_database_then_are_no_ops() {
 }
 
 #[tokio::test]
-async fn the_answer_function_notifies_on_the_stores_channel() {
+async fn the_commit_functions_notify_on_the_stores_channel() {
     let db = TestDb::create().await;
-    // The plpgsql answer function names the channel itself; the bus listens on NOTIFY_CHANNEL.
+    // The plpgsql functions name the channel themselves; the bus listens on NOTIFY_CHANNEL.
     let expected = format!("'{}'", converger_store::NOTIFY_CHANNEL);
     let mut connection = db.connect().await;
-    let bodies_naming_it: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM pg_proc WHERE proname = 'converger_answer_turn' AND strpos(prosrc, $1) > 0",
+    let bodies_naming_it: Vec<String> = sqlx::query_scalar(
+        "SELECT proname::text FROM pg_proc WHERE strpos(prosrc, $1) > 0 ORDER BY proname",
     )
     .bind(&expected)
-    .fetch_one(&mut connection)
+    .fetch_all(&mut connection)
     .await
     .unwrap();
-    assert_eq!(bodies_naming_it, 1);
+    assert_eq!(
+        bodies_naming_it,
+        vec!["converger_answer_turn", "converger_commit_frame"]
+    );
 }

@@ -1,18 +1,17 @@
 //! Activities: the persistent frames of a conversation, each with a gap-free seq.
 //!
-//! A commit is one SQL statement (one round trip): it allocates the seq under the conversation
-//! row lock, inserts the activity, the turn row for user frames, the outbox row, and calls
-//! `pg_notify`, which Postgres delivers only if the transaction commits. Statements of many
-//! sessions share one transaction (`group_commit`).
-
-use std::sync::LazyLock;
+//! A commit is one call of `converger_commit_frame` (migration 20261130000005): it allocates the
+//! seq under the conversation row lock, inserts the activity, the turn row for user frames, the
+//! outbox row, and calls `pg_notify`, which Postgres delivers only if the transaction commits.
+//! The frames of many sessions commit in one call of `converger_commit_batch` (`group_commit`).
 
 use chrono::{DateTime, Utc};
+use serde::Deserialize;
 use serde_json::{Map, Value};
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-use crate::{NOTIFY_CHANNEL, Store, StoreError};
+use crate::{Store, StoreError};
 
 /// Who wrote a frame, as seen in `sender.role`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,7 +69,7 @@ pub struct NewActivity {
 }
 
 /// A committed frame.
-#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq, sqlx::FromRow, Deserialize)]
 pub struct Activity {
     /// Conversation.
     pub conversation_id: Uuid,
@@ -80,6 +79,7 @@ pub struct Activity {
     pub id: String,
     /// Frame type.
     #[sqlx(rename = "type")]
+    #[serde(rename = "type")]
     pub kind: String,
     /// Author id.
     pub sender_id: String,
@@ -173,70 +173,52 @@ impl Activity {
     }
 }
 
-/// The one statement that commits a frame: `None` when the conversation is missing or closed.
-/// `existing` and `conv` read one snapshot; a racing insert with the same key is caught by the
-/// unique index instead, which aborts the statement (and its transaction) as a whole. The
-/// timestamp is read after the row lock is held, so within a conversation it never goes
-/// backwards as seq grows (ownership compares it with members' `since`).
+/// Commits one frame with `converger_commit_frame` (migration 20261130000005), the one place
+/// its SQL lives: `None` when the conversation is missing or closed. A racing insert with the
+/// same key is caught by the unique index, which aborts the statement (and its transaction) as
+/// a whole.
 pub(crate) async fn insert_activity(
     connection: &mut PgConnection,
     new: &NewActivity,
 ) -> Result<Option<CommitOutcome>, sqlx::Error> {
-    static SQL: LazyLock<String> = LazyLock::new(|| {
-        format!(
-            "WITH existing AS (
-                 SELECT {ACTIVITY_COLUMNS} FROM activities
-                 WHERE conversation_id = $1 AND sender_id = $4 AND client_id = $9
-             ), conv AS (
-                 UPDATE conversations SET last_seq = last_seq + 1, updated_at = now()
-                 WHERE id = $1 AND status = 'open' AND NOT EXISTS (SELECT 1 FROM existing)
-                 RETURNING id, last_seq, channel_id
-             ), act AS (
-                 INSERT INTO activities
-                     (conversation_id, seq, id, type, sender_id, sender_role, data, metadata, extra, client_id, created_at)
-                 SELECT conv.id, conv.last_seq, $2, $3, $4, $5, $6, $7, $8, $9, clock_timestamp() FROM conv
-                 RETURNING {ACTIVITY_COLUMNS}
-             ), turn AS (
-                 INSERT INTO turns (conversation_id, seq, revision, status, created_at)
-                 SELECT conversation_id, seq, 0, 'pending', created_at FROM act WHERE $10
-             ), event AS (
-                 INSERT INTO outbox (conversation_id, seq_from, seq_to)
-                 SELECT conversation_id, seq, seq FROM act
-                 RETURNING id, conversation_id, seq_from
-             ), notified AS (
-                 SELECT pg_notify('{NOTIFY_CHANNEL}',
-                        json_build_object('k', 'c', 'e', event.id, 'c', event.conversation_id, 's', event.seq_from, 'h', conv.channel_id)::text)::text AS done
-                 FROM event, conv
-             )
-             SELECT {ACTIVITY_COLUMNS}, false AS duplicate FROM act WHERE (SELECT count(*) FROM notified) = 1
-             UNION ALL
-             SELECT {ACTIVITY_COLUMNS}, true AS duplicate FROM existing"
-        )
-    });
-    let id = new.id.clone().unwrap_or_else(|| Uuid::now_v7().to_string());
-    let is_user_turn = new.sender.role == SenderRole::User;
-    let extra = new
-        .extra
-        .as_ref()
-        .filter(|map| !map.is_empty())
-        .map(|map| Value::Object(map.clone()));
-    let row = sqlx::query_as::<_, ActivityWithFlag>(sqlx::AssertSqlSafe(SQL.as_str()))
-        .bind(new.conversation_id)
-        .bind(&id)
-        .bind(&new.kind)
-        .bind(&new.sender.id)
-        .bind(new.sender.role.as_str())
-        .bind(&new.data)
-        .bind(&new.metadata)
-        .bind(&extra)
-        .bind(&new.client_id)
-        .bind(is_user_turn)
-        .fetch_optional(connection)
-        .await?;
-    Ok(row.map(|row| CommitOutcome {
-        activity: row.activity,
-        duplicate: row.duplicate,
-    }))
+    let row = sqlx::query_as::<_, ActivityWithFlag>(
+        "SELECT * FROM converger_commit_frame($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+    )
+    .bind(new.conversation_id)
+    .bind(new.stored_id())
+    .bind(&new.kind)
+    .bind(&new.sender.id)
+    .bind(new.sender.role.as_str())
+    .bind(&new.data)
+    .bind(&new.metadata)
+    .bind(new.stored_extra())
+    .bind(&new.client_id)
+    .bind(new.is_turn())
+    .fetch_optional(connection)
+    .await?;
+    Ok(row.map(ActivityWithFlag::into_outcome))
+}
+
+impl NewActivity {
+    /// The id to store: the sender's, else a fresh uuid v7.
+    pub(crate) fn stored_id(&self) -> String {
+        self.id
+            .clone()
+            .unwrap_or_else(|| Uuid::now_v7().to_string())
+    }
+
+    /// The other top-level fields to store: `NULL` when there are none.
+    pub(crate) fn stored_extra(&self) -> Option<Value> {
+        self.extra
+            .as_ref()
+            .filter(|map| !map.is_empty())
+            .map(|map| Value::Object(map.clone()))
+    }
+
+    /// True when the frame opens a turn (the end user wrote it).
+    pub(crate) fn is_turn(&self) -> bool {
+        self.sender.role == SenderRole::User
+    }
 }
 
 impl Store {
@@ -310,9 +292,21 @@ impl Store {
     }
 }
 
-#[derive(sqlx::FromRow)]
-struct ActivityWithFlag {
+/// A row of `converger_commit_frame`: the stored frame and whether it was stored before. The
+/// batch function returns it as a JSON object with the same names.
+#[derive(sqlx::FromRow, Deserialize)]
+pub(crate) struct ActivityWithFlag {
     #[sqlx(flatten)]
+    #[serde(flatten)]
     activity: Activity,
     duplicate: bool,
+}
+
+impl ActivityWithFlag {
+    pub(crate) fn into_outcome(self) -> CommitOutcome {
+        CommitOutcome {
+            activity: self.activity,
+            duplicate: self.duplicate,
+        }
+    }
 }

@@ -1,4 +1,4 @@
-//! Group commit: the frames and answers of many sessions commit in one transaction.
+//! Group commit: the frames and answers of many sessions commit in one statement.
 //!
 //! Every commit calls `pg_notify`, and Postgres serialises notifying transactions on one lock
 //! that it holds from just before the commit record until the WAL flush is done. One write per
@@ -6,23 +6,31 @@
 //! however many connections it uses. Grouping writes pays that flush once per batch.
 //!
 //! Writes queue here; [`WORKERS`] tasks each take whatever is queued (at least one write, at
-//! most [`MAX_BATCH`]) and run it as one transaction. There is no timer: an idle worker starts
-//! at once, so a lone write waits for nothing, and under load the queue fills while the other
-//! worker's flush is in progress (ADR 0010).
+//! most [`MAX_BATCH`]) and commit it. There is no timer: an idle worker starts at once, so a
+//! lone write waits for nothing, and under load the queue fills while the other workers' flushes
+//! are in progress (ADR 0010). A batch is one call of `converger_commit_batch` (migration
+//! 20261130000005), a lone write one call of its own function; either runs as a statement of
+//! its own, so one round trip commits it (ADR 0011).
 //!
-//! Architecture invariant: a batch's statements run in conversation order (stable for writes of
-//! one conversation), so two batches lock conversations in the same order and cannot deadlock;
-//! and a batch whose statements fail is retried write by write, each in its own transaction, so
-//! one bad write never fails another session's.
+//! Architecture invariant: a batch's writes run in conversation order (stable for writes of one
+//! conversation), so two batches lock conversations in the same order and cannot deadlock; and a
+//! batch that fails with a database error is retried write by write, each as its own statement,
+//! so one bad write never fails another session's.
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use serde::Serialize;
+use serde_json::Value;
 use sqlx::PgPool;
+use sqlx::types::Json;
 use tokio::sync::{Mutex, mpsc, oneshot};
+use uuid::Uuid;
 
-use crate::activities::{CommitOutcome, NewActivity, insert_activity};
-use crate::turns::{AnswerOutcome, TurnAnswer, answer_turn};
+use crate::activities::{ActivityWithFlag, CommitOutcome, NewActivity, insert_activity};
+use crate::turns::{
+    AnswerOutcome, AnswerRow, TurnAnswer, answer_outcome, answer_turn, frame_extra,
+};
 use crate::{StoreError, within_deadline};
 
 /// The operation name in metrics and timeouts.
@@ -79,6 +87,71 @@ impl Write {
                 ..
             } => {
                 *outcome = Some(answer_turn(connection, answer, fingerprint).await?);
+            }
+        }
+        Ok(())
+    }
+
+    /// The write as an element of `converger_commit_batch`'s argument.
+    fn batch_entry(&self) -> BatchEntry<'_> {
+        match self {
+            Write::Activity { new, .. } => BatchEntry::Frame {
+                conversation: new.conversation_id,
+                id: new.stored_id(),
+                kind: &new.kind,
+                sender_id: &new.sender.id,
+                sender_role: new.sender.role.as_str(),
+                data: &new.data,
+                metadata: new.metadata.as_ref(),
+                extra: new.stored_extra(),
+                client_id: new.client_id.as_deref(),
+                is_turn: new.is_turn(),
+            },
+            Write::Answer {
+                answer,
+                fingerprint,
+                ..
+            } => BatchEntry::Answer {
+                conversation: answer.conversation_id,
+                seq: answer.seq,
+                revision: answer.revision,
+                fence: answer.fence,
+                fingerprint,
+                sender_id: &answer.sender.id,
+                sender_role: answer.sender.role.as_str(),
+                has_runtime: answer.runtime.is_some(),
+                runtime_version: answer.runtime.as_ref().map_or(0, |runtime| runtime.version),
+                runtime_state: answer.runtime.as_ref().map(|runtime| &runtime.state),
+                frames: answer
+                    .frames
+                    .iter()
+                    .zip(answer.stored_ids())
+                    .map(|(frame, id)| BatchFrame {
+                        id,
+                        kind: &frame.kind,
+                        data: &frame.data,
+                        metadata: frame.metadata.as_ref(),
+                        extra: frame_extra(frame),
+                    })
+                    .collect(),
+            },
+        }
+    }
+
+    /// Keeps the write's element of `converger_commit_batch`'s result until the commit.
+    fn keep_batch_outcome(&mut self, element: Value) -> Result<(), sqlx::Error> {
+        match self {
+            Write::Activity { outcome, .. } => {
+                let row: Option<ActivityWithFlag> = serde_json::from_value(element)
+                    .map_err(|error| sqlx::Error::Decode(Box::new(error)))?;
+                *outcome = Some(row.map(ActivityWithFlag::into_outcome));
+            }
+            Write::Answer {
+                answer, outcome, ..
+            } => {
+                let row: AnswerRow = serde_json::from_value(element)
+                    .map_err(|error| sqlx::Error::Decode(Box::new(error)))?;
+                *outcome = Some(answer_outcome(answer, row)?);
             }
         }
         Ok(())
@@ -205,32 +278,28 @@ async fn work(pool: PgPool, receiver: Arc<Mutex<mpsc::Receiver<Write>>>, deadlin
     }
 }
 
-/// Runs `batch` as one transaction; when its statements fail, runs each write on its own.
+/// Commits `batch` as one statement; when the database refuses it, commits each write alone.
 async fn commit_batch(pool: &PgPool, mut batch: Vec<Write>, deadline: Duration) {
+    if batch.len() == 1 {
+        if let Some(write) = batch.pop() {
+            commit_alone(pool, write, deadline).await;
+        }
+        return;
+    }
     batch.sort_by_key(Write::conversation_id);
     let attempt = within_deadline(deadline, OPERATION, run_together(pool, &mut batch)).await;
     match attempt {
         Some(Ok(())) => batch.into_iter().for_each(Write::committed),
         // A statement failed (a racing idempotency key, say): nothing of the batch is stored,
         // so each write is tried again alone and gets its own outcome.
-        Some(Err(BatchError::Statement(_))) if batch.len() > 1 => {
-            for mut write in batch {
-                match within_deadline(deadline, OPERATION, run_alone(pool, &mut write)).await {
-                    Some(Ok(())) => write.committed(),
-                    Some(Err(error)) => write.failed(StoreError::from(error)),
-                    None => write.failed(timed_out()),
-                }
+        Some(Err(BatchError::Statement(_))) => {
+            for write in batch {
+                commit_alone(pool, write, deadline).await;
             }
         }
-        // A write alone keeps its own error (a unique violation is answered as a duplicate).
-        Some(Err(BatchError::Statement(error) | BatchError::Commit(error))) if batch.len() == 1 => {
-            if let Some(write) = batch.pop() {
-                write.failed(StoreError::Database(error));
-            }
-        }
-        // The commit itself failed: whether it landed is unknown, so every writer hears the
-        // error and resends with its idempotency key.
-        Some(Err(BatchError::Statement(error) | BatchError::Commit(error))) => {
+        // Whether the batch landed is unknown, so every writer hears the error and resends
+        // with its idempotency key.
+        Some(Err(BatchError::Commit(error))) => {
             let message = error.to_string();
             for write in batch {
                 write.failed(StoreError::GroupCommit(message.clone()));
@@ -242,33 +311,121 @@ async fn commit_batch(pool: &PgPool, mut batch: Vec<Write>, deadline: Duration) 
     }
 }
 
+/// Commits one write as a statement of its own; the writer gets its own error (a unique
+/// violation is answered as a duplicate).
+async fn commit_alone(pool: &PgPool, mut write: Write, deadline: Duration) {
+    match within_deadline(deadline, OPERATION, run_alone(pool, &mut write)).await {
+        Some(Ok(())) => write.committed(),
+        Some(Err(BatchError::Statement(error) | BatchError::Commit(error))) => {
+            write.failed(StoreError::Database(error));
+        }
+        None => write.failed(timed_out()),
+    }
+}
+
 fn timed_out() -> StoreError {
     StoreError::Timeout {
         operation: OPERATION,
     }
 }
 
+/// One write as `converger_commit_batch` reads it; `None` fields are left out (SQL `NULL`).
+#[derive(Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+enum BatchEntry<'a> {
+    Frame {
+        conversation: Uuid,
+        id: String,
+        #[serde(rename = "type")]
+        kind: &'a str,
+        sender_id: &'a str,
+        sender_role: &'a str,
+        data: &'a Value,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        metadata: Option<&'a Value>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        extra: Option<Value>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        client_id: Option<&'a str>,
+        is_turn: bool,
+    },
+    Answer {
+        conversation: Uuid,
+        seq: i64,
+        revision: i32,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        fence: Option<i64>,
+        fingerprint: &'a str,
+        sender_id: &'a str,
+        sender_role: &'a str,
+        has_runtime: bool,
+        runtime_version: i64,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        runtime_state: Option<&'a Value>,
+        frames: Vec<BatchFrame<'a>>,
+    },
+}
+
+/// One frame of an answer in a batch.
+#[derive(Serialize)]
+struct BatchFrame<'a> {
+    id: String,
+    #[serde(rename = "type")]
+    kind: &'a str,
+    data: &'a Value,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    metadata: Option<&'a Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    extra: Option<Value>,
+}
+
 /// Why a batch did not commit.
 enum BatchError {
-    /// Before the commit was sent: nothing was stored.
+    /// The database refused the statement: nothing of it was stored.
     Statement(sqlx::Error),
-    /// The commit (or the begin) failed: its fate may be unknown.
+    /// The connection failed, or the outcome could not be read: its fate may be unknown.
     Commit(sqlx::Error),
 }
 
-async fn run_together(pool: &PgPool, batch: &mut [Write]) -> Result<(), BatchError> {
-    let mut tx = pool.begin().await.map_err(BatchError::Commit)?;
-    for write in batch.iter_mut() {
-        write
-            .execute(&mut tx)
-            .await
-            .map_err(BatchError::Statement)?;
+impl BatchError {
+    /// A statement runs as its own transaction, so an error the server reports means it rolled
+    /// back; anything else (a lost connection, say) leaves its fate unknown.
+    fn classify(error: sqlx::Error) -> BatchError {
+        match error {
+            sqlx::Error::Database(_) => BatchError::Statement(error),
+            other => BatchError::Commit(other),
+        }
     }
-    tx.commit().await.map_err(BatchError::Commit)
 }
 
-async fn run_alone(pool: &PgPool, write: &mut Write) -> Result<(), sqlx::Error> {
-    let mut tx = pool.begin().await?;
-    write.execute(&mut tx).await?;
-    tx.commit().await
+/// Runs the whole batch as one statement and keeps each write's outcome.
+async fn run_together(pool: &PgPool, batch: &mut [Write]) -> Result<(), BatchError> {
+    let entries: Vec<BatchEntry<'_>> = batch.iter().map(Write::batch_entry).collect();
+    let Json(outcomes): Json<Vec<Value>> = sqlx::query_scalar("SELECT converger_commit_batch($1)")
+        .bind(Json(&entries))
+        .fetch_one(pool)
+        .await
+        .map_err(BatchError::classify)?;
+    if outcomes.len() != batch.len() {
+        return Err(BatchError::Commit(sqlx::Error::Protocol(format!(
+            "converger_commit_batch returned {} outcomes for {} writes",
+            outcomes.len(),
+            batch.len()
+        ))));
+    }
+    for (write, outcome) in batch.iter_mut().zip(outcomes) {
+        write
+            .keep_batch_outcome(outcome)
+            .map_err(BatchError::Commit)?;
+    }
+    Ok(())
+}
+
+/// Runs one write as a statement of its own.
+async fn run_alone(pool: &PgPool, write: &mut Write) -> Result<(), BatchError> {
+    let mut connection = pool.acquire().await.map_err(BatchError::Commit)?;
+    write
+        .execute(&mut connection)
+        .await
+        .map_err(BatchError::classify)
 }

@@ -7,6 +7,7 @@
 use std::collections::HashMap;
 
 use chrono::{DateTime, Utc};
+use serde::Deserialize;
 use serde_json::{Map, Value, json};
 use sha2::{Digest, Sha256};
 use sqlx::{PgConnection, Row};
@@ -462,15 +463,31 @@ impl Store {
     }
 }
 
-/// What `converger_answer_turn` returns (migration 20261130000003).
-#[derive(sqlx::FromRow)]
-struct AnswerRow {
+/// What `converger_answer_turn` returns (migration 20261130000003); the batch function returns
+/// it as a JSON object with the same names.
+#[derive(sqlx::FromRow, Deserialize)]
+pub(crate) struct AnswerRow {
     o_outcome: String,
     o_number: Option<i64>,
     o_ids: Option<Vec<String>>,
     o_seqs: Option<Vec<i64>>,
     o_created: Option<Vec<DateTime<Utc>>>,
     o_completed: Option<DateTime<Utc>>,
+}
+
+impl TurnAnswer {
+    /// The ids to store for the answer's frames: the agent's own, else fresh uuid v7s.
+    pub(crate) fn stored_ids(&self) -> Vec<String> {
+        self.frames
+            .iter()
+            .map(|frame| {
+                frame
+                    .id
+                    .clone()
+                    .unwrap_or_else(|| Uuid::now_v7().to_string())
+            })
+            .collect()
+    }
 }
 
 /// The statements of an answer, inside a transaction the caller commits: one call of
@@ -481,16 +498,6 @@ pub(crate) async fn answer_turn(
     answer: &TurnAnswer,
     fingerprint: &str,
 ) -> Result<AnswerOutcome, sqlx::Error> {
-    let ids: Vec<String> = answer
-        .frames
-        .iter()
-        .map(|frame| {
-            frame
-                .id
-                .clone()
-                .unwrap_or_else(|| Uuid::now_v7().to_string())
-        })
-        .collect();
     let kinds: Vec<&str> = answer
         .frames
         .iter()
@@ -517,13 +524,21 @@ pub(crate) async fn answer_turn(
     .bind(answer.runtime.is_some())
     .bind(answer.runtime.as_ref().map_or(0, |runtime| runtime.version))
     .bind(answer.runtime.as_ref().map(|runtime| &runtime.state))
-    .bind(&ids)
+    .bind(answer.stored_ids())
     .bind(&kinds)
     .bind(&data)
     .bind(&metadata)
     .bind(&extra)
     .fetch_one(&mut *tx)
     .await?;
+    answer_outcome(answer, row)
+}
+
+/// Reads `converger_answer_turn`'s row as the outcome of `answer`.
+pub(crate) fn answer_outcome(
+    answer: &TurnAnswer,
+    row: AnswerRow,
+) -> Result<AnswerOutcome, sqlx::Error> {
     let number = row.o_number.unwrap_or(0);
     let seqs = row.o_seqs.unwrap_or_default();
     Ok(match row.o_outcome.as_str() {
@@ -577,7 +592,7 @@ pub(crate) async fn answer_turn(
 }
 
 /// A frame's other top-level fields as stored: `NULL` when there are none.
-fn frame_extra(frame: &AnswerFrame) -> Option<Value> {
+pub(crate) fn frame_extra(frame: &AnswerFrame) -> Option<Value> {
     (!frame.extra.is_empty()).then(|| Value::Object(frame.extra.clone()))
 }
 
