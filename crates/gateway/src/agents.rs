@@ -23,7 +23,7 @@ const MEMORY_TURNS_PER_CONVERSATION: usize = 64;
 /// How long the actor waits before reading a frame again that the database did not return.
 const FRAMES_RETRY: std::time::Duration = std::time::Duration::from_secs(1);
 
-/// Feed events handled together, with one runtime query for all of them.
+/// Feed events taken from the feed at once.
 const FEED_BATCH: usize = 256;
 
 /// Unanswered turns older than this are not handed on when a node starts serving a channel.
@@ -84,8 +84,8 @@ pub enum ActorMessage {
         sender_id: String,
         /// Lease mode: each turn is claimed for this long before it is delivered.
         lease: Option<std::time::Duration>,
-        /// Where its deliveries go (enveloped frames).
-        deliveries: mpsc::UnboundedSender<Value>,
+        /// Where its deliveries go.
+        deliveries: mpsc::UnboundedSender<Delivery>,
     },
     /// Replay, for one agent connection, the frames of a conversation after `watermark` that it
     /// owns (every frame for an observer): `hello.watermarks` and enveloped `sync`.
@@ -140,7 +140,23 @@ struct Agent {
     group: Option<String>,
     sender_id: String,
     lease: Option<std::time::Duration>,
-    deliveries: mpsc::UnboundedSender<Value>,
+    deliveries: mpsc::UnboundedSender<Delivery>,
+}
+
+/// What the channel actor hands an agent connection, in the order to send it.
+#[derive(Debug)]
+pub enum Delivery {
+    /// An enveloped frame, ready to send.
+    Frame(Value),
+    /// An enveloped user turn whose `frame.meta.runtime` the connection fills in as it sends it:
+    /// the runtime is read there, once for all turns it sends at that moment, so no database
+    /// read waits in the channel actor, which serves every agent of the channel.
+    Turn {
+        /// The turn's conversation.
+        conversation_id: Uuid,
+        /// The envelope, `meta` without `runtime`.
+        envelope: Value,
+    },
 }
 
 /// A group member hosted by another node, as gossip reports it.
@@ -218,7 +234,6 @@ impl Actors {
             views,
             memories: HashMap::new(),
             last_seq: HashMap::new(),
-            runtimes: HashMap::new(),
         };
         tokio::spawn(actor.run(receiver, feed));
         registry.inboxes.insert(channel_id, sender.clone());
@@ -304,8 +319,6 @@ struct ChannelActor {
     memories: HashMap<String, PassedTurns>,
     /// Highest seq handled per conversation (local commits arrive twice: directly and via bus).
     last_seq: HashMap<Uuid, i64>,
-    /// Runtimes read for the feed batch being handled; empty between batches.
-    runtimes: HashMap<Uuid, (i64, Value)>,
 }
 
 impl ChannelActor {
@@ -588,8 +601,7 @@ impl ChannelActor {
     }
 
     /// Handles `first` and whatever else the feed already holds (up to [`FEED_BATCH`]), with the
-    /// runtimes of all their conversations read in one query: under load the actor then pays one
-    /// database round trip per batch instead of one per turn, and still delivers in feed order.
+    /// in feed order.
     async fn on_events(
         &mut self,
         first: ChannelEvent,
@@ -605,60 +617,8 @@ impl ChannelActor {
                 Err(_) => break,
             }
         }
-        self.prefetch_runtimes(&batch).await;
         for event in batch {
             self.on_event(event).await;
-        }
-        self.runtimes.clear();
-    }
-
-    /// Reads the runtimes of the conversations with one user turn in `batch`, when some group
-    /// member is on this node (otherwise nothing here delivers turns).
-    async fn prefetch_runtimes(&mut self, batch: &[ChannelEvent]) {
-        if !self.agents.values().any(|agent| agent.group.is_some()) {
-            return;
-        }
-        let mut conversations: Vec<Uuid> = batch
-            .iter()
-            .filter(|event| match &event.event {
-                HubEvent::Committed { activity, .. } => activity
-                    .as_ref()
-                    .is_none_or(|activity| activity.sender_role == "user"),
-                HubEvent::Regenerated { .. } => true,
-                HubEvent::Transient { .. } => false,
-            })
-            .map(|event| event.conversation_id)
-            .collect();
-        // A conversation with several turns in the batch is left to read at each delivery: an
-        // answer to its first turn may move the runtime on before the next one is delivered.
-        conversations.sort_unstable();
-        let mut once: Vec<Uuid> = Vec::with_capacity(conversations.len());
-        for (index, conversation_id) in conversations.iter().enumerate() {
-            let repeated = (index > 0 && conversations[index - 1] == *conversation_id)
-                || conversations.get(index + 1) == Some(conversation_id);
-            if !repeated {
-                once.push(*conversation_id);
-            }
-        }
-        let conversations = once;
-        if conversations.len() < 2 {
-            // One conversation: the delivery reads it itself, no worse than a prefetch.
-            return;
-        }
-        match self.store.runtimes(&conversations).await {
-            Ok(found) => {
-                for conversation_id in conversations {
-                    let runtime = found
-                        .get(&conversation_id)
-                        .cloned()
-                        .unwrap_or_else(|| (0, json!({})));
-                    self.runtimes.insert(conversation_id, runtime);
-                }
-            }
-            // Each delivery then reads its own runtime, as without a prefetch.
-            Err(error) => {
-                tracing::warn!(%error, channel_id = %self.channel_id, "runtimes unreadable in one query")
-            }
         }
     }
 
@@ -749,7 +709,7 @@ impl ChannelActor {
                     .collect();
                 for (connection_id, agent) in &self.agents {
                     if agent.group.is_none() || owners.contains(connection_id) {
-                        let _ = agent.deliveries.send(envelope.clone());
+                        let _ = agent.deliveries.send(Delivery::Frame(envelope.clone()));
                     }
                 }
             }
@@ -759,7 +719,7 @@ impl ChannelActor {
     async fn on_committed(&mut self, activity: &Activity) {
         let envelope = json!({"conversationId": activity.conversation_id, "frame": activity.to_frame(Viewer::Agent)});
         for agent in self.agents.values().filter(|agent| agent.group.is_none()) {
-            let _ = agent.deliveries.send(envelope.clone());
+            let _ = agent.deliveries.send(Delivery::Frame(envelope.clone()));
         }
         if activity.sender_role != "user" {
             // An answer completes the turn for every group (the registry keeps one status per
@@ -800,10 +760,7 @@ impl ChannelActor {
         if local_owners.is_empty() {
             return;
         }
-        // One runtime read per turn; then every group's owner gets it at the same moment.
-        let Some(envelope) = self.turn_envelope(activity, turn).await else {
-            return;
-        };
+        let envelope = turn_envelope(self.channel_id, activity, turn);
         for owner in local_owners {
             let mut delivery = envelope.clone();
             if !self
@@ -817,7 +774,7 @@ impl ChannelActor {
             let waited_ms = chrono::Utc::now().timestamp_millis() - activity.timestamp_ms();
             metrics::histogram!("converger_commit_to_delivery_seconds")
                 .record(waited_ms.max(0) as f64 / 1000.0);
-            self.send(&owner, delivery);
+            self.send_turn(&owner, activity.conversation_id, delivery);
         }
     }
 
@@ -863,7 +820,7 @@ impl ChannelActor {
             let Some(view) = view else {
                 // Observers own everything.
                 let envelope = json!({"conversationId": conversation_id, "frame": activity.to_frame(Viewer::Agent)});
-                let _ = agent.deliveries.send(envelope);
+                let _ = agent.deliveries.send(Delivery::Frame(envelope));
                 continue;
             };
             if view.owner(&conversation, activity.timestamp_ms()) != Some(connection_id) {
@@ -874,7 +831,7 @@ impl ChannelActor {
                 self.deliver_turn(connection_id, &activity, turn).await;
             } else if activity.sender_id != agent.sender_id {
                 let envelope = json!({"conversationId": conversation_id, "frame": activity.to_frame(Viewer::Agent)});
-                let _ = agent.deliveries.send(envelope);
+                let _ = agent.deliveries.send(Delivery::Frame(envelope));
             }
         }
     }
@@ -901,7 +858,7 @@ impl ChannelActor {
                 continue;
             };
             if agent.sender_id != activity.sender_id {
-                let _ = agent.deliveries.send(envelope.clone());
+                let _ = agent.deliveries.send(Delivery::Frame(envelope.clone()));
             }
         }
     }
@@ -909,14 +866,12 @@ impl ChannelActor {
     /// Sends a user turn to a member with its `meta` (PROTOCOL section 4), claimed first for a
     /// lease-mode member.
     async fn deliver_turn(&self, connection_id: &str, activity: &Activity, turn: TurnRef<'_>) {
-        let Some(mut envelope) = self.turn_envelope(activity, turn).await else {
-            return;
-        };
+        let mut envelope = turn_envelope(self.channel_id, activity, turn);
         if self
             .claim_for(connection_id, activity.conversation_id, turn, &mut envelope)
             .await
         {
-            self.send(connection_id, envelope);
+            self.send_turn(connection_id, activity.conversation_id, envelope);
         }
     }
 
@@ -996,33 +951,24 @@ impl ChannelActor {
         });
     }
 
-    /// A user turn enveloped with its `meta` (PROTOCOL section 4); `None` when the runtime
-    /// cannot be read (the turn stays pending and a takeover or resend recovers it).
-    async fn turn_envelope(&self, activity: &Activity, turn: TurnRef<'_>) -> Option<Value> {
-        let runtime = match self.runtimes.get(&activity.conversation_id) {
-            Some(prefetched) => Ok(prefetched.clone()),
-            None => self.store.runtime(activity.conversation_id).await,
-        };
-        let (version, state) = match runtime {
-            Ok(runtime) => runtime,
-            Err(error) => {
-                tracing::error!(%error, "delivery: runtime unreadable");
-                return None;
-            }
-        };
-        let mut frame = activity.to_frame(Viewer::Agent);
-        frame["meta"] = json!({
-            "channel": {"id": self.channel_id},
-            "participant": {"id": activity.sender_id, "role": activity.sender_role},
-            "turn": turn.to_json(activity.conversation_id),
-            "runtime": {"version": version, "state": state},
-        });
-        Some(json!({"conversationId": activity.conversation_id, "frame": frame}))
-    }
-
-    fn send(&self, connection_id: &str, envelope: Value) {
+    fn send_turn(&self, connection_id: &str, conversation_id: Uuid, envelope: Value) {
         if let Some(agent) = self.agents.get(connection_id) {
-            let _ = agent.deliveries.send(envelope);
+            let _ = agent.deliveries.send(Delivery::Turn {
+                conversation_id,
+                envelope,
+            });
         }
     }
+}
+
+/// A user turn enveloped with its `meta` (PROTOCOL section 4), all but the runtime, which the
+/// agent's connection adds as it sends it (see [`Delivery::Turn`]).
+fn turn_envelope(channel_id: Uuid, activity: &Activity, turn: TurnRef<'_>) -> Value {
+    let mut frame = activity.to_frame(Viewer::Agent);
+    frame["meta"] = json!({
+        "channel": {"id": channel_id},
+        "participant": {"id": activity.sender_id, "role": activity.sender_role},
+        "turn": turn.to_json(activity.conversation_id),
+    });
+    json!({"conversationId": activity.conversation_id, "frame": frame})
 }

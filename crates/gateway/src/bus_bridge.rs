@@ -24,6 +24,7 @@ async fn dispatch(store: &Store, hub: &Hub, event: BusEvent) {
             conversation_id,
             seq,
             channel_id,
+            frames,
         } => {
             // Catch-up events do not name the channel; look it up only if agents might care.
             let channel_id = match channel_id {
@@ -39,18 +40,42 @@ async fn dispatch(store: &Store, hub: &Hub, event: BusEvent) {
             if !for_agents && !hub.wants_committed(conversation_id, seq) {
                 return;
             }
-            // One read per node and commit; the sessions and agents share the frame.
-            let activity = match store.list_activities(conversation_id, seq - 1, 1).await {
-                Ok(mut rows) => rows.pop().filter(|row| row.seq == seq).map(Arc::new),
-                Err(error) => {
-                    tracing::warn!(%error, %conversation_id, seq, "bus: committed frame unreadable; sessions will read it");
-                    None
+            let frames = if frames.last().is_some_and(|last| last.seq == seq) {
+                frames.into_iter().map(Arc::new).collect()
+            } else {
+                // Too large for the notification: one read per node and commit, shared by the
+                // sessions and agents.
+                match store.list_activities(conversation_id, seq - 1, 1).await {
+                    Ok(mut rows) => rows
+                        .pop()
+                        .filter(|row| row.seq == seq)
+                        .map(Arc::new)
+                        .into_iter()
+                        .collect(),
+                    Err(error) => {
+                        tracing::warn!(%error, %conversation_id, seq, "bus: committed frame unreadable; sessions will read it");
+                        Vec::new()
+                    }
                 }
             };
-            let event = HubEvent::Committed { seq, activity };
-            match channel_id {
-                Some(channel_id) => hub.publish_to_all(channel_id, conversation_id, event),
-                None => hub.publish(conversation_id, event),
+            let mut events: Vec<HubEvent> = frames
+                .into_iter()
+                .map(|activity| HubEvent::Committed {
+                    seq: activity.seq,
+                    activity: Some(activity),
+                })
+                .collect();
+            if events.is_empty() {
+                events.push(HubEvent::Committed {
+                    seq,
+                    activity: None,
+                });
+            }
+            for event in events {
+                match channel_id {
+                    Some(channel_id) => hub.publish_to_all(channel_id, conversation_id, event),
+                    None => hub.publish(conversation_id, event),
+                }
             }
         }
         BusEvent::Transient(transient) => {

@@ -6,7 +6,7 @@
 //! The frames of many sessions commit in one call of `converger_commit_batch` (`group_commit`).
 
 use chrono::{DateTime, Utc};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use sqlx::PgConnection;
 use uuid::Uuid;
@@ -69,7 +69,7 @@ pub struct NewActivity {
 }
 
 /// A committed frame.
-#[derive(Debug, Clone, PartialEq, sqlx::FromRow, Deserialize)]
+#[derive(Debug, Clone, PartialEq, sqlx::FromRow, Serialize, Deserialize)]
 pub struct Activity {
     /// Conversation.
     pub conversation_id: Uuid,

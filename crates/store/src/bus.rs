@@ -12,7 +12,7 @@ use sqlx::postgres::PgListener;
 use tokio::sync::{mpsc, oneshot};
 use uuid::Uuid;
 
-use crate::{NOTIFY_CHANNEL, Store, StoreError};
+use crate::{Activity, NOTIFY_CHANNEL, Store, StoreError};
 
 /// Largest payload sent inline by `pg_notify` (Postgres refuses 8,000 bytes and more); larger
 /// transient frames travel through the outbox.
@@ -67,6 +67,9 @@ pub enum BusEvent {
         seq: i64,
         /// The conversation's channel, when the event names it (catch-ups do not).
         channel_id: Option<Uuid>,
+        /// The committed frames, in seq order, when the notification carried them (small
+        /// enough); empty otherwise, and receivers read them.
+        frames: Vec<Activity>,
     },
     /// A transient frame (typing, receipts, presence, relayed agent frames).
     Transient(TransientFrame),
@@ -106,6 +109,8 @@ enum Payload {
         seq: i64,
         #[serde(rename = "h", default)]
         channel_id: Option<Uuid>,
+        #[serde(rename = "f", default)]
+        frames: Vec<Activity>,
     },
     #[serde(rename = "t")]
     Transient(TransientFrame),
@@ -266,6 +271,7 @@ impl Store {
                 conversation_id,
                 seq,
                 channel_id: None,
+                frames: Vec::new(),
             }),
             (_, _, Some(payload)) => serde_json::from_value::<Payload>(payload)
                 .ok()
@@ -304,10 +310,12 @@ fn to_event(payload: Payload) -> Option<BusEvent> {
             conversation_id,
             seq,
             channel_id,
+            frames,
         } => Some(BusEvent::Committed {
             conversation_id,
             seq,
             channel_id,
+            frames,
         }),
         Payload::Transient(transient) => Some(BusEvent::Transient(transient)),
         Payload::Regenerated {
@@ -493,8 +501,22 @@ mod tests {
                 conversation_id,
                 seq: 3,
                 channel_id: None,
+                frames: Vec::new(),
             })
         );
+        // As converger_committed_payload writes it, with the frame.
+        let carried: Payload = serde_json::from_str(&format!(
+            r#"{{"k":"c","e":8,"c":"{conversation_id}","s":4,"h":"{conversation_id}","f":[{{"id":"f4","seq":4,"data":{{"text":"hi"}},"type":"text","extra":null,"metadata":null,"turn_seq":null,"client_id":"c4","sender_id":"u","created_at":"2026-11-30T06:51:21.903868+00:00","sender_role":"user","turn_revision":null,"conversation_id":"{conversation_id}"}}]}}"#
+        ))
+        .unwrap();
+        let Some(BusEvent::Committed { frames, .. }) = to_event(carried) else {
+            panic!("a committed event");
+        };
+        assert_eq!(frames.len(), 1);
+        assert_eq!(frames[0].seq, 4);
+        assert_eq!(frames[0].kind, "text");
+        assert_eq!(frames[0].client_id.as_deref(), Some("c4"));
+        assert_eq!(frames[0].created_at.timestamp_micros() % 1_000_000, 903_868);
         let transient = TransientFrame {
             node: "n1".into(),
             channel_id: Some(conversation_id),

@@ -2,7 +2,7 @@
 //! observer or as a member of a group (PROTOCOL section 4). Conversation-level frames travel in
 //! `{conversationId, frame}` envelopes both ways.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -28,13 +28,22 @@ use super::rate::TokenBucket;
 use super::turn_results::ResultsInFlight;
 use converger_cluster::{AgentRecord, Cluster};
 
-use crate::agents::ActorMessage;
+use crate::agents::{ActorMessage, Delivery};
 use crate::auth::{Claims, Scope};
 use crate::hub::{HubEvent, SessionControl};
 use crate::state::AppState;
 
 /// Role of agents in `sender.role` and relayed frames.
 const AGENT_ROLE: &str = "agent";
+
+/// Deliveries sent together, with one runtime read for the user turns among them.
+const DELIVERY_BATCH: usize = 256;
+
+/// Runtime reads tried before a connection gives up on its deliveries.
+const RUNTIME_READ_ATTEMPTS: u32 = 3;
+
+/// Wait between runtime reads.
+const RUNTIME_READ_BACKOFF: Duration = Duration::from_millis(200);
 
 /// Renews a lease-mode member's claims every third of the lease while the session lives.
 struct LeaseRenewal {
@@ -183,7 +192,7 @@ pub(super) async fn run(
     if let Err(ending) = session.push(&welcome) {
         return ending;
     }
-    let (deliveries_sender, mut deliveries) = mpsc::unbounded_channel::<Value>();
+    let (deliveries_sender, mut deliveries) = mpsc::unbounded_channel::<Delivery>();
     // Counted while connected: end users' forwarded frames go to agents only when one is here.
     let _counted = state.hub.agent_connected(session.channel_id);
     let inbox = state
@@ -238,6 +247,81 @@ pub(super) async fn run(
 }
 
 impl AgentSession<'_> {
+    /// Sends `first` and whatever else the actor has queued (up to [`DELIVERY_BATCH`]), in
+    /// order; the user turns among them get their conversations' runtimes, read in one query
+    /// just before they go out.
+    async fn deliver(
+        &mut self,
+        first: Delivery,
+        queue: &mut mpsc::UnboundedReceiver<Delivery>,
+    ) -> Result<(), Ending> {
+        let mut batch = vec![first];
+        while batch.len() < DELIVERY_BATCH {
+            let Ok(delivery) = queue.try_recv() else {
+                break;
+            };
+            batch.push(delivery);
+        }
+        let mut conversations: Vec<Uuid> = batch
+            .iter()
+            .filter_map(|delivery| match delivery {
+                Delivery::Turn {
+                    conversation_id, ..
+                } => Some(*conversation_id),
+                Delivery::Frame(_) => None,
+            })
+            .collect();
+        conversations.sort_unstable();
+        conversations.dedup();
+        let runtimes = self.read_runtimes(&conversations).await?;
+        for delivery in batch {
+            let envelope = match delivery {
+                Delivery::Frame(envelope) => envelope,
+                Delivery::Turn {
+                    conversation_id,
+                    mut envelope,
+                } => {
+                    let (version, state) = runtimes
+                        .get(&conversation_id)
+                        .cloned()
+                        .unwrap_or_else(|| (0, json!({})));
+                    envelope["frame"]["meta"]["runtime"] =
+                        json!({"version": version, "state": state});
+                    envelope
+                }
+            };
+            self.push(&envelope)?;
+        }
+        Ok(())
+    }
+
+    /// The runtimes of `conversations` (absent: version 0, `{}`), tried a few times; if the
+    /// database stays unreachable the connection closes, and the turns it was passed are taken
+    /// over when it leaves.
+    async fn read_runtimes(
+        &self,
+        conversations: &[Uuid],
+    ) -> Result<HashMap<Uuid, (i64, Value)>, Ending> {
+        if conversations.is_empty() {
+            return Ok(HashMap::new());
+        }
+        let mut attempt = 1;
+        loop {
+            match self.state.store.runtimes(conversations).await {
+                Ok(runtimes) => return Ok(runtimes),
+                Err(error) if attempt < RUNTIME_READ_ATTEMPTS => {
+                    tracing::warn!(%error, attempt, "delivery: runtimes unreadable; retrying");
+                    tokio::time::sleep(RUNTIME_READ_BACKOFF).await;
+                    attempt += 1;
+                }
+                Err(error) => {
+                    tracing::error!(%error, "delivery: runtimes unreadable; closing the connection");
+                    return Err(internal_close(&self.outbound));
+                }
+            }
+        }
+    }
+
     fn push(&mut self, frame: &Value) -> Result<(), Ending> {
         match self.outbound.push_text(frame.to_string(), false) {
             Ok(()) => {
@@ -266,7 +350,7 @@ impl AgentSession<'_> {
     async fn run(
         &mut self,
         stream: &mut SplitStream<WebSocket>,
-        deliveries: &mut mpsc::UnboundedReceiver<Value>,
+        deliveries: &mut mpsc::UnboundedReceiver<Delivery>,
         controls: &mut mpsc::Receiver<SessionControl>,
     ) -> Ending {
         let limits = self.state.config.limits.clone();
@@ -281,7 +365,7 @@ impl AgentSession<'_> {
             let outcome = tokio::select! {
                 biased;
                 delivery = deliveries.recv() => match delivery {
-                    Some(frame) => self.push(&frame),
+                    Some(delivery) => self.deliver(delivery, deliveries).await,
                     None => Err(Ending::Gone),
                 },
                 Some((conversation_id, reply)) = self.results.next_reply(), if !self.results.is_empty() => self.push_enveloped(conversation_id, reply),
