@@ -112,9 +112,14 @@ $$;
 CREATE FUNCTION converger_commit_batch(p_writes jsonb) RETURNS jsonb
 LANGUAGE plpgsql AS $$
 DECLARE
-    write   jsonb;
-    outcome jsonb;
-    outcomes jsonb[] := '{}';
+    write          jsonb;
+    outcome        jsonb;
+    outcomes       jsonb[] := '{}';
+    frame_ids      text[];
+    frame_kinds    text[];
+    frame_data     jsonb[];
+    frame_metadata jsonb[];
+    frame_extra    jsonb[];
 BEGIN
     FOR write IN SELECT w.value FROM jsonb_array_elements(p_writes) WITH ORDINALITY AS w
                  ORDER BY w.ordinality
@@ -127,23 +132,22 @@ BEGIN
                        write->'metadata', write->'extra', write->>'client_id',
                        (write->>'is_turn')::boolean) AS f;
         ELSIF write->>'kind' = 'answer' THEN
+            -- The frames' columns as arrays, in one pass over the frames.
+            SELECT coalesce(array_agg(e.value->>'id' ORDER BY e.ordinality), '{}'),
+                   coalesce(array_agg(e.value->>'type' ORDER BY e.ordinality), '{}'),
+                   coalesce(array_agg(e.value->'data' ORDER BY e.ordinality), '{}'),
+                   coalesce(array_agg(e.value->'metadata' ORDER BY e.ordinality), '{}'),
+                   coalesce(array_agg(e.value->'extra' ORDER BY e.ordinality), '{}')
+              INTO frame_ids, frame_kinds, frame_data, frame_metadata, frame_extra
+              FROM jsonb_array_elements(write->'frames') WITH ORDINALITY AS e;
             SELECT to_jsonb(r) INTO outcome
               FROM converger_answer_turn(
                        (write->>'conversation')::uuid, (write->>'seq')::bigint,
                        (write->>'revision')::integer, (write->>'fence')::bigint,
                        write->>'fingerprint', write->>'sender_id', write->>'sender_role',
                        (write->>'has_runtime')::boolean, (write->>'runtime_version')::bigint,
-                       write->'runtime_state',
-                       ARRAY(SELECT e.value->>'id' FROM jsonb_array_elements(write->'frames')
-                             WITH ORDINALITY AS e ORDER BY e.ordinality),
-                       ARRAY(SELECT e.value->>'type' FROM jsonb_array_elements(write->'frames')
-                             WITH ORDINALITY AS e ORDER BY e.ordinality),
-                       ARRAY(SELECT e.value->'data' FROM jsonb_array_elements(write->'frames')
-                             WITH ORDINALITY AS e ORDER BY e.ordinality),
-                       ARRAY(SELECT e.value->'metadata' FROM jsonb_array_elements(write->'frames')
-                             WITH ORDINALITY AS e ORDER BY e.ordinality),
-                       ARRAY(SELECT e.value->'extra' FROM jsonb_array_elements(write->'frames')
-                             WITH ORDINALITY AS e ORDER BY e.ordinality)) AS r;
+                       write->'runtime_state', frame_ids, frame_kinds, frame_data,
+                       frame_metadata, frame_extra) AS r;
         ELSE
             RAISE EXCEPTION 'converger_commit_batch: unknown write kind %', write->>'kind';
         END IF;

@@ -39,10 +39,11 @@ const OPERATION: &str = "group_commit";
 /// Writes in one transaction at most.
 pub(crate) const MAX_BATCH: usize = 128;
 
-/// Transactions in progress at once: while one waits for its flush, the others run their
-/// statements. Measured with `converger-bench turns` at 64 users: 2, 4, 8 and 16 workers gave
-/// 1,002, 1,076, 915 and 770 turns/s (more workers, smaller batches, more lock waits).
-pub(crate) const WORKERS: usize = 4;
+/// Batches in progress at once: while one waits for its flush, the other runs its statement.
+/// Measured with `converger-bench turns` at 64 users, two runs each, with one statement per
+/// batch: 1, 2, 3, 4 and 8 workers gave 1,548/1,497, 1,962/2,062, 1,785/1,872, 1,911/1,864 and
+/// 1,732/1,700 turns/s (more workers, smaller batches, more Postgres CPU per turn).
+pub(crate) const WORKERS: usize = 2;
 
 /// Writes queued beyond this wait for room (backpressure on the sessions).
 const QUEUE: usize = 4_096;
