@@ -316,7 +316,7 @@ impl AgentSession<'_> {
                 }
                 Err(error) => {
                     tracing::error!(%error, "delivery: runtimes unreadable; closing the connection");
-                    return Err(internal_close(&self.outbound));
+                    return Err(internal_close(self.outbound));
                 }
             }
         }
