@@ -396,6 +396,12 @@ impl ChannelActor {
                 let Some(agent) = self.agents.remove(&connection_id) else {
                     return;
                 };
+                // The session released its leases before sending `Leave` (so other nodes'
+                // takeovers claim at once), but this actor may have claimed a turn for it since;
+                // released again now that no claim for it can follow.
+                if agent.lease.is_some() {
+                    self.release_leases(&connection_id).await;
+                }
                 let Some(group) = agent.group else { return };
                 if let Some(view) = self.views.get_mut(&group) {
                     view.leave(&connection_id);
@@ -770,7 +776,8 @@ impl ChannelActor {
                 continue;
             }
             metrics::counter!("converger_deliveries_total", "kind" => "first").increment(1);
-            // Commit (database clock) to hand-off to the member's socket writer on this node.
+            // Commit (database clock) to hand-off to the member's connection on this node, which
+            // adds the runtime and queues the frame for its socket writer.
             let waited_ms = chrono::Utc::now().timestamp_millis() - activity.timestamp_ms();
             metrics::histogram!("converger_commit_to_delivery_seconds")
                 .record(waited_ms.max(0) as f64 / 1000.0);
@@ -919,6 +926,24 @@ impl ChannelActor {
                 tracing::error!(%error, %conversation_id, seq = turn.seq, "claim failed; retrying");
                 self.redeliver_after(connection_id, conversation_id, turn.seq, 1_000);
                 false
+            }
+        }
+    }
+
+    /// Gives up the claims a departed lease-mode member still holds, so the next owner claims
+    /// them at once.
+    async fn release_leases(&self, holder: &str) {
+        match self.store.release_leases(holder).await {
+            Ok(0) => {}
+            Ok(released) => {
+                tracing::debug!(
+                    holder,
+                    released,
+                    "leases claimed after the session's release released"
+                )
+            }
+            Err(error) => {
+                tracing::warn!(%error, holder, "leases not released; they run out by themselves")
             }
         }
     }
