@@ -88,6 +88,42 @@ async fn a_frame_committed_on_one_node_reaches_a_client_on_another() {
 }
 
 #[tokio::test]
+async fn a_frame_too_large_for_the_notification_still_reaches_the_other_node() {
+    // Notifications carry frames under 7,000 bytes; a larger one is read back by the receiver.
+    let node = TestNode::start().await;
+    let peer = node.start_peer().await;
+    let acme = node.tenant_with_channel("acme").await;
+    let (conversation_id, token) = node.conversation(&acme, "alice").await;
+    let mut on_peer = WsClient::connect(&format!("ws://{}/socket/converger/v1", peer.addr())).await;
+    on_peer.hello(&token, json!({})).await;
+
+    // The text is capped below the notification's limit; other data fields are not.
+    let large = "x".repeat(12_000);
+    // The large frame comes last: no later frame's gap fill can bring it in.
+    for padding in ["", large.as_str()] {
+        node.client
+            .post_activity(
+                &token,
+                conversation_id,
+                &json!({"type": "text", "data": {"text": "hi", "padding": padding}}),
+                None,
+            )
+            .await
+            .unwrap();
+    }
+    let received: Vec<(i64, usize)> = [on_peer.recv().await, on_peer.recv().await]
+        .iter()
+        .map(|frame| {
+            (
+                frame["seq"].as_i64().unwrap(),
+                frame["data"]["padding"].as_str().unwrap().len(),
+            )
+        })
+        .collect();
+    assert_eq!(received, vec![(1, 0), (2, 12_000)]);
+}
+
+#[tokio::test]
 async fn killing_the_listen_backend_loses_no_frame() {
     let node = TestNode::start().await;
     let peer = node.start_peer().await;
