@@ -1,6 +1,7 @@
 -- The tables every turn writes keep their keys and unique indexes, which carry the promises
 -- (gap-free seq, idempotency keys, one answer per turn revision), and lose their CHECK
--- constraints and foreign keys. Postgres re-parses a table's CHECK expressions at the start of
+-- constraints and the foreign keys every turn checks (conversations keeps its references to
+-- tenants and channels, checked only when a conversation is created). Postgres re-parses a table's CHECK expressions at the start of
 -- every statement that writes it and runs a foreign-key query per inserted row; measured under
 -- `converger-bench turns`, the two were about a sixth of the database's CPU time. The only
 -- writers are the store's statements and functions, which write these columns from closed sets

@@ -8,8 +8,9 @@
 -- The timestamp is read after the row lock is held, so within a conversation it never goes
 -- backwards as seq grows.
 -- converger_committed_payload: the notification of a commit. It carries the committed frames
--- themselves when they are small enough, so no node has to read them back; Postgres refuses
--- payloads of 8,000 bytes and more, so larger frames are left out and receivers read them.
+-- themselves when the whole payload stays under 7,500 bytes, so no node has to read them back;
+-- Postgres refuses payloads of 8,000 bytes and more, so larger frames are left out and
+-- receivers read them.
 -- plpgsql rather than SQL: an SQL function is inlined, so its text would be parsed again each
 -- time Postgres plans the calling statement.
 CREATE FUNCTION converger_committed_payload(
@@ -19,10 +20,15 @@ CREATE FUNCTION converger_committed_payload(
     p_channel      uuid,
     p_frames       jsonb
 ) RETURNS text LANGUAGE plpgsql IMMUTABLE AS $$
+DECLARE
+    payload text;
 BEGIN
-    IF p_frames IS NOT NULL AND octet_length(p_frames::text) < 7000 THEN
-        RETURN json_build_object('k', 'c', 'e', p_event, 'c', p_conversation, 's', p_seq,
-                                 'h', p_channel, 'f', p_frames)::text;
+    IF p_frames IS NOT NULL THEN
+        payload := json_build_object('k', 'c', 'e', p_event, 'c', p_conversation, 's', p_seq,
+                                     'h', p_channel, 'f', p_frames)::text;
+        IF octet_length(payload) < 7500 THEN
+            RETURN payload;
+        END IF;
     END IF;
     RETURN json_build_object('k', 'c', 'e', p_event, 'c', p_conversation, 's', p_seq,
                              'h', p_channel)::text;

@@ -89,7 +89,8 @@ async fn a_frame_committed_on_one_node_reaches_a_client_on_another() {
 
 #[tokio::test]
 async fn a_frame_too_large_for_the_notification_still_reaches_the_other_node() {
-    // Notifications carry frames under 7,000 bytes; a larger one is read back by the receiver.
+    // Notifications carry frames while the payload stays under 7,500 bytes; a larger frame is
+    // read back by the receiver.
     let node = TestNode::start().await;
     let peer = node.start_peer().await;
     let acme = node.tenant_with_channel("acme").await;

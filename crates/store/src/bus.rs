@@ -109,7 +109,7 @@ enum Payload {
         seq: i64,
         #[serde(rename = "h", default)]
         channel_id: Option<Uuid>,
-        #[serde(rename = "f", default)]
+        #[serde(rename = "f", default, deserialize_with = "frames_or_none")]
         frames: Vec<Activity>,
     },
     #[serde(rename = "t")]
@@ -301,6 +301,23 @@ impl Store {
         let (listening, ready) = oneshot::channel();
         tokio::spawn(run_listener(self.clone(), events, listening));
         (receiver, ready)
+    }
+}
+
+/// The frames a notification carries, or none when any of them does not read as a frame: the
+/// receiver then reads them back, instead of losing the whole notification.
+fn frames_or_none<'de, D>(deserializer: D) -> Result<Vec<Activity>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+{
+    let raw = Vec::<Value>::deserialize(deserializer)?;
+    let frames: Result<Vec<Activity>, _> = raw.into_iter().map(serde_json::from_value).collect();
+    match frames {
+        Ok(frames) => Ok(frames),
+        Err(error) => {
+            tracing::warn!(%error, "event bus: carried frames unreadable; reading them back");
+            Ok(Vec::new())
+        }
     }
 }
 
@@ -517,6 +534,15 @@ mod tests {
         assert_eq!(frames[0].kind, "text");
         assert_eq!(frames[0].client_id.as_deref(), Some("c4"));
         assert_eq!(frames[0].created_at.timestamp_micros() % 1_000_000, 903_868);
+        // A frame that does not read leaves the event without frames, not unreadable.
+        let odd: Payload = serde_json::from_str(&format!(
+            r#"{{"k":"c","e":9,"c":"{conversation_id}","s":5,"f":[{{"seq":"five"}}]}}"#
+        ))
+        .unwrap();
+        assert!(matches!(
+            to_event(odd),
+            Some(BusEvent::Committed { seq: 5, ref frames, .. }) if frames.is_empty()
+        ));
         let transient = TransientFrame {
             node: "n1".into(),
             channel_id: Some(conversation_id),

@@ -22,8 +22,9 @@ use std::time::Duration;
 
 use serde::Serialize;
 use serde_json::Value;
-use sqlx::PgPool;
+use sqlx::pool::PoolConnection;
 use sqlx::types::Json;
+use sqlx::{PgConnection, PgPool, Postgres};
 use tokio::sync::{Mutex, mpsc, oneshot};
 use uuid::Uuid;
 
@@ -35,6 +36,9 @@ use crate::{StoreError, within_deadline};
 
 /// The operation name in metrics and timeouts.
 const OPERATION: &str = "group_commit";
+
+/// The operation name of waiting for a pooled connection.
+const CONNECTION_OPERATION: &str = "group_commit_connection";
 
 /// Writes in one transaction at most.
 pub(crate) const MAX_BATCH: usize = 128;
@@ -288,12 +292,29 @@ async fn commit_batch(pool: &PgPool, mut batch: Vec<Write>, deadline: Duration) 
         return;
     }
     batch.sort_by_key(Write::conversation_id);
-    let attempt = within_deadline(deadline, OPERATION, run_together(pool, &mut batch)).await;
+    let mut connection = match connection(pool, deadline).await {
+        Ok(connection) => connection,
+        Err(error) => {
+            let message = error.to_string();
+            for write in batch {
+                write.failed(StoreError::GroupCommit(message.clone()));
+            }
+            return;
+        }
+    };
+    let attempt = within_deadline(
+        deadline,
+        OPERATION,
+        run_together(&mut connection, &mut batch),
+    )
+    .await;
+    drop(connection);
     match attempt {
         Some(Ok(())) => batch.into_iter().for_each(Write::committed),
         // A statement failed (a racing idempotency key, say): nothing of the batch is stored,
         // so each write is tried again alone and gets its own outcome.
-        Some(Err(BatchError::Statement(_))) => {
+        Some(Err(BatchError::Statement(error))) => {
+            tracing::debug!(%error, writes = batch.len(), "batch refused; committing its writes one by one");
             for write in batch {
                 commit_alone(pool, write, deadline).await;
             }
@@ -306,6 +327,7 @@ async fn commit_batch(pool: &PgPool, mut batch: Vec<Write>, deadline: Duration) 
                 write.failed(StoreError::GroupCommit(message.clone()));
             }
         }
+        // The server stopped answering: the fate is unknown too.
         None => batch
             .into_iter()
             .for_each(|write| write.failed(timed_out())),
@@ -315,12 +337,32 @@ async fn commit_batch(pool: &PgPool, mut batch: Vec<Write>, deadline: Duration) 
 /// Commits one write as a statement of its own; the writer gets its own error (a unique
 /// violation is answered as a duplicate).
 async fn commit_alone(pool: &PgPool, mut write: Write, deadline: Duration) {
-    match within_deadline(deadline, OPERATION, run_alone(pool, &mut write)).await {
+    let mut connection = match connection(pool, deadline).await {
+        Ok(connection) => connection,
+        Err(error) => return write.failed(error),
+    };
+    match within_deadline(deadline, OPERATION, write.execute(&mut connection)).await {
         Some(Ok(())) => write.committed(),
-        Some(Err(BatchError::Statement(error) | BatchError::Commit(error))) => {
-            write.failed(StoreError::Database(error));
-        }
+        Some(Err(error)) => write.failed(StoreError::Database(error)),
         None => write.failed(timed_out()),
+    }
+}
+
+/// A pooled connection, waited for under its own deadline. The statement then gets a whole
+/// deadline of its own, which the server's `statement_timeout` undercuts: a statement that runs
+/// too long is cancelled by the server (rolled back, reported as a database error) before the
+/// client stops waiting, so the client gives up, with the fate unknown, only on a server that
+/// stopped answering.
+async fn connection(
+    pool: &PgPool,
+    deadline: Duration,
+) -> Result<PoolConnection<Postgres>, StoreError> {
+    match within_deadline(deadline, CONNECTION_OPERATION, pool.acquire()).await {
+        Some(Ok(connection)) => Ok(connection),
+        Some(Err(error)) => Err(StoreError::Database(error)),
+        None => Err(StoreError::Timeout {
+            operation: CONNECTION_OPERATION,
+        }),
     }
 }
 
@@ -400,11 +442,14 @@ impl BatchError {
 }
 
 /// Runs the whole batch as one statement and keeps each write's outcome.
-async fn run_together(pool: &PgPool, batch: &mut [Write]) -> Result<(), BatchError> {
+async fn run_together(
+    connection: &mut PgConnection,
+    batch: &mut [Write],
+) -> Result<(), BatchError> {
     let entries: Vec<BatchEntry<'_>> = batch.iter().map(Write::batch_entry).collect();
     let Json(outcomes): Json<Vec<Value>> = sqlx::query_scalar("SELECT converger_commit_batch($1)")
         .bind(Json(&entries))
-        .fetch_one(pool)
+        .fetch_one(&mut *connection)
         .await
         .map_err(BatchError::classify)?;
     if outcomes.len() != batch.len() {
@@ -420,13 +465,4 @@ async fn run_together(pool: &PgPool, batch: &mut [Write]) -> Result<(), BatchErr
             .map_err(BatchError::Commit)?;
     }
     Ok(())
-}
-
-/// Runs one write as a statement of its own.
-async fn run_alone(pool: &PgPool, write: &mut Write) -> Result<(), BatchError> {
-    let mut connection = pool.acquire().await.map_err(BatchError::Commit)?;
-    write
-        .execute(&mut connection)
-        .await
-        .map_err(BatchError::classify)
 }

@@ -490,9 +490,9 @@ impl TurnAnswer {
     }
 }
 
-/// The statements of an answer, inside a transaction the caller commits: one call of
-/// `converger_answer_turn`, so the turn's row lock is held for one round trip. Outcomes other
-/// than `Committed` write nothing.
+/// An answer written alone: one call of `converger_answer_turn` as a statement of its own, so
+/// the turn's row lock is held for one round trip (in a batch, `converger_commit_batch` calls
+/// the same function). Outcomes other than `Committed` write nothing.
 pub(crate) async fn answer_turn(
     tx: &mut PgConnection,
     answer: &TurnAnswer,

@@ -255,8 +255,10 @@ impl AgentSession<'_> {
         first: Delivery,
         queue: &mut mpsc::UnboundedReceiver<Delivery>,
     ) -> Result<(), Ending> {
+        // Never more than the outbound queue holds, so a healthy agent is not taken for a slow one.
+        let most = DELIVERY_BATCH.min(self.state.config.limits.outbound_queue_frames.max(1));
         let mut batch = vec![first];
-        while batch.len() < DELIVERY_BATCH {
+        while batch.len() < most {
             let Ok(delivery) = queue.try_recv() else {
                 break;
             };

@@ -106,7 +106,10 @@ fn reply_to(
             tracing::error!(%error, %conversation_id, "turn result not stored");
             return ErrorFrame {
                 client_id,
-                ..ErrorFrame::new(ErrorCode::Internal, "the result was not stored; retry")
+                ..ErrorFrame::new(
+                    ErrorCode::Internal,
+                    "the result could not be confirmed; retry",
+                )
             }
             .to_json();
         }
