@@ -7,6 +7,7 @@ mod support;
 
 use std::collections::BTreeSet;
 
+use converger_client::TokenRequest;
 use converger_store::faults;
 use fail::FailScenario;
 use serde_json::{Value, json};
@@ -168,4 +169,58 @@ async fn frames_committed_while_the_listener_is_down_reach_the_other_node_in_ord
     assert_eq!(unique.len(), seen.len());
     assert!(seqs(&watcher.barrier().await).is_empty(), "nothing twice");
     scenario.teardown();
+}
+
+#[tokio::test]
+async fn a_turn_whose_frame_cannot_be_read_reaches_its_member_when_the_read_is_retried() {
+    let scenario = FailScenario::setup();
+    let node = TestNode::start().await;
+    let peer = node.start_peer().await;
+    let acme = node.tenant_with_channel("acme").await;
+    let token = node
+        .client
+        .generate_token(&acme.secret, &TokenRequest::channel_scope())
+        .await
+        .unwrap()
+        .token;
+    let mut member =
+        connect_agent(&format!("ws://{}/socket/converger/v1", peer.addr()), &token).await;
+    let (conversation_id, user_token) = node.conversation(&acme, "alice").await;
+
+    // Too large for the notification, so the peer reads it back: its bus bridge's read fails,
+    // then its channel actor's; the actor tries again a second later.
+    fail::cfg(faults::LIST_ACTIVITIES, "2*return").unwrap();
+    let padding = "x".repeat(12_000);
+    node.client
+        .post_activity(
+            &user_token,
+            conversation_id,
+            &json!({"type": "text", "data": {"text": "hello", "padding": padding}}),
+            None,
+        )
+        .await
+        .unwrap();
+    let turn = loop {
+        let envelope = member.recv().await;
+        if envelope["frame"]["type"] == "text" {
+            break envelope;
+        }
+    };
+    assert_eq!(turn["conversationId"], conversation_id.to_string());
+    assert_eq!(turn["frame"]["data"]["text"], "hello");
+    assert_eq!(turn["frame"]["meta"]["turn"]["seq"], 1);
+    assert!(turn["frame"]["meta"]["runtime"].is_object());
+    scenario.teardown();
+}
+
+/// A group member on `url`, once its `since` has passed (it owns the turns that follow).
+async fn connect_agent(url: &str, token: &str) -> WsClient {
+    let mut client = WsClient::connect(url).await;
+    let welcome = client.hello(token, json!({"group": "bots"})).await;
+    let since = welcome["data"]["since"].as_i64().unwrap();
+    let wait = since - chrono::Utc::now().timestamp_millis() + 20;
+    if wait > 0 {
+        tokio::time::sleep(std::time::Duration::from_millis(wait as u64)).await;
+    }
+    client
 }

@@ -277,6 +277,9 @@ impl Store {
         after_seq: i64,
         limit: i64,
     ) -> Result<Vec<Activity>, StoreError> {
+        if crate::faults::injected(crate::faults::LIST_ACTIVITIES) {
+            return Err(StoreError::Injected(crate::faults::LIST_ACTIVITIES));
+        }
         self.timed("list_activities", async {
             sqlx::query_as::<_, Activity>(sqlx::AssertSqlSafe(format!(
                 "SELECT {ACTIVITY_COLUMNS} FROM activities

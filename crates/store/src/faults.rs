@@ -13,6 +13,8 @@ pub const AFTER_COMMIT_BEFORE_NOTIFY: &str = "after_commit_before_notify";
 pub const LISTENER_DROP: &str = "listener_drop";
 /// The frame is committed and dispatched, but its ack is never sent.
 pub const ACK_SEND_DROP: &str = "ack_send_drop";
+/// Reading frames back (`Store::list_activities`) fails before it reaches the database.
+pub const LIST_ACTIVITIES: &str = "list_activities";
 
 /// True when the named point fires now; always false without the `failpoints` feature.
 pub fn injected(name: &str) -> bool {
