@@ -23,9 +23,6 @@ const MEMORY_TURNS_PER_CONVERSATION: usize = 64;
 /// How long the actor waits before reading a frame again that the database did not return.
 const FRAMES_RETRY: std::time::Duration = std::time::Duration::from_secs(1);
 
-/// Feed events taken from the feed at once.
-const FEED_BATCH: usize = 256;
-
 /// Unanswered turns older than this are not handed on when a node starts serving a channel.
 const PENDING_TURNS_HORIZON: std::time::Duration = std::time::Duration::from_secs(3_600);
 
@@ -334,7 +331,7 @@ impl ChannelActor {
                     None => return,
                 },
                 event = feed.recv() => match event {
-                    Ok(event) => self.on_events(event, &mut feed).await,
+                    Ok(event) => self.on_event(event).await,
                     Err(broadcast::error::RecvError::Lagged(missed)) => {
                         tracing::warn!(channel_id = %self.channel_id, missed, "agents: channel feed lagged; gaps are read back on the next frame");
                     }
@@ -603,28 +600,6 @@ impl ChannelActor {
             };
             self.deliver_pending(conversation_id, &decision.new_owner, &decision.seqs)
                 .await;
-        }
-    }
-
-    /// Handles `first` and whatever else the feed already holds (up to [`FEED_BATCH`]), with the
-    /// in feed order.
-    async fn on_events(
-        &mut self,
-        first: ChannelEvent,
-        feed: &mut broadcast::Receiver<ChannelEvent>,
-    ) {
-        let mut batch = vec![first];
-        while batch.len() < FEED_BATCH {
-            match feed.try_recv() {
-                Ok(event) => batch.push(event),
-                Err(broadcast::error::TryRecvError::Lagged(missed)) => {
-                    tracing::warn!(channel_id = %self.channel_id, missed, "agents: channel feed lagged; gaps are read back on the next frame");
-                }
-                Err(_) => break,
-            }
-        }
-        for event in batch {
-            self.on_event(event).await;
         }
     }
 
