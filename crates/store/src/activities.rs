@@ -3,12 +3,12 @@
 //! A commit is one call of `converger_commit_frame` (migration 20261130000005): it allocates the
 //! seq under the conversation row lock, inserts the activity, the turn row for user frames, the
 //! outbox row, and calls `pg_notify`, which Postgres delivers only if the transaction commits.
-//! The frames of many sessions commit in one call of `converger_commit_batch` (`group_commit`).
+//! It is called by `converger_commit_batch`, which commits the frames and answers of many
+//! sessions, or one alone, in one statement (`group_commit`).
 
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
-use sqlx::PgConnection;
 use uuid::Uuid;
 
 use crate::{Store, StoreError};
@@ -173,32 +173,6 @@ impl Activity {
     }
 }
 
-/// Commits one frame with `converger_commit_frame` (migration 20261130000005), the one place
-/// its SQL lives: `None` when the conversation is missing or closed. A racing insert with the
-/// same key is caught by the unique index, which aborts the statement (and its transaction) as
-/// a whole.
-pub(crate) async fn insert_activity(
-    connection: &mut PgConnection,
-    new: &NewActivity,
-) -> Result<Option<CommitOutcome>, sqlx::Error> {
-    let row = sqlx::query_as::<_, ActivityWithFlag>(
-        "SELECT * FROM converger_commit_frame($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
-    )
-    .bind(new.conversation_id)
-    .bind(new.stored_id())
-    .bind(&new.kind)
-    .bind(&new.sender.id)
-    .bind(new.sender.role.as_str())
-    .bind(&new.data)
-    .bind(&new.metadata)
-    .bind(new.stored_extra())
-    .bind(&new.client_id)
-    .bind(new.is_turn())
-    .fetch_optional(connection)
-    .await?;
-    Ok(row.map(ActivityWithFlag::into_outcome))
-}
-
 impl NewActivity {
     /// The id to store: the sender's, else a fresh uuid v7.
     pub(crate) fn stored_id(&self) -> String {
@@ -295,11 +269,10 @@ impl Store {
     }
 }
 
-/// A row of `converger_commit_frame`: the stored frame and whether it was stored before. The
-/// batch function returns it as a JSON object with the same names.
-#[derive(sqlx::FromRow, Deserialize)]
+/// A row of `converger_commit_frame`: the stored frame and whether it was stored before, as
+/// `converger_commit_batch` returns it (a JSON object with the row's column names).
+#[derive(Deserialize)]
 pub(crate) struct ActivityWithFlag {
-    #[sqlx(flatten)]
     #[serde(flatten)]
     activity: Activity,
     duplicate: bool,

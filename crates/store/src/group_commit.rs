@@ -8,9 +8,9 @@
 //! Writes queue here; [`WORKERS`] tasks each take whatever is queued (at least one write, at
 //! most [`MAX_BATCH`]) and commit it. There is no timer: an idle worker starts at once, so a
 //! lone write waits for nothing, and under load the queue fills while the other workers' flushes
-//! are in progress (ADR 0010). A batch is one call of `converger_commit_batch` (migration
-//! 20261130000005), a lone write one call of its own function; either runs as a statement of
-//! its own, so one round trip commits it (ADR 0011).
+//! are in progress (ADR 0010). A batch, a lone write included, is one call of
+//! `converger_commit_batch` (migration 20261130000005) as a statement of its own, so one round
+//! trip commits it (ADR 0011).
 //!
 //! Architecture invariant: a batch's writes run in conversation order (stable for writes of one
 //! conversation), so two batches lock conversations in the same order and cannot deadlock; and a
@@ -28,10 +28,8 @@ use sqlx::{PgConnection, PgPool, Postgres};
 use tokio::sync::{Mutex, mpsc, oneshot};
 use uuid::Uuid;
 
-use crate::activities::{ActivityWithFlag, CommitOutcome, NewActivity, insert_activity};
-use crate::turns::{
-    AnswerOutcome, AnswerRow, TurnAnswer, answer_outcome, answer_turn, frame_extra,
-};
+use crate::activities::{ActivityWithFlag, CommitOutcome, NewActivity};
+use crate::turns::{AnswerOutcome, AnswerRow, TurnAnswer, answer_outcome, frame_extra};
 use crate::{StoreError, within_deadline};
 
 /// The operation name in metrics and timeouts.
@@ -77,24 +75,6 @@ impl Write {
             Write::Activity { new, .. } => new.conversation_id,
             Write::Answer { answer, .. } => answer.conversation_id,
         }
-    }
-
-    /// Runs the write's statements on `connection` and keeps their outcome until the commit.
-    async fn execute(&mut self, connection: &mut sqlx::PgConnection) -> Result<(), sqlx::Error> {
-        match self {
-            Write::Activity { new, outcome, .. } => {
-                *outcome = Some(insert_activity(connection, new).await?);
-            }
-            Write::Answer {
-                answer,
-                fingerprint,
-                outcome,
-                ..
-            } => {
-                *outcome = Some(answer_turn(connection, answer, fingerprint).await?);
-            }
-        }
-        Ok(())
     }
 
     /// The write as an element of `converger_commit_batch`'s argument.
@@ -341,9 +321,12 @@ async fn commit_alone(pool: &PgPool, mut write: Write, deadline: Duration) {
         Ok(connection) => connection,
         Err(error) => return write.failed(error),
     };
-    match within_deadline(deadline, OPERATION, write.execute(&mut connection)).await {
+    let alone = std::slice::from_mut(&mut write);
+    match within_deadline(deadline, OPERATION, run_together(&mut connection, alone)).await {
         Some(Ok(())) => write.committed(),
-        Some(Err(error)) => write.failed(StoreError::Database(error)),
+        Some(Err(BatchError::Statement(error) | BatchError::Commit(error))) => {
+            write.failed(StoreError::Database(error));
+        }
         None => write.failed(timed_out()),
     }
 }

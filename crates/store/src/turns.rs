@@ -10,7 +10,7 @@ use chrono::{DateTime, Utc};
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 use sha2::{Digest, Sha256};
-use sqlx::{PgConnection, Row};
+use sqlx::Row;
 use uuid::Uuid;
 
 use crate::activities::{ACTIVITY_COLUMNS, Activity, Sender};
@@ -463,9 +463,9 @@ impl Store {
     }
 }
 
-/// What `converger_answer_turn` returns (migration 20261130000003); the batch function returns
-/// it as a JSON object with the same names.
-#[derive(sqlx::FromRow, Deserialize)]
+/// What `converger_answer_turn` returns (migration 20261130000003), as `converger_commit_batch`
+/// returns it (a JSON object with the OUT parameters' names).
+#[derive(Deserialize)]
 pub(crate) struct AnswerRow {
     o_outcome: String,
     o_number: Option<i64>,
@@ -488,50 +488,6 @@ impl TurnAnswer {
             })
             .collect()
     }
-}
-
-/// An answer written alone: one call of `converger_answer_turn` as a statement of its own, so
-/// the turn's row lock is held for one round trip (in a batch, `converger_commit_batch` calls
-/// the same function). Outcomes other than `Committed` write nothing.
-pub(crate) async fn answer_turn(
-    tx: &mut PgConnection,
-    answer: &TurnAnswer,
-    fingerprint: &str,
-) -> Result<AnswerOutcome, sqlx::Error> {
-    let kinds: Vec<&str> = answer
-        .frames
-        .iter()
-        .map(|frame| frame.kind.as_str())
-        .collect();
-    let data: Vec<&Value> = answer.frames.iter().map(|frame| &frame.data).collect();
-    let metadata: Vec<Option<&Value>> = answer
-        .frames
-        .iter()
-        .map(|frame| frame.metadata.as_ref())
-        .collect();
-    let extra: Vec<Option<Value>> = answer.frames.iter().map(frame_extra).collect();
-    let row: AnswerRow = sqlx::query_as(
-        "SELECT o_outcome, o_number, o_ids, o_seqs, o_created, o_completed
-         FROM converger_answer_turn($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)",
-    )
-    .bind(answer.conversation_id)
-    .bind(answer.seq)
-    .bind(answer.revision)
-    .bind(answer.fence)
-    .bind(fingerprint)
-    .bind(&answer.sender.id)
-    .bind(answer.sender.role.as_str())
-    .bind(answer.runtime.is_some())
-    .bind(answer.runtime.as_ref().map_or(0, |runtime| runtime.version))
-    .bind(answer.runtime.as_ref().map(|runtime| &runtime.state))
-    .bind(answer.stored_ids())
-    .bind(&kinds)
-    .bind(&data)
-    .bind(&metadata)
-    .bind(&extra)
-    .fetch_one(&mut *tx)
-    .await?;
-    answer_outcome(answer, row)
 }
 
 /// Reads `converger_answer_turn`'s row as the outcome of `answer`.
