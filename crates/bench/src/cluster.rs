@@ -271,7 +271,8 @@ async fn takeover(
     Ok(figures)
 }
 
-fn now_ms() -> i64 {
+/// Wall-clock milliseconds since the Unix epoch (the clock `since` is stated in).
+pub(crate) fn now_ms() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|elapsed| elapsed.as_millis() as i64)

@@ -17,15 +17,17 @@ use uuid::Uuid;
 /// When each turn reached an agent, by (conversation, seq).
 pub type Arrivals = Arc<Mutex<HashMap<(Uuid, i64), Instant>>>;
 
-/// Connects as a member of `group` and answers every delivered turn with one text frame until
-/// the connection ends. Acks and refusals are only counted: a refusal would show up as a user
+/// Connects as a member of `group`, reports its `since` (ms) from the welcome on `eligible`,
+/// and answers every delivered turn with one text frame until the connection ends. Acks and refusals are only counted: a refusal would show up as a user
 /// who never gets an answer.
 pub async fn serve(
     url: String,
     token: String,
     group: &str,
     arrivals: Arrivals,
+    eligible: tokio::sync::oneshot::Sender<i64>,
 ) -> anyhow::Result<()> {
+    let mut eligible = Some(eligible);
     let (mut socket, _) = tokio::time::timeout(
         Duration::from_secs(10),
         tokio_tungstenite::connect_async_with_config(url, None, true),
@@ -39,6 +41,12 @@ pub async fn serve(
             continue;
         };
         let envelope: Value = serde_json::from_str(text.as_str())?;
+        if envelope["type"] == "welcome"
+            && let (Some(since), Some(eligible)) =
+                (envelope["data"]["since"].as_i64(), eligible.take())
+        {
+            let _ = eligible.send(since);
+        }
         let Some(turn) = Turn::from_envelope(&envelope) else {
             continue;
         };

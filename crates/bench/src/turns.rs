@@ -15,6 +15,7 @@ use uuid::Uuid;
 
 use crate::gateway::{DEFAULT_DATABASE_URL, Gateway, bench_channel, default_binary};
 use crate::machine;
+use crate::peers::Samples;
 use crate::pipelined_agent::{self, Arrivals};
 use crate::stats::percentiles;
 
@@ -36,13 +37,6 @@ pub struct TurnsArgs {
     /// The `converger` binary (default: next to this one).
     #[arg(long)]
     pub binary: Option<PathBuf>,
-}
-
-#[derive(Default)]
-struct Samples {
-    ack: Vec<f64>,
-    to_agent: Vec<f64>,
-    round_trip: Vec<f64>,
 }
 
 /// What one `turns` measurement found.
@@ -115,12 +109,16 @@ async fn measure(args: &TurnsArgs, gateway: &Gateway) -> anyhow::Result<TurnsFig
         bench_channel(&client, "turns", &TokenRequest::channel_scope()).await?;
     let arrivals: Arrivals = Arc::new(Mutex::new(HashMap::new()));
     let mut agents = Vec::new();
+    let mut eligibility = Vec::new();
     for _ in 0..args.agents {
+        let (eligible, since) = tokio::sync::oneshot::channel();
+        eligibility.push(since);
         let serving = pipelined_agent::serve(
             gateway.ws_url.clone(),
             agent_token.clone(),
             "bench",
             Arc::clone(&arrivals),
+            eligible,
         );
         agents.push(tokio::spawn(async move {
             if let Err(error) = serving.await {
@@ -128,8 +126,20 @@ async fn measure(args: &TurnsArgs, gateway: &Gateway) -> anyhow::Result<TurnsFig
             }
         }));
     }
-    // Members are eligible after the settle delay.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Members own turns committed at or after their `since` (the welcome's, after the settle
+    // delay); the users start once every member is eligible.
+    let mut latest_since = 0;
+    for since in eligibility {
+        let since = tokio::time::timeout(Duration::from_secs(10), since)
+            .await
+            .context("an agent's welcome did not come")?
+            .context("an agent stopped before its welcome")?;
+        latest_since = latest_since.max(since);
+    }
+    let wait_ms = latest_since - crate::cluster::now_ms() + 5;
+    if let Ok(wait_ms) = u64::try_from(wait_ms) {
+        tokio::time::sleep(Duration::from_millis(wait_ms)).await;
+    }
 
     let cpu_before = machine::cpu_ticks(gateway.pid()).unwrap_or(0);
     let started = Instant::now();
@@ -148,10 +158,7 @@ async fn measure(args: &TurnsArgs, gateway: &Gateway) -> anyhow::Result<TurnsFig
     }
     let mut samples = Samples::default();
     for user in users {
-        let user_samples = user.await?.context("user loop")?;
-        samples.ack.extend(user_samples.ack);
-        samples.to_agent.extend(user_samples.to_agent);
-        samples.round_trip.extend(user_samples.round_trip);
+        samples.extend(user.await?.context("user loop")?);
     }
     let elapsed = started.elapsed().as_secs_f64();
     let cpu_after = machine::cpu_ticks(gateway.pid()).unwrap_or(0);
