@@ -38,15 +38,6 @@ async fn user(node: &TestNode, fixture: &TenantFixture, name: &str) -> (WsClient
     (client, conversation_id)
 }
 
-/// Waits until the member's `since` has passed, so it owns the turns that follow.
-async fn settle(welcome: &Value) {
-    let since = welcome["data"]["since"].as_i64().unwrap();
-    let wait = since - chrono::Utc::now().timestamp_millis() + 20;
-    if wait > 0 {
-        tokio::time::sleep(Duration::from_millis(wait as u64)).await;
-    }
-}
-
 async fn say(client: &mut WsClient, client_id: &str, text: &str) -> i64 {
     client
         .send(json!({"type": "text", "clientId": client_id, "data": {"text": text}}))
@@ -129,8 +120,8 @@ async fn two_members_and_a_user_of_the_first() -> TwoMembers {
     let token = agent_token(&node, &acme).await;
     let (first, welcome_first) = agent(&node, &token, Some("bot")).await;
     let (second, welcome_second) = agent(&node, &token, Some("bot")).await;
-    settle(&welcome_first).await;
-    settle(&welcome_second).await;
+    support::settle(&welcome_first).await;
+    support::settle(&welcome_second).await;
     let members = [&welcome_first, &welcome_second];
     let (conversation_id, user_token) =
         conversation_owned_by(&node, &acme, &members, &welcome_first).await;
@@ -249,7 +240,7 @@ async fn a_member_gets_turns_with_meta_and_its_result_commits_and_reaches_the_us
     let acme = node.tenant_with_channel("acme").await;
     let token = agent_token(&node, &acme).await;
     let (mut bot, welcome) = agent(&node, &token, Some("bot")).await;
-    settle(&welcome).await;
+    support::settle(&welcome).await;
     let (mut alice, conversation_id) = user(&node, &acme, "alice").await;
     let seq = say(&mut alice, "a-1", "hello bot").await;
 
@@ -307,7 +298,7 @@ async fn one_delivered_turn() -> OneTurn {
     let acme = node.tenant_with_channel("acme").await;
     let token = agent_token(&node, &acme).await;
     let (mut bot, welcome) = agent(&node, &token, Some("bot")).await;
-    settle(&welcome).await;
+    support::settle(&welcome).await;
     let (mut alice, conversation_id) = user(&node, &acme, "alice").await;
     let seq = say(&mut alice, "a-1", "hi").await;
     delivery(&mut bot, "text").await;
@@ -432,8 +423,8 @@ async fn two_replicas_work_each_turn_once_across_turns_and_conversations_of_one_
     let token = agent_token(&node, &acme).await;
     let (mut first, first_welcome) = agent(&node, &token, Some("bot")).await;
     let (mut second, second_welcome) = agent(&node, &token, Some("bot")).await;
-    settle(&first_welcome).await;
-    settle(&second_welcome).await;
+    support::settle(&first_welcome).await;
+    support::settle(&second_welcome).await;
     let effects = support::effects::Effects::start()
         .await
         .expect("the effects fixture starts");
@@ -515,7 +506,7 @@ async fn each_conversation_has_one_owner_in_a_group_and_two_groups_each_get_ever
     let (mut second, welcome_second) = agent(&node, &token, Some("bot")).await;
     let (mut auditor, welcome_auditor) = agent(&node, &token, Some("audit")).await;
     for welcome in [&welcome_first, &welcome_second, &welcome_auditor] {
-        settle(welcome).await;
+        support::settle(welcome).await;
     }
     let mut users = Vec::new();
     for n in 0..8 {
@@ -571,7 +562,7 @@ async fn a_member_joining_during_the_settle_delay_takes_no_turn_of_before() {
     let acme = node.tenant_with_channel("acme").await;
     let token = agent_token(&node, &acme).await;
     let (mut settled, welcome) = agent(&node, &token, Some("bot")).await;
-    settle(&welcome).await;
+    support::settle(&welcome).await;
     let (mut newcomer, _) = agent(&node, &token, Some("bot")).await;
     let mut users = Vec::new();
     for n in 0..6 {
@@ -652,7 +643,7 @@ async fn agent_transient_frames_are_relayed_to_the_user_and_proactive_frames_are
     let acme = node.tenant_with_channel("acme").await;
     let token = agent_token(&node, &acme).await;
     let (mut bot, welcome) = agent(&node, &token, Some("bot")).await;
-    settle(&welcome).await;
+    support::settle(&welcome).await;
     let (mut alice, conversation_id) = user(&node, &acme, "alice").await;
     say(&mut alice, "a-1", "are you there?").await;
     delivery(&mut bot, "text").await;
@@ -724,8 +715,8 @@ async fn a_silent_member_is_dropped_at_the_idle_timeout_and_its_turn_taken_over(
     let token = agent_token(&node, &acme).await;
     let (mut silent, welcome_silent) = agent(&node, &token, Some("bot")).await;
     let (mut alive, welcome_alive) = agent(&node, &token, Some("bot")).await;
-    settle(&welcome_silent).await;
-    settle(&welcome_alive).await;
+    support::settle(&welcome_silent).await;
+    support::settle(&welcome_alive).await;
     let (conversation_id, user_token) = conversation_owned_by(
         &node,
         &acme,
@@ -753,7 +744,7 @@ async fn edit_and_regenerate_open_new_revisions_for_the_current_owner() {
     let acme = node.tenant_with_channel("acme").await;
     let token = agent_token(&node, &acme).await;
     let (mut bot, welcome) = agent(&node, &token, Some("bot")).await;
-    settle(&welcome).await;
+    support::settle(&welcome).await;
     let (conversation_id, user_token) = node.conversation(&acme, "alice").await;
     let mut alice = WsClient::connect(&node.ws_url("")).await;
     alice.hello(&user_token, json!({})).await;
@@ -854,7 +845,7 @@ async fn the_rust_agent_client_answers_turns_and_resends_idempotently() {
         .await
         .unwrap();
     let since = echo.welcome()["since"].as_i64().unwrap();
-    settle(&json!({"data": {"since": since}})).await;
+    support::settle(&json!({"data": {"since": since}})).await;
     let (mut alice, conversation_id) = user(&node, &acme, "alice").await;
     for n in 1..=2 {
         say(&mut alice, &format!("a-{n}"), &format!("ping {n}")).await;
@@ -894,8 +885,8 @@ async fn one_groups_answers_reach_the_other_groups_owner_but_not_its_own() {
     let token = agent_token(&node, &acme).await;
     let (mut bot, welcome_bot) = agent(&node, &token, Some("bot")).await;
     let (mut console, welcome_console) = agent(&node, &token, Some("console")).await;
-    settle(&welcome_bot).await;
-    settle(&welcome_console).await;
+    support::settle(&welcome_bot).await;
+    support::settle(&welcome_console).await;
     let (mut alice, conversation_id) = user(&node, &acme, "alice").await;
     let seq = say(&mut alice, "a-1", "help").await;
     delivery(&mut bot, "text").await;
@@ -949,7 +940,7 @@ async fn watermark_replay_gives_a_member_only_the_turns_it_owns() {
     let acme = node.tenant_with_channel("acme").await;
     let token = agent_token(&node, &acme).await;
     let (mut serving, welcome) = agent(&node, &token, Some("bot")).await;
-    settle(&welcome).await;
+    support::settle(&welcome).await;
     let (mut alice, conversation_id) = user(&node, &acme, "alice").await;
     for n in 1..=2 {
         say(&mut alice, &format!("a-{n}"), "x").await;
@@ -1144,7 +1135,7 @@ async fn a_lease_member_gets_each_turn_with_a_fence_and_must_answer_with_it() {
     let (mut member, welcome) = lease_member(&node, &token).await;
     assert_eq!(welcome["data"]["claim"], "lease");
     assert_eq!(welcome["data"]["leaseMs"], 10_000);
-    settle(&welcome).await;
+    support::settle(&welcome).await;
     let (mut client, conversation_id) = user(&node, &acme, "alice").await;
     let seq = say(&mut client, "t-1", "hello").await;
     let (_, turn) = delivery(&mut member, "text").await;
@@ -1188,8 +1179,8 @@ async fn a_departed_lease_holders_late_answer_is_refused_and_the_new_holder_answ
     let token = agent_token(&node, &acme).await;
     let (first, welcome_first) = lease_member(&node, &token).await;
     let (mut second, welcome_second) = lease_member(&node, &token).await;
-    settle(&welcome_first).await;
-    settle(&welcome_second).await;
+    support::settle(&welcome_first).await;
+    support::settle(&welcome_second).await;
     let members = [&welcome_first, &welcome_second];
     let (conversation_id, user_token) =
         conversation_owned_by(&node, &acme, &members, &welcome_first).await;
@@ -1293,7 +1284,7 @@ async fn the_rust_agent_client_answers_in_lease_mode_with_the_fence() {
         .await
         .unwrap();
     assert_eq!(agent.welcome()["claim"], "lease");
-    settle(&json!({"data": agent.welcome().clone()})).await;
+    support::settle(&json!({"data": agent.welcome().clone()})).await;
     let (mut client, _) = user(&node, &acme, "alice").await;
     let seq = say(&mut client, "t-1", "fenced").await;
     let turn = agent.next_turn().await.unwrap();

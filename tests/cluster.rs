@@ -65,15 +65,6 @@ fn connection_id(welcome: &Value) -> String {
     welcome["data"]["connectionId"].as_str().unwrap().to_owned()
 }
 
-/// Waits until the member's `since` has passed, so it owns the turns that follow.
-async fn settle(welcome: &Value) {
-    let since = welcome["data"]["since"].as_i64().unwrap();
-    let wait = since - chrono::Utc::now().timestamp_millis() + 20;
-    if wait > 0 {
-        tokio::time::sleep(Duration::from_millis(wait as u64)).await;
-    }
-}
-
 /// An end user in a new conversation, connected to `node`.
 struct User {
     client: WsClient,
@@ -240,8 +231,8 @@ async fn turns_reach_one_member_across_three_nodes_and_answers_cross_nodes() {
             .iter()
             .all(|node| node["httpAddr"].is_string())
     );
-    settle(&welcome_a).await;
-    settle(&welcome_b).await;
+    support::settle(&welcome_a).await;
+    support::settle(&welcome_b).await;
 
     let mut users = Vec::new();
     for n in 0..24 {
@@ -269,7 +260,7 @@ async fn a_member_joining_on_a_third_node_during_the_settle_delay_causes_no_dupl
     let channel = channel(&a).await;
     let (mut on_a, welcome_a) = member(&a, &channel.agent_token, "bot").await;
     wait_for_members(&[&a, &b, &c], &[&connection_id(&welcome_a)]).await;
-    settle(&welcome_a).await;
+    support::settle(&welcome_a).await;
     let mut users = Vec::new();
     for n in 0..16 {
         users.push(user(&b, &channel, &format!("user-{n}")).await);
@@ -300,7 +291,7 @@ async fn a_member_joining_on_a_third_node_during_the_settle_delay_causes_no_dupl
     }
 
     // After its since, the new member takes its share and still nothing is doubled.
-    settle(&welcome_c).await;
+    support::settle(&welcome_c).await;
     let spread = round(&mut users, &mut [&mut on_a, &mut on_c], "late").await;
     assert!(
         spread[1] > 0,
@@ -320,8 +311,8 @@ async fn a_killed_nodes_unanswered_turns_reach_a_member_on_a_survivor() {
         &[&connection_id(&welcome_a), &connection_id(&welcome_b)],
     )
     .await;
-    settle(&welcome_a).await;
-    settle(&welcome_b).await;
+    support::settle(&welcome_a).await;
+    support::settle(&welcome_b).await;
 
     // Conversations owned by the member on `a`, found by the rule every node applies.
     let mut view = GroupView::new();

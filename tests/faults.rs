@@ -106,7 +106,7 @@ async fn a_frame_committed_by_a_session_that_dies_at_once_still_reaches_every_su
     let scenario = FailScenario::setup();
     let node = TestNode::start().await;
     let peer = node.start_peer().await;
-    let peer_url = format!("ws://{}/socket/converger/v1", peer.addr());
+    let peer_url = support::peer_ws_url(&peer);
     let acme = node.tenant_with_channel("acme").await;
     let (conversation_id, token) = node.conversation(&acme, "alice").await;
     let mut sender = connect(&node.ws_url(""), &token).await;
@@ -144,7 +144,7 @@ async fn frames_committed_while_the_listener_is_down_reach_the_other_node_in_ord
     let scenario = FailScenario::setup();
     let node = TestNode::start().await;
     let peer = node.start_peer().await;
-    let peer_url = format!("ws://{}/socket/converger/v1", peer.addr());
+    let peer_url = support::peer_ws_url(&peer);
     let acme = node.tenant_with_channel("acme").await;
     let (_, token) = node.conversation(&acme, "alice").await;
     let mut sender = connect(&node.ws_url(""), &token).await;
@@ -183,8 +183,7 @@ async fn a_turn_whose_frame_cannot_be_read_reaches_its_member_when_the_read_is_r
         .await
         .unwrap()
         .token;
-    let mut member =
-        connect_agent(&format!("ws://{}/socket/converger/v1", peer.addr()), &token).await;
+    let mut member = connect_agent(&support::peer_ws_url(&peer), &token).await;
     let (conversation_id, user_token) = node.conversation(&acme, "alice").await;
 
     // Too large for the notification, so the peer reads it back: its bus bridge's read fails,
@@ -217,10 +216,6 @@ async fn a_turn_whose_frame_cannot_be_read_reaches_its_member_when_the_read_is_r
 async fn connect_agent(url: &str, token: &str) -> WsClient {
     let mut client = WsClient::connect(url).await;
     let welcome = client.hello(token, json!({"group": "bots"})).await;
-    let since = welcome["data"]["since"].as_i64().unwrap();
-    let wait = since - chrono::Utc::now().timestamp_millis() + 20;
-    if wait > 0 {
-        tokio::time::sleep(std::time::Duration::from_millis(wait as u64)).await;
-    }
+    support::settle(&welcome).await;
     client
 }

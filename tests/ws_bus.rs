@@ -34,7 +34,7 @@ async fn a_frame_committed_on_one_node_reaches_a_client_on_another() {
     let acme = node.tenant_with_channel("acme").await;
     let (conversation_id, token) = node.conversation(&acme, "alice").await;
 
-    let mut on_peer = WsClient::connect(&format!("ws://{}/socket/converger/v1", peer.addr())).await;
+    let mut on_peer = WsClient::connect(&support::peer_ws_url(&peer)).await;
     on_peer.hello(&token, json!({})).await;
     let mut on_node = WsClient::connect(&node.ws_url("")).await;
     on_node.hello(&token, json!({})).await;
@@ -95,7 +95,7 @@ async fn a_frame_too_large_for_the_notification_still_reaches_the_other_node() {
     let peer = node.start_peer().await;
     let acme = node.tenant_with_channel("acme").await;
     let (conversation_id, token) = node.conversation(&acme, "alice").await;
-    let mut on_peer = WsClient::connect(&format!("ws://{}/socket/converger/v1", peer.addr())).await;
+    let mut on_peer = WsClient::connect(&support::peer_ws_url(&peer)).await;
     on_peer.hello(&token, json!({})).await;
 
     // The text is capped below the notification's limit; other data fields are not.
@@ -130,7 +130,7 @@ async fn killing_the_listen_backend_loses_no_frame() {
     let peer = node.start_peer().await;
     let acme = node.tenant_with_channel("acme").await;
     let (conversation_id, token) = node.conversation(&acme, "alice").await;
-    let mut on_peer = WsClient::connect(&format!("ws://{}/socket/converger/v1", peer.addr())).await;
+    let mut on_peer = WsClient::connect(&support::peer_ws_url(&peer)).await;
     on_peer.hello(&token, json!({})).await;
 
     let mut db = node.db.connect().await;
@@ -332,7 +332,7 @@ async fn a_repeated_notification_shows_no_frame_twice() {
     let peer = node.start_peer().await;
     let acme = node.tenant_with_channel("acme").await;
     let (conversation_id, token) = node.conversation(&acme, "alice").await;
-    let mut on_peer = WsClient::connect(&format!("ws://{}/socket/converger/v1", peer.addr())).await;
+    let mut on_peer = WsClient::connect(&support::peer_ws_url(&peer)).await;
     on_peer.hello(&token, json!({})).await;
     let post = |text: &'static str| {
         let node = &node;

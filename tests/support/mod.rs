@@ -168,6 +168,21 @@ impl Drop for TestDb {
     }
 }
 
+/// Waits until a group member's `since` (its welcome's) has passed, so it owns the turns that
+/// follow: the server's own stated time, not a guess.
+pub async fn settle(welcome: &serde_json::Value) {
+    let since = welcome["data"]["since"].as_i64().unwrap();
+    let wait = since - chrono::Utc::now().timestamp_millis() + 20;
+    if wait > 0 {
+        tokio::time::sleep(Duration::from_millis(wait as u64)).await;
+    }
+}
+
+/// The WebSocket endpoint of another node (`TestNode::start_peer`).
+pub fn peer_ws_url(peer: &ServerHandle) -> String {
+    format!("ws://{}/socket/converger/v1", peer.addr())
+}
+
 /// The test configuration: `config/test.toml` over the built-in defaults.
 pub fn test_config() -> Config {
     let text = std::fs::read_to_string(workspace_root().join("config/test.toml"))
