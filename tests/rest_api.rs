@@ -911,6 +911,37 @@ async fn bad_frames_get_their_codes_and_store_nothing() {
 }
 
 #[tokio::test]
+async fn group_commit_batch_sizes_are_counted_in_writes_not_seconds() {
+    let node = TestNode::start().await;
+    let fixture = node.tenant_with_channel("acme").await;
+    let (conversation_id, token) = node.conversation(&fixture, "u1").await;
+    let (status, _) = call(
+        node.http
+            .post(activities_url(&node, conversation_id))
+            .bearer_auth(&token)
+            .json(&json!({"type": "text", "data": {"text": "x"}})),
+    )
+    .await;
+    assert_eq!(status, StatusCode::CREATED);
+    let metrics = node.metrics().await;
+    let buckets: Vec<&str> = metrics
+        .lines()
+        .filter(|line| line.starts_with("converger_group_commit_writes_bucket"))
+        .collect();
+    for bound in ["1", "2", "16", "128"] {
+        let series = format!("le=\"{bound}\"");
+        assert!(
+            buckets.iter().any(|line| line.contains(&series)),
+            "no {series} bucket in {buckets:?}"
+        );
+    }
+    assert!(
+        !buckets.iter().any(|line| line.contains("le=\"0.0005\"")),
+        "batch sizes got the latency buckets: {buckets:?}"
+    );
+}
+
+#[tokio::test]
 async fn health_metrics_and_unknown_routes() {
     let node = TestNode::start().await;
     let (status, body) = call(node.http.get(node.url("/health/live"))).await;
@@ -932,15 +963,7 @@ async fn health_metrics_and_unknown_routes() {
     );
 
     node.tenant_with_channel("acme").await;
-    let metrics = node
-        .http
-        .get(node.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = node.metrics().await;
     for family in [
         "converger_http_requests_total",
         "converger_http_request_duration_seconds",

@@ -162,15 +162,7 @@ async fn killing_the_listen_backend_loses_no_frame() {
         (1..=10).collect::<Vec<_>>()
     );
     // The listeners noticed the loss and read the outbox back over the gap.
-    let metrics = node
-        .http
-        .get(node.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = node.metrics().await;
     let reconnects: f64 = metrics
         .lines()
         .find(|line| line.starts_with("converger_bus_reconnects_total"))

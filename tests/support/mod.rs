@@ -267,6 +267,18 @@ impl TestNode {
         format!("{}{path}", self.server.base_url())
     }
 
+    /// The node's `/metrics` page (no metrics token configured).
+    pub async fn metrics(&self) -> String {
+        self.http
+            .get(self.url("/metrics"))
+            .send()
+            .await
+            .expect("GET /metrics")
+            .text()
+            .await
+            .expect("/metrics body")
+    }
+
     /// A tenant with one channel: (api key, channel id, channel secret).
     pub async fn tenant_with_channel(&self, name: &str) -> TenantFixture {
         let tenant = self

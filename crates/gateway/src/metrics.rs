@@ -6,12 +6,16 @@ use std::time::Instant;
 use axum::extract::{MatchedPath, Request};
 use axum::middleware::Next;
 use axum::response::Response;
-use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 /// Latency buckets in seconds, from sub-millisecond commits to slow requests.
 const LATENCY_BUCKETS: &[f64] = &[
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
 ];
+
+/// Writes per group-commit batch: powers of two up to the batch limit, so the size mix (lone
+/// writes against full batches) shows, which latency buckets would hide.
+const BATCH_SIZE_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0];
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
 
@@ -22,6 +26,12 @@ pub fn install_recorder() -> PrometheusHandle {
         .get_or_init(|| {
             let recorder = PrometheusBuilder::new()
                 .set_buckets(LATENCY_BUCKETS)
+                .and_then(|builder| {
+                    builder.set_buckets_for_metric(
+                        Matcher::Full("converger_group_commit_writes".to_owned()),
+                        BATCH_SIZE_BUCKETS,
+                    )
+                })
                 .map(PrometheusBuilder::build_recorder);
             match recorder {
                 Ok(recorder) => {
