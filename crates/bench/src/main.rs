@@ -5,6 +5,8 @@
 
 mod cluster;
 mod gateway;
+mod gateway_metrics;
+mod half_load;
 mod idle;
 mod machine;
 mod peers;
@@ -30,6 +32,8 @@ enum Command {
     Idle(idle::IdleArgs),
     /// U users in closed loop, A agents answering: turns/s and latencies.
     Turns(turns::TurnsArgs),
+    /// The latency goal in one run: the maximum turns/s, then p99 at half of it, paced.
+    HalfLoad(half_load::HalfLoadArgs),
     /// Three nodes: membership propagation and node-death takeover times.
     Cluster(cluster::ClusterArgs),
     /// The `turns` round trip over Redis Streams and JetStream, and the pgbench ceiling.
@@ -47,6 +51,7 @@ async fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Idle(args) => idle::run(args).await,
         Command::Turns(args) => turns::run(args).await,
+        Command::HalfLoad(args) => half_load::run(args).await,
         Command::Cluster(args) => cluster::run(args).await,
         Command::Peers(args) => peers::run(args).await,
         Command::Plot(args) => plot::run(args),

@@ -33,10 +33,12 @@ const FONT_CANDIDATES: &[&str] = &[
 ];
 
 /// One measured point of a series.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Point {
     per_sec: f64,
     p99_ms: f64,
+    /// The machine of the run the point comes from.
+    machine: String,
 }
 
 /// Series by system name, each by user count; a later line for the same point replaces it.
@@ -44,6 +46,7 @@ type Series = BTreeMap<String, BTreeMap<u64, Point>>;
 
 const SYSTEMS: &[(&str, RGBColor)] = &[
     ("converger", RGBColor(0xd6, 0x27, 0x28)),
+    ("store", RGBColor(0xff, 0x7f, 0x0e)),
     ("redis", RGBColor(0x1f, 0x77, 0xb4)),
     ("jetstream", RGBColor(0x2c, 0xa0, 0x2c)),
     ("pgbench", RGBColor(0x55, 0x55, 0x55)),
@@ -54,7 +57,6 @@ pub fn run(args: PlotArgs) -> anyhow::Result<()> {
     load_font(args.font.as_deref())?;
     let files = input_files(&args.input)?;
     let mut series = Series::new();
-    let mut machines = BTreeSet::new();
     let mut lines = 0;
     for file in &files {
         let text =
@@ -68,7 +70,6 @@ pub fn run(args: PlotArgs) -> anyhow::Result<()> {
             };
             if add_result(&mut series, &result) {
                 lines += 1;
-                machines.insert(describe_machine(&result["machine"]));
             }
         }
     }
@@ -82,7 +83,12 @@ pub fn run(args: PlotArgs) -> anyhow::Result<()> {
                 .join(", ")
         );
     }
-    let machines: Vec<String> = machines.into_iter().collect();
+    // Only the machines of the points drawn: a replaced line's machine is not on the chart.
+    let machines: BTreeSet<&str> = series
+        .values()
+        .flat_map(|points| points.values().map(|point| point.machine.as_str()))
+        .collect();
+    let machines: Vec<&str> = machines.into_iter().collect();
     draw(&series, &machines.join("; "), &args.output)?;
     println!(
         "{} results from {} files → {}",
@@ -145,11 +151,12 @@ fn add_result(series: &mut Series, result: &Value) -> bool {
     let Some(users) = result["users"].as_u64() else {
         return false;
     };
+    let machine = describe_machine(&result["machine"]);
     match result["bench"].as_str() {
-        Some("turns") => add_loop(series, "converger", users, result),
+        Some("turns") => add_loop(series, "converger", users, result, &machine),
         Some("peers") => {
-            for system in ["converger", "redis", "jetstream"] {
-                add_loop(series, system, users, &result["systems"][system]);
+            for system in ["converger", "store", "redis", "jetstream"] {
+                add_loop(series, system, users, &result["systems"][system], &machine);
             }
             let ceiling = &result["systems"]["pgbench"];
             if let Some(tps) = ceiling["tps"].as_f64() {
@@ -159,6 +166,7 @@ fn add_result(series: &mut Series, result: &Value) -> bool {
                     Point {
                         per_sec: tps,
                         p99_ms,
+                        machine,
                     },
                 );
             }
@@ -168,15 +176,19 @@ fn add_result(series: &mut Series, result: &Value) -> bool {
     true
 }
 
-fn add_loop(series: &mut Series, system: &str, users: u64, figures: &Value) {
+fn add_loop(series: &mut Series, system: &str, users: u64, figures: &Value, machine: &str) {
     let Some(per_sec) = figures["turns_per_sec"].as_f64() else {
         return;
     };
     let p99_ms = figures["round_trip_ms"]["p99"].as_f64().unwrap_or(f64::NAN);
-    series
-        .entry(system.to_owned())
-        .or_default()
-        .insert(users, Point { per_sec, p99_ms });
+    series.entry(system.to_owned()).or_default().insert(
+        users,
+        Point {
+            per_sec,
+            p99_ms,
+            machine: machine.to_owned(),
+        },
+    );
 }
 
 fn plot_error<E: std::fmt::Display>(error: E) -> anyhow::Error {
@@ -363,10 +375,10 @@ where
         return Ok(());
     }
     let style = color.stroke_width(3);
-    let label = if system == "pgbench" {
-        "pgbench ceiling"
-    } else {
-        system
+    let label = match system {
+        "pgbench" => "pgbench ceiling",
+        "store" => "converger's store alone",
+        _ => system,
     };
     if system == "pgbench" {
         chart

@@ -1,5 +1,6 @@
 //! `turns --users U --agents A --duration S`: end users in closed loop, each in a conversation of
-//! its own, and agents of one group answering every turn with `turnResult`.
+//! its own, and agents of one group answering every turn with `turnResult`. With `--rate R` the
+//! users are paced instead: together they send R turns per second, each on a fixed schedule.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -14,10 +15,10 @@ use tokio_tungstenite::tungstenite::Message;
 use uuid::Uuid;
 
 use crate::gateway::{DEFAULT_DATABASE_URL, Gateway, bench_channel, default_binary};
-use crate::machine;
 use crate::peers::Samples;
 use crate::pipelined_agent::{self, Arrivals};
 use crate::stats::percentiles;
+use crate::{gateway_metrics, machine};
 
 /// Arguments of `turns`.
 #[derive(Debug, clap::Args)]
@@ -37,6 +38,11 @@ pub struct TurnsArgs {
     /// The `converger` binary (default: next to this one).
     #[arg(long)]
     pub binary: Option<PathBuf>,
+    /// Pace the users: together they send this many turns per second, each user on a fixed
+    /// schedule, and latency counts from the scheduled send (a late send is not forgiven).
+    /// Without it, each user sends its next turn as soon as the last one is answered.
+    #[arg(long)]
+    pub rate: Option<f64>,
 }
 
 /// What one `turns` measurement found.
@@ -45,6 +51,8 @@ pub struct TurnsFigures {
     pub users: usize,
     /// Agents in the group.
     pub agents: usize,
+    /// Turns per second the paced users were asked to send (none: closed loop).
+    pub rate: Option<f64>,
     /// Seconds measured.
     pub duration_secs: f64,
     /// Turns answered (round trips completed).
@@ -61,6 +69,8 @@ pub struct TurnsFigures {
     pub gateway_rss_kib: u64,
     /// Gateway CPU over the measurement, percent of one core.
     pub gateway_cpu_percent: f64,
+    /// The gateway's group commit over the measurement ([`gateway_metrics::group_commit`]).
+    pub group_commit: Value,
 }
 
 impl TurnsFigures {
@@ -69,6 +79,7 @@ impl TurnsFigures {
         json!({
             "users": self.users,
             "agents": self.agents,
+            "rate": self.rate,
             "duration_secs": self.duration_secs,
             "turns": self.turns,
             "turns_per_sec": self.turns_per_sec,
@@ -77,6 +88,7 @@ impl TurnsFigures {
             "round_trip_ms": self.round_trip_ms,
             "gateway_rss_kib": self.gateway_rss_kib,
             "gateway_cpu_percent": self.gateway_cpu_percent,
+            "group_commit": self.group_commit,
         })
     }
 }
@@ -141,20 +153,30 @@ async fn measure(args: &TurnsArgs, gateway: &Gateway) -> anyhow::Result<TurnsFig
         tokio::time::sleep(Duration::from_millis(wait_ms)).await;
     }
 
-    let cpu_before = machine::cpu_ticks(gateway.pid()).unwrap_or(0);
-    let started = Instant::now();
-    let deadline = started + Duration::from_secs(args.duration);
-    let mut users = Vec::new();
+    // Every user connects and gets its conversation before the clock starts, so the window
+    // measures turns only (1,000 hellos take a second or two on this machine).
+    let mut connecting = Vec::new();
     for _ in 0..args.users {
         let token = client
             .generate_token(&channel.secret, &TokenRequest::default())
             .await?
             .token;
-        let url = gateway.ws_url.clone();
+        connecting.push(tokio::spawn(connect_user(gateway.ws_url.clone(), token)));
+    }
+    let mut connected = Vec::new();
+    for user in connecting {
+        connected.push(user.await?.context("user connect")?);
+    }
+
+    let metrics_before = gateway_metrics::scrape(&gateway.base_url).await?;
+    let cpu_before = machine::cpu_ticks(gateway.pid()).unwrap_or(0);
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs(args.duration);
+    let mut users = Vec::new();
+    for (index, user) in connected.into_iter().enumerate() {
+        let schedule = pace(args, started, index);
         let arrivals = Arc::clone(&arrivals);
-        users.push(tokio::spawn(async move {
-            user_loop(url, token, deadline, arrivals).await
-        }));
+        users.push(tokio::spawn(user_loop(user, deadline, schedule, arrivals)));
     }
     let mut samples = Samples::default();
     for user in users {
@@ -163,6 +185,7 @@ async fn measure(args: &TurnsArgs, gateway: &Gateway) -> anyhow::Result<TurnsFig
     let elapsed = started.elapsed().as_secs_f64();
     let cpu_after = machine::cpu_ticks(gateway.pid()).unwrap_or(0);
     let rss = machine::rss_kib(gateway.pid()).unwrap_or(0);
+    let metrics_after = gateway_metrics::scrape(&gateway.base_url).await?;
     for agent in agents {
         agent.abort();
     }
@@ -177,6 +200,7 @@ async fn measure(args: &TurnsArgs, gateway: &Gateway) -> anyhow::Result<TurnsFig
     Ok(TurnsFigures {
         users: args.users,
         agents: args.agents,
+        rate: args.rate,
         duration_secs: elapsed,
         turns,
         turns_per_sec,
@@ -185,12 +209,17 @@ async fn measure(args: &TurnsArgs, gateway: &Gateway) -> anyhow::Result<TurnsFig
         round_trip_ms: round_trip,
         gateway_rss_kib: rss,
         gateway_cpu_percent: cpu_percent,
+        group_commit: gateway_metrics::group_commit(&metrics_before, &metrics_after),
     })
 }
 
 fn print(figures: &TurnsFigures) {
+    let pacing = match figures.rate {
+        Some(rate) => format!("paced at {rate:.0} turns/s"),
+        None => "closed loop".to_owned(),
+    };
     println!(
-        "users {} agents {} duration {:.1} s",
+        "users {} agents {} duration {:.1} s, {pacing}",
         figures.users, figures.agents, figures.duration_secs
     );
     println!(
@@ -215,6 +244,13 @@ fn print(figures: &TurnsFigures) {
         "gateway RSS {} KiB, CPU {:.0}% of one core",
         figures.gateway_rss_kib, figures.gateway_cpu_percent
     );
+    let group_commit = &figures.group_commit;
+    println!(
+        "group commit: {} batches, {:.1} writes per batch, statement mean {:.2} ms",
+        group_commit["batches"],
+        group_commit["writes_per_batch"].as_f64().unwrap_or(0.0),
+        group_commit["statement_ms_mean"].as_f64().unwrap_or(0.0)
+    );
     println!(
         "goal (issue 7): turns/s ≥ the pgbench single-row insert ceiling at {} clients",
         figures.users
@@ -225,34 +261,82 @@ fn print(figures: &TurnsFigures) {
     println!("{result}");
 }
 
-async fn user_loop(
-    url: String,
-    token: String,
-    deadline: Instant,
-    arrivals: Arrivals,
-) -> anyhow::Result<Samples> {
+/// When a paced user sends: its first turn at `first`, then one every `every`.
+#[derive(Debug, Clone, Copy)]
+struct Schedule {
+    first: Instant,
+    every: Duration,
+}
+
+/// User `user`'s schedule under `--rate`: the users' first sends are spread evenly over one
+/// interval so that the load is smooth rather than in bursts of U turns.
+fn pace(args: &TurnsArgs, started: Instant, user: usize) -> Option<Schedule> {
+    let rate = args.rate.filter(|rate| *rate > 0.0)?;
+    let every = Duration::from_secs_f64(args.users as f64 / rate);
+    let first = started + every.mul_f64(user as f64 / args.users as f64);
+    Some(Schedule { first, every })
+}
+
+type Socket =
+    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+
+/// A user's open session: its socket and its conversation.
+struct ConnectedUser {
+    socket: Socket,
+    conversation_id: Uuid,
+}
+
+/// Opens a user's session (hello → welcome).
+async fn connect_user(url: String, token: String) -> anyhow::Result<ConnectedUser> {
     let (mut socket, _) = tokio_tungstenite::connect_async_with_config(url, None, true).await?;
     let hello = json!({"type": "hello", "protocol": "converger/1", "token": token});
     socket.send(Message::Text(hello.to_string().into())).await?;
-    let mut conversation_id = Uuid::nil();
     while let Some(message) = socket.next().await {
         if let Message::Text(text) = message? {
             let frame: Value = serde_json::from_str(text.as_str())?;
             if frame["type"] == "welcome" {
-                conversation_id = frame["data"]["conversationId"]
+                let conversation_id = frame["data"]["conversationId"]
                     .as_str()
                     .unwrap_or_default()
                     .parse()?;
-                break;
+                return Ok(ConnectedUser {
+                    socket,
+                    conversation_id,
+                });
             }
         }
     }
+    anyhow::bail!("closed before the welcome")
+}
+
+async fn user_loop(
+    user: ConnectedUser,
+    deadline: Instant,
+    schedule: Option<Schedule>,
+    arrivals: Arrivals,
+) -> anyhow::Result<Samples> {
+    let ConnectedUser {
+        mut socket,
+        conversation_id,
+    } = user;
     let mut samples = Samples::default();
     let mut n = 0u64;
     while Instant::now() < deadline {
+        // Paced: wait for the scheduled time and count latency from it, so that a turn sent
+        // late because the previous one was slow carries that delay (no coordinated omission).
+        let sent = match schedule {
+            Some(schedule) => {
+                let scheduled = schedule.first + schedule.every.mul_f64(n as f64);
+                if scheduled >= deadline {
+                    break;
+                }
+                tokio::time::sleep_until(scheduled.into()).await;
+                scheduled
+            }
+            None => Instant::now(),
+        };
         n += 1;
         let client_id = format!("t-{n}");
-        let sent = Instant::now();
         let turn = json!({"type": "text", "clientId": client_id, "data": {"text": "hello"}});
         socket.send(Message::Text(turn.to_string().into())).await?;
         let mut seq = None;
@@ -290,4 +374,44 @@ async fn user_loop(
         }
     }
     Ok(samples)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(users: usize, rate: Option<f64>) -> TurnsArgs {
+        TurnsArgs {
+            users,
+            agents: 1,
+            duration: 1,
+            database_url: String::new(),
+            binary: None,
+            rate,
+        }
+    }
+
+    #[test]
+    fn paced_users_share_the_rate_and_start_spread_over_one_interval() {
+        let started = Instant::now();
+        let args = args(4, Some(100.0));
+        let schedules: Vec<Schedule> = (0..4)
+            .map(|user| pace(&args, started, user).unwrap())
+            .collect();
+        for (user, schedule) in schedules.iter().enumerate() {
+            assert_eq!(schedule.every, Duration::from_millis(40));
+            let offset = schedule.first - started;
+            let expected = Duration::from_millis(10 * user as u64);
+            assert!(
+                offset.abs_diff(expected) < Duration::from_micros(1),
+                "user {user} starts after {offset:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn without_a_rate_the_users_run_in_closed_loop() {
+        assert!(pace(&args(4, None), Instant::now(), 0).is_none());
+        assert!(pace(&args(4, Some(0.0)), Instant::now(), 0).is_none());
+    }
 }

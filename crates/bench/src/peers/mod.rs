@@ -1,10 +1,12 @@
 //! `peers --users U --agents A --duration S`: the `turns` round trip over Redis Streams and NATS
-//! JetStream, the pgbench single-row insert ceiling, and optionally converger itself, in one run
-//! and one JSON line, so the ratios come from figures measured side by side.
+//! JetStream, the pgbench single-row insert ceiling, converger's store alone, and optionally
+//! converger itself, in one run and one JSON line, so the ratios come from figures measured side
+//! by side.
 
 mod jetstream;
 mod pgbench;
 mod redis_streams;
+mod store_alone;
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -31,9 +33,9 @@ pub struct PeersArgs {
     /// Seconds of measurement per system.
     #[arg(long, default_value_t = 10)]
     duration: u64,
-    /// Skip converger (measure only the peers and the ceiling).
-    #[arg(long)]
-    without_converger: bool,
+    /// Measure only these systems (pgbench, store, converger, redis, jetstream); all by default.
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
     /// Postgres server for converger's database and for pgbench.
     #[arg(long, default_value = DEFAULT_DATABASE_URL)]
     database_url: String,
@@ -221,41 +223,66 @@ pub async fn run(args: PeersArgs) -> anyhow::Result<()> {
         args.users, args.agents, args.duration
     );
 
-    eprintln!("pgbench: {} clients, {} s …", args.users, args.duration);
-    let pgbench = pgbench::measure(
-        &args.database_url,
-        args.users,
-        settings.duration,
-        interrupt.clone(),
-    )
-    .await;
-    stop_if_interrupted(&interrupt)?;
-
-    let converger = if args.without_converger {
-        Outcome::Skipped("--without-converger".to_owned())
+    let pgbench = if args.selects("pgbench") {
+        eprintln!("pgbench: {} clients, {} s …", args.users, args.duration);
+        pgbench::measure(
+            &args.database_url,
+            args.users,
+            settings.duration,
+            interrupt.clone(),
+        )
+        .await
     } else {
-        eprintln!("converger: {} users, {} agents …", args.users, args.agents);
-        measure_converger(&args, interrupt.clone()).await
+        not_selected()
     };
     stop_if_interrupted(&interrupt)?;
 
-    eprintln!("redis: {} users, {} agents …", args.users, args.agents);
-    let redis = redis_streams::measure(&args.redis_url, settings, interrupt.clone()).await;
+    let store = if args.selects("store") {
+        eprintln!("store alone: {} users …", args.users);
+        store_alone::measure(&args.database_url, settings, interrupt.clone()).await
+    } else {
+        not_selected()
+    };
     stop_if_interrupted(&interrupt)?;
 
-    eprintln!("jetstream: {} users, {} agents …", args.users, args.agents);
-    let jetstream = jetstream::measure(&args.nats_url, settings, interrupt.clone()).await;
+    let converger = if args.selects("converger") {
+        eprintln!("converger: {} users, {} agents …", args.users, args.agents);
+        measure_converger(&args, interrupt.clone()).await
+    } else {
+        not_selected()
+    };
+    stop_if_interrupted(&interrupt)?;
+
+    let redis = if args.selects("redis") {
+        eprintln!("redis: {} users, {} agents …", args.users, args.agents);
+        redis_streams::measure(&args.redis_url, settings, interrupt.clone()).await
+    } else {
+        not_selected()
+    };
+    stop_if_interrupted(&interrupt)?;
+
+    let jetstream = if args.selects("jetstream") {
+        eprintln!("jetstream: {} users, {} agents …", args.users, args.agents);
+        jetstream::measure(&args.nats_url, settings, interrupt.clone()).await
+    } else {
+        not_selected()
+    };
     stop_if_interrupted(&interrupt)?;
 
     let systems = [
         ("converger", &converger),
+        ("store", &store),
         ("redis", &redis),
         ("jetstream", &jetstream),
     ];
     print_table(&systems, &pgbench, args.users);
     let ratios = ratios(
         &converger,
-        &[("redis", &redis), ("jetstream", &jetstream)],
+        &[
+            ("store", &store),
+            ("redis", &redis),
+            ("jetstream", &jetstream),
+        ],
         &pgbench,
     );
     print_ratios(&ratios);
@@ -285,6 +312,7 @@ pub async fn run(args: PeersArgs) -> anyhow::Result<()> {
     let failed: Vec<&str> = [
         ("pgbench", &pgbench),
         ("converger", &converger),
+        ("store", &store),
         ("redis", &redis),
         ("jetstream", &jetstream),
     ]
@@ -296,6 +324,17 @@ pub async fn run(args: PeersArgs) -> anyhow::Result<()> {
         anyhow::bail!("failed: {}", failed.join(", "));
     }
     Ok(())
+}
+
+impl PeersArgs {
+    /// Whether `--only` leaves `system` in (no `--only`: every system).
+    fn selects(&self, system: &str) -> bool {
+        self.only.is_empty() || self.only.iter().any(|only| only == system)
+    }
+}
+
+fn not_selected() -> Outcome {
+    Outcome::Skipped("not selected by --only".to_owned())
 }
 
 fn stop_if_interrupted(interrupt: &Interrupt) -> anyhow::Result<()> {
@@ -312,6 +351,7 @@ async fn measure_converger(args: &PeersArgs, mut interrupt: Interrupt) -> Outcom
         duration: args.duration,
         database_url: args.database_url.clone(),
         binary: args.binary.clone(),
+        rate: None,
     };
     let figures = tokio::select! {
         figures = turns::figures(&turns_args) => figures,
@@ -409,13 +449,28 @@ fn print_table(systems: &[(&str, &Outcome)], pgbench: &Outcome, users: usize) {
     );
 }
 
-/// Converger's figures divided by each peer's (and by the pgbench ceiling).
+/// Converger's figures divided by each peer's and by the pgbench ceiling, and the store's alone
+/// divided by the ceiling.
 fn ratios(converger: &Outcome, peers: &[(&str, &Outcome)], pgbench: &Outcome) -> Value {
     let mut ratios = Map::new();
+    let rate = |figures: &Value| figures["turns_per_sec"].as_f64().unwrap_or(0.0);
+    let ceiling_tps = pgbench
+        .figures()
+        .map(|ceiling| ceiling["tps"].as_f64().unwrap_or(0.0));
+    // How far the storage design alone is from the ceiling, whatever the gateway does.
+    let store = peers
+        .iter()
+        .find(|(name, _)| *name == "store")
+        .and_then(|(_, outcome)| outcome.figures());
+    if let (Some(store), Some(ceiling_tps)) = (store, ceiling_tps) {
+        ratios.insert(
+            "store/pgbench".to_owned(),
+            json!({"turns_per_sec": divide(rate(store), ceiling_tps)}),
+        );
+    }
     let Some(ours) = converger.figures() else {
         return Value::Object(ratios);
     };
-    let our_rate = ours["turns_per_sec"].as_f64().unwrap_or(0.0);
     let our_p99 = percentile(ours, "round_trip_ms", "p99");
     for (name, outcome) in peers {
         let Some(theirs) = outcome.figures() else {
@@ -424,15 +479,15 @@ fn ratios(converger: &Outcome, peers: &[(&str, &Outcome)], pgbench: &Outcome) ->
         ratios.insert(
             format!("converger/{name}"),
             json!({
-                "turns_per_sec": divide(our_rate, theirs["turns_per_sec"].as_f64().unwrap_or(0.0)),
+                "turns_per_sec": divide(rate(ours), rate(theirs)),
                 "round_trip_p99": divide(our_p99, percentile(theirs, "round_trip_ms", "p99")),
             }),
         );
     }
-    if let Some(ceiling) = pgbench.figures() {
+    if let Some(ceiling_tps) = ceiling_tps {
         ratios.insert(
             "converger/pgbench".to_owned(),
-            json!({"turns_per_sec": divide(our_rate, ceiling["tps"].as_f64().unwrap_or(0.0))}),
+            json!({"turns_per_sec": divide(rate(ours), ceiling_tps)}),
         );
     }
     Value::Object(ratios)
@@ -447,7 +502,7 @@ fn print_ratios(ratios: &Value) {
         return;
     };
     if ratios.is_empty() {
-        println!("ratios: none (converger not measured)");
+        println!("ratios: none (neither converger nor its store measured)");
         return;
     }
     for (pair, figures) in ratios {
