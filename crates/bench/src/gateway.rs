@@ -77,6 +77,8 @@ impl Gateway {
             .env("CONVERGER_LOG_FORMAT", "json")
             .env("CONVERGER_SECRET_KEY", SECRET_KEY)
             .env("CONVERGER_ADMIN_TOKEN", ADMIN_TOKEN)
+            // `turns` reads `/metrics` without a token.
+            .env_remove("CONVERGER_METRICS_TOKEN")
             .env("CONVERGER_GOSSIP_ADDR", "127.0.0.1:0")
             .env(
                 "CONVERGER_STATE_DIR",

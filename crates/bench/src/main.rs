@@ -30,13 +30,14 @@ struct Cli {
 enum Command {
     /// K idle conversation sessions: gateway RSS per connection.
     Idle(idle::IdleArgs),
-    /// U users in closed loop, A agents answering: turns/s and latencies.
+    /// U users in closed loop (or paced with `--rate`), A agents answering: turns/s and latencies.
     Turns(turns::TurnsArgs),
     /// The latency goal in one run: the maximum turns/s, then p99 at half of it, paced.
     HalfLoad(half_load::HalfLoadArgs),
     /// Three nodes: membership propagation and node-death takeover times.
     Cluster(cluster::ClusterArgs),
-    /// The `turns` round trip over Redis Streams and JetStream, and the pgbench ceiling.
+    /// The `turns` round trip over Redis Streams and JetStream, converger's store alone, and the
+    /// pgbench ceiling.
     Peers(peers::PeersArgs),
     /// Render docs/benchmarks.png from saved `peers` and `turns` JSON lines.
     Plot(plot::PlotArgs),

@@ -153,6 +153,8 @@ fn add_result(series: &mut Series, result: &Value) -> bool {
     };
     let machine = describe_machine(&result["machine"]);
     match result["bench"].as_str() {
+        // A paced run's point is not on the closed-loop curves.
+        Some("turns") if !result["rate"].is_null() => return false,
         Some("turns") => add_loop(series, "converger", users, result, &machine),
         Some("peers") => {
             for system in ["converger", "store", "redis", "jetstream"] {
@@ -400,4 +402,35 @@ where
         )
         .map_err(plot_error)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn turns_line(users: u64, rate: Value, per_sec: f64) -> Value {
+        serde_json::json!({
+            "bench": "turns",
+            "users": users,
+            "rate": rate,
+            "turns_per_sec": per_sec,
+            "round_trip_ms": {"p99": 10.0},
+            "machine": {"cpus": 2, "cpu_model": "test", "memory_kib": 1024},
+        })
+    }
+
+    #[test]
+    fn a_paced_turns_line_is_not_a_closed_loop_point() {
+        let mut series = Series::new();
+        assert!(add_result(
+            &mut series,
+            &turns_line(64, Value::Null, 2000.0)
+        ));
+        assert!(!add_result(
+            &mut series,
+            &turns_line(64, serde_json::json!(1000.0), 999.0)
+        ));
+        let point = &series["converger"][&64];
+        assert_eq!(point.per_sec, 2000.0);
+    }
 }

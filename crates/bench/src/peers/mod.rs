@@ -33,8 +33,8 @@ pub struct PeersArgs {
     /// Seconds of measurement per system.
     #[arg(long, default_value_t = 10)]
     duration: u64,
-    /// Measure only these systems (pgbench, store, converger, redis, jetstream); all by default.
-    #[arg(long, value_delimiter = ',')]
+    /// Measure only these systems; all by default.
+    #[arg(long, value_delimiter = ',', value_parser = ["pgbench", "store", "converger", "redis", "jetstream"])]
     only: Vec<String>,
     /// Postgres server for converger's database and for pgbench.
     #[arg(long, default_value = DEFAULT_DATABASE_URL)]
@@ -223,50 +223,51 @@ pub async fn run(args: PeersArgs) -> anyhow::Result<()> {
         args.users, args.agents, args.duration
     );
 
-    let pgbench = if args.selects("pgbench") {
-        eprintln!("pgbench: {} clients, {} s …", args.users, args.duration);
+    let pgbench = measure_if(
+        &args,
+        "pgbench",
+        format!("pgbench: {} clients, {} s", args.users, args.duration),
         pgbench::measure(
             &args.database_url,
             args.users,
             settings.duration,
             interrupt.clone(),
-        )
-        .await
-    } else {
-        not_selected()
-    };
+        ),
+    )
+    .await;
     stop_if_interrupted(&interrupt)?;
-
-    let store = if args.selects("store") {
-        eprintln!("store alone: {} users …", args.users);
-        store_alone::measure(&args.database_url, settings, interrupt.clone()).await
-    } else {
-        not_selected()
-    };
+    let store = measure_if(
+        &args,
+        "store",
+        format!("store alone: {} users", args.users),
+        store_alone::measure(&args.database_url, settings, interrupt.clone()),
+    )
+    .await;
     stop_if_interrupted(&interrupt)?;
-
-    let converger = if args.selects("converger") {
-        eprintln!("converger: {} users, {} agents …", args.users, args.agents);
-        measure_converger(&args, interrupt.clone()).await
-    } else {
-        not_selected()
-    };
+    let loop_label = format!("{} users, {} agents", args.users, args.agents);
+    let converger = measure_if(
+        &args,
+        "converger",
+        format!("converger: {loop_label}"),
+        measure_converger(&args, interrupt.clone()),
+    )
+    .await;
     stop_if_interrupted(&interrupt)?;
-
-    let redis = if args.selects("redis") {
-        eprintln!("redis: {} users, {} agents …", args.users, args.agents);
-        redis_streams::measure(&args.redis_url, settings, interrupt.clone()).await
-    } else {
-        not_selected()
-    };
+    let redis = measure_if(
+        &args,
+        "redis",
+        format!("redis: {loop_label}"),
+        redis_streams::measure(&args.redis_url, settings, interrupt.clone()),
+    )
+    .await;
     stop_if_interrupted(&interrupt)?;
-
-    let jetstream = if args.selects("jetstream") {
-        eprintln!("jetstream: {} users, {} agents …", args.users, args.agents);
-        jetstream::measure(&args.nats_url, settings, interrupt.clone()).await
-    } else {
-        not_selected()
-    };
+    let jetstream = measure_if(
+        &args,
+        "jetstream",
+        format!("jetstream: {loop_label}"),
+        jetstream::measure(&args.nats_url, settings, interrupt.clone()),
+    )
+    .await;
     stop_if_interrupted(&interrupt)?;
 
     let systems = [
@@ -333,8 +334,18 @@ impl PeersArgs {
     }
 }
 
-fn not_selected() -> Outcome {
-    Outcome::Skipped("not selected by --only".to_owned())
+/// Runs `measure` when `--only` selects `system` (the future is not polled otherwise).
+async fn measure_if(
+    args: &PeersArgs,
+    system: &str,
+    what: String,
+    measure: impl std::future::Future<Output = Outcome>,
+) -> Outcome {
+    if !args.selects(system) {
+        return Outcome::Skipped("not selected by --only".to_owned());
+    }
+    eprintln!("{what} …");
+    measure.await
 }
 
 fn stop_if_interrupted(interrupt: &Interrupt) -> anyhow::Result<()> {
@@ -402,11 +413,15 @@ fn print_table(systems: &[(&str, &Outcome)], pgbench: &Outcome, users: usize) {
                     percentile(figures, "ack_ms", "p95"),
                     percentile(figures, "ack_ms", "p99")
                 ),
-                format!(
-                    "{:.1} / {:.1}",
-                    percentile(figures, "to_agent_ms", "p50"),
-                    percentile(figures, "to_agent_ms", "p99")
-                ),
+                if figures["to_agent_ms"].is_null() {
+                    "–".to_owned()
+                } else {
+                    format!(
+                        "{:.1} / {:.1}",
+                        percentile(figures, "to_agent_ms", "p50"),
+                        percentile(figures, "to_agent_ms", "p99")
+                    )
+                },
                 format!(
                     "{:.1} / {:.1} / {:.1}",
                     percentile(figures, "round_trip_ms", "p50"),
@@ -502,7 +517,7 @@ fn print_ratios(ratios: &Value) {
         return;
     };
     if ratios.is_empty() {
-        println!("ratios: none (neither converger nor its store measured)");
+        println!("ratios: none (no pair of systems measured)");
         return;
     }
     for (pair, figures) in ratios {
