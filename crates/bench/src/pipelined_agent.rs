@@ -18,8 +18,8 @@ use uuid::Uuid;
 pub type Arrivals = Arc<Mutex<HashMap<(Uuid, i64), Instant>>>;
 
 /// Connects as a member of `group`, reports its `since` (ms) from the welcome on `eligible`,
-/// and answers every delivered turn with one text frame until the connection ends. Acks and refusals are only counted: a refusal would show up as a user
-/// who never gets an answer.
+/// and answers every delivered turn with one text frame until the connection ends. Acks and
+/// refusals are only counted: a refusal would show up as a user who never gets an answer.
 pub async fn serve(
     url: String,
     token: String,

@@ -173,20 +173,25 @@ impl Activity {
     }
 }
 
+/// The id to store for a frame, a user's or an agent's: the sender's own, else a fresh uuid v7.
+pub(crate) fn stored_id(id: Option<&String>) -> String {
+    id.cloned().unwrap_or_else(|| Uuid::now_v7().to_string())
+}
+
+/// A frame's other top-level fields as stored: `NULL` when there are none.
+pub(crate) fn stored_extra(extra: &Map<String, Value>) -> Option<Value> {
+    (!extra.is_empty()).then(|| Value::Object(extra.clone()))
+}
+
 impl NewActivity {
     /// The id to store: the sender's, else a fresh uuid v7.
     pub(crate) fn stored_id(&self) -> String {
-        self.id
-            .clone()
-            .unwrap_or_else(|| Uuid::now_v7().to_string())
+        stored_id(self.id.as_ref())
     }
 
     /// The other top-level fields to store: `NULL` when there are none.
     pub(crate) fn stored_extra(&self) -> Option<Value> {
-        self.extra
-            .as_ref()
-            .filter(|map| !map.is_empty())
-            .map(|map| Value::Object(map.clone()))
+        self.extra.as_ref().and_then(stored_extra)
     }
 
     /// True when the frame opens a turn (the end user wrote it).

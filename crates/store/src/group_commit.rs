@@ -28,8 +28,8 @@ use sqlx::{PgConnection, PgPool, Postgres};
 use tokio::sync::{Mutex, mpsc, oneshot};
 use uuid::Uuid;
 
-use crate::activities::{ActivityWithFlag, CommitOutcome, NewActivity};
-use crate::turns::{AnswerOutcome, AnswerRow, TurnAnswer, answer_outcome, frame_extra};
+use crate::activities::{ActivityWithFlag, CommitOutcome, NewActivity, stored_extra, stored_id};
+use crate::turns::{AnswerOutcome, AnswerRow, TurnAnswer, answer_outcome};
 use crate::{StoreError, within_deadline};
 
 /// The operation name in metrics and timeouts.
@@ -110,13 +110,12 @@ impl Write {
                 frames: answer
                     .frames
                     .iter()
-                    .zip(answer.stored_ids())
-                    .map(|(frame, id)| BatchFrame {
-                        id,
+                    .map(|frame| BatchFrame {
+                        id: stored_id(frame.id.as_ref()),
                         kind: &frame.kind,
                         data: &frame.data,
                         metadata: frame.metadata.as_ref(),
-                        extra: frame_extra(frame),
+                        extra: stored_extra(&frame.extra),
                     })
                     .collect(),
             },

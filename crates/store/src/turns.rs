@@ -13,7 +13,7 @@ use sha2::{Digest, Sha256};
 use sqlx::Row;
 use uuid::Uuid;
 
-use crate::activities::{ACTIVITY_COLUMNS, Activity, Sender};
+use crate::activities::{ACTIVITY_COLUMNS, Activity, Sender, stored_extra};
 use crate::{NOTIFY_CHANNEL, Store, StoreError};
 
 /// One frame of an answer, split like a stored activity.
@@ -145,21 +145,14 @@ impl Store {
 
     /// The conversation's runtime: (version, state).
     pub async fn runtime(&self, conversation_id: Uuid) -> Result<(i64, Value), StoreError> {
-        let row: Option<(i64, Value)> = self
-            .timed("runtime", async {
-                sqlx::query_as(
-                    "SELECT version, state FROM conversation_runtime WHERE conversation_id = $1",
-                )
-                .bind(conversation_id)
-                .fetch_optional(&self.pool)
-                .await
-            })
-            .await?;
-        Ok(row.unwrap_or((0, json!({}))))
+        let mut found = self.runtimes(&[conversation_id]).await?;
+        Ok(found
+            .remove(&conversation_id)
+            .unwrap_or_else(initial_runtime))
     }
 
     /// The runtimes of several conversations in one query; a conversation without a runtime
-    /// row is absent (its runtime is version 0, `{}`).
+    /// row is absent (its runtime is [`initial_runtime`]).
     pub async fn runtimes(
         &self,
         conversation_ids: &[Uuid],
@@ -463,6 +456,11 @@ impl Store {
     }
 }
 
+/// The runtime of a conversation that has none stored: version 0, state `{}`.
+pub fn initial_runtime() -> (i64, Value) {
+    (0, json!({}))
+}
+
 /// What `converger_answer_turn` returns (migration 20261130000003), as `converger_commit_batch`
 /// returns it (a JSON object with the OUT parameters' names).
 #[derive(Deserialize)]
@@ -473,21 +471,6 @@ pub(crate) struct AnswerRow {
     o_seqs: Option<Vec<i64>>,
     o_created: Option<Vec<DateTime<Utc>>>,
     o_completed: Option<DateTime<Utc>>,
-}
-
-impl TurnAnswer {
-    /// The ids to store for the answer's frames: the agent's own, else fresh uuid v7s.
-    pub(crate) fn stored_ids(&self) -> Vec<String> {
-        self.frames
-            .iter()
-            .map(|frame| {
-                frame
-                    .id
-                    .clone()
-                    .unwrap_or_else(|| Uuid::now_v7().to_string())
-            })
-            .collect()
-    }
 }
 
 /// Reads `converger_answer_turn`'s row as the outcome of `answer`.
@@ -515,7 +498,7 @@ pub(crate) fn answer_outcome(
                     sender_role: answer.sender.role.as_str().to_owned(),
                     data: frame.data.clone(),
                     metadata: frame.metadata.clone(),
-                    extra: frame_extra(frame),
+                    extra: stored_extra(&frame.extra),
                     client_id: None,
                     created_at,
                     turn_seq: Some(answer.seq),
@@ -545,11 +528,6 @@ pub(crate) fn answer_outcome(
             )));
         }
     })
-}
-
-/// A frame's other top-level fields as stored: `NULL` when there are none.
-pub(crate) fn frame_extra(frame: &AnswerFrame) -> Option<Value> {
-    (!frame.extra.is_empty()).then(|| Value::Object(frame.extra.clone()))
 }
 
 /// A new revision of a turn (edit or regenerate).

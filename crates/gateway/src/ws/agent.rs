@@ -286,7 +286,7 @@ impl AgentSession<'_> {
                     let (version, state) = runtimes
                         .get(&conversation_id)
                         .cloned()
-                        .unwrap_or_else(|| (0, json!({})));
+                        .unwrap_or_else(converger_store::initial_runtime);
                     envelope["frame"]["meta"]["runtime"] =
                         json!({"version": version, "state": state});
                     envelope
@@ -297,7 +297,7 @@ impl AgentSession<'_> {
         Ok(())
     }
 
-    /// The runtimes of `conversations` (absent: version 0, `{}`), tried a few times; if the
+    /// The runtimes of `conversations` (absent: the initial one), tried a few times; if the
     /// database stays unreachable the connection closes, and the turns it was passed are taken
     /// over when it leaves.
     async fn read_runtimes(
