@@ -7,9 +7,11 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use converger_client::RestClient;
+use converger_gateway::ServerHandle;
 use serde_json::{Value, json};
 use support::TestNode;
 use support::ws::WsClient;
+use uuid::Uuid;
 
 fn seq_of(frame: &Value) -> Option<i64> {
     frame["seq"].as_i64().filter(|_| frame["type"] != "ack")
@@ -27,15 +29,40 @@ async fn read_until_seq(client: &mut WsClient, last: i64) -> Vec<i64> {
     seen
 }
 
-#[tokio::test]
-async fn a_frame_committed_on_one_node_reaches_a_client_on_another() {
+/// Two nodes sharing a database, and alice's conversation with her session on the peer.
+struct AliceOnThePeer {
+    node: TestNode,
+    peer: ServerHandle,
+    conversation_id: Uuid,
+    token: String,
+    on_peer: WsClient,
+}
+
+async fn alice_on_the_peer() -> AliceOnThePeer {
     let node = TestNode::start().await;
     let peer = node.start_peer().await;
     let acme = node.tenant_with_channel("acme").await;
     let (conversation_id, token) = node.conversation(&acme, "alice").await;
-
     let mut on_peer = WsClient::connect(&support::peer_ws_url(&peer)).await;
     on_peer.hello(&token, json!({})).await;
+    AliceOnThePeer {
+        node,
+        peer,
+        conversation_id,
+        token,
+        on_peer,
+    }
+}
+
+#[tokio::test]
+async fn a_frame_committed_on_one_node_reaches_a_client_on_another() {
+    let AliceOnThePeer {
+        node,
+        peer,
+        conversation_id,
+        token,
+        mut on_peer,
+    } = alice_on_the_peer().await;
     let mut on_node = WsClient::connect(&node.ws_url("")).await;
     on_node.hello(&token, json!({})).await;
 
@@ -91,12 +118,13 @@ async fn a_frame_committed_on_one_node_reaches_a_client_on_another() {
 async fn a_frame_too_large_for_the_notification_still_reaches_the_other_node() {
     // Notifications carry frames while the payload stays under 7,500 bytes; a larger frame is
     // read back by the receiver.
-    let node = TestNode::start().await;
-    let peer = node.start_peer().await;
-    let acme = node.tenant_with_channel("acme").await;
-    let (conversation_id, token) = node.conversation(&acme, "alice").await;
-    let mut on_peer = WsClient::connect(&support::peer_ws_url(&peer)).await;
-    on_peer.hello(&token, json!({})).await;
+    let AliceOnThePeer {
+        node,
+        peer: _peer,
+        conversation_id,
+        token,
+        mut on_peer,
+    } = alice_on_the_peer().await;
 
     // The text is capped below the notification's limit; other data fields are not.
     let large = "x".repeat(12_000);
@@ -126,12 +154,13 @@ async fn a_frame_too_large_for_the_notification_still_reaches_the_other_node() {
 
 #[tokio::test]
 async fn killing_the_listen_backend_loses_no_frame() {
-    let node = TestNode::start().await;
-    let peer = node.start_peer().await;
-    let acme = node.tenant_with_channel("acme").await;
-    let (conversation_id, token) = node.conversation(&acme, "alice").await;
-    let mut on_peer = WsClient::connect(&support::peer_ws_url(&peer)).await;
-    on_peer.hello(&token, json!({})).await;
+    let AliceOnThePeer {
+        node,
+        peer: _peer,
+        conversation_id,
+        token,
+        mut on_peer,
+    } = alice_on_the_peer().await;
 
     let mut db = node.db.connect().await;
     let listeners: Vec<i32> = sqlx::query_scalar(
@@ -320,12 +349,13 @@ async fn draining_finishes_in_flight_sends_then_closes_1012_with_a_jittered_retr
 
 #[tokio::test]
 async fn a_repeated_notification_shows_no_frame_twice() {
-    let node = TestNode::start().await;
-    let peer = node.start_peer().await;
-    let acme = node.tenant_with_channel("acme").await;
-    let (conversation_id, token) = node.conversation(&acme, "alice").await;
-    let mut on_peer = WsClient::connect(&support::peer_ws_url(&peer)).await;
-    on_peer.hello(&token, json!({})).await;
+    let AliceOnThePeer {
+        node,
+        peer: _peer,
+        conversation_id,
+        token,
+        mut on_peer,
+    } = alice_on_the_peer().await;
     let post = |text: &'static str| {
         let node = &node;
         let token = token.clone();
