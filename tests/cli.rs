@@ -222,7 +222,7 @@ impl Drop for StopClusterOnDrop {
                 .build()
                 .unwrap();
             runtime.block_on(async {
-                use converger_store::embedded::{EmbeddedPostgres, Role};
+                use converger_embedded::{EmbeddedPostgres, Role};
                 if let Ok(cluster) = EmbeddedPostgres::start(&dir, Role::Owner).await {
                     let _ = cluster.stop().await;
                 }

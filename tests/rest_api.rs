@@ -3,7 +3,7 @@
 mod support;
 
 use converger_client::{TokenRequest, TokenResponse};
-use converger_gateway::auth::{Claims, Scope};
+use converger_gateway::tokens::{Claims, Scope};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 use support::TestNode;
@@ -357,7 +357,7 @@ async fn refresh_keeps_the_claims_and_expired_tokens_are_refused() {
 
     // Signed with another key, or not a converger token: unauthorized.
     let other_keys =
-        converger_gateway::auth::TokenKeys::new(b"another-secret-key-0123456789abcdef", 60)
+        converger_gateway::tokens::TokenKeys::new(b"another-secret-key-0123456789abcdef", 60)
             .unwrap();
     let forged = other_keys.sign(&original).unwrap();
     let not_converger = node

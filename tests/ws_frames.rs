@@ -6,7 +6,7 @@ mod support;
 use std::time::Duration;
 
 use converger_client::TokenRequest;
-use converger_gateway::auth::Claims;
+use converger_gateway::tokens::Claims;
 use serde_json::{Value, json};
 use support::ws::WsClient;
 use support::{TenantFixture, TestNode};

@@ -3,7 +3,7 @@
 mod support;
 
 use converger_client::TokenRequest;
-use converger_gateway::auth::Claims;
+use converger_gateway::tokens::Claims;
 use serde_json::{Value, json};
 use support::ws::WsClient;
 use support::{TenantFixture, TestNode};

@@ -20,9 +20,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use converger_client::{RestClient, TokenRequest};
+use converger_embedded::{EmbeddedPostgres, Role};
 use converger_gateway::server::Credentials;
 use converger_gateway::{Config, Server, ServerHandle};
-use converger_store::embedded::{EmbeddedPostgres, Role};
 use converger_store::{Store, StoreOptions};
 use sqlx::Connection;
 use sqlx::postgres::PgConnection;

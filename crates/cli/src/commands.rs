@@ -1,10 +1,10 @@
 //! The subcommands.
 
 use anyhow::Context;
-use converger_gateway::auth::TokenKeys;
+use converger_embedded::Role;
+use converger_gateway::tokens::TokenKeys;
 use converger_gateway::{Config, Server, TokenGrant, issue_for_channel};
 use converger_store::Store;
-use converger_store::embedded::Role;
 use serde_json::json;
 use uuid::Uuid;
 

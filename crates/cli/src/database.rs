@@ -1,8 +1,8 @@
 //! Which database a command uses: the configured URL, or the embedded cluster.
 
 use anyhow::Context;
+use converger_embedded::{EmbeddedError, EmbeddedPostgres, Role};
 use converger_gateway::Config;
-use converger_store::embedded::{EmbeddedError, EmbeddedPostgres, Role};
 use converger_store::{Store, StoreOptions};
 use std::time::Duration;
 

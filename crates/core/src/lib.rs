@@ -2,5 +2,6 @@
 //! decisions, with no I/O, no clock reads and no randomness, so they can be tested exhaustively.
 #![forbid(unsafe_code)]
 
+pub mod channel;
 pub mod groups;
 pub mod replay;

@@ -1,17 +1,21 @@
-//! The HTTP and WebSocket surface of converger: routes, credentials, metrics, and the server
-//! lifecycle (bind, serve, shut down).
+//! The HTTP and WebSocket surface of converger: routes, credentials, sessions, the channel
+//! actors, metrics, and the server lifecycle (bind, serve, shut down).
 #![forbid(unsafe_code)]
 
-pub mod agents;
+pub mod actors;
 pub mod auth;
 mod bus_bridge;
 pub mod config;
 pub mod error;
 pub mod hub;
 pub mod metrics;
+mod publish;
 mod routes;
 pub mod server;
 pub mod state;
+mod status_rates;
+pub mod tokens;
+mod wire;
 mod ws;
 
 pub use config::{Config, DatabaseConfig, DrainConfig, LogFormat};

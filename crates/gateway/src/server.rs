@@ -11,10 +11,10 @@ use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-use crate::auth::TokenKeys;
 use crate::config::Config;
 use crate::hub::{Hub, SessionControl};
 use crate::state::AppState;
+use crate::tokens::TokenKeys;
 
 /// Secrets resolved by the binary (configured, or generated into the state folder).
 #[derive(Clone)]
@@ -73,7 +73,7 @@ impl Server {
         let http_addr = listener.local_addr()?;
         let (cluster, membership) =
             converger_cluster::Cluster::start(config.cluster_config(&node_id, http_addr)).await?;
-        let actors = Arc::new(crate::agents::Actors::default());
+        let actors = Arc::new(crate::actors::Actors::default());
         spawn_membership_dispatch(Arc::clone(&actors), membership);
         let state = AppState {
             tokens,
@@ -164,7 +164,7 @@ impl Server {
 
 /// Hands the other nodes' membership changes to the channel actors.
 fn spawn_membership_dispatch(
-    actors: Arc<crate::agents::Actors>,
+    actors: Arc<crate::actors::Actors>,
     mut membership: tokio::sync::mpsc::UnboundedReceiver<converger_cluster::MembershipEvent>,
 ) {
     tokio::spawn(async move {

@@ -6,9 +6,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use converger_store::Store;
 use metrics_exporter_prometheus::PrometheusHandle;
 
-use crate::auth::TokenKeys;
+use crate::actors::Actors;
 use crate::config::Config;
 use crate::hub::Hub;
+use crate::status_rates::RateSampler;
+use crate::tokens::TokenKeys;
 
 /// Everything a handler needs; cheap to clone.
 #[derive(Clone)]
@@ -28,11 +30,11 @@ pub struct AppState {
     /// Live frames and open sessions of this node.
     pub hub: Arc<Hub>,
     /// The channel actors of this node (agent groups).
-    pub actors: Arc<crate::agents::Actors>,
+    pub actors: Arc<Actors>,
     /// This node's gossip membership.
     pub cluster: converger_cluster::Cluster,
     /// Counters sampled by the status page, for its rates.
-    pub status_rates: Arc<crate::routes::status::RateSampler>,
+    pub(crate) status_rates: Arc<RateSampler>,
 }
 
 impl AppState {

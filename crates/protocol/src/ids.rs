@@ -8,6 +8,14 @@ pub fn is_valid_client_id(candidate: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'~' | b'-'))
 }
 
+/// Longest accepted user id, in bytes (tokens, `hello.userId`, REST).
+pub const MAX_USER_ID_BYTES: usize = 128;
+
+/// A user id is 1–128 bytes.
+pub fn is_valid_user_id(candidate: &str) -> bool {
+    (1..=MAX_USER_ID_BYTES).contains(&candidate.len())
+}
+
 /// A group name is 1–64 characters of `A-Za-z0-9._:-`.
 pub fn is_valid_group(candidate: &str) -> bool {
     (1..=64).contains(&candidate.len())

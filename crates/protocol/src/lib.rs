@@ -1,24 +1,38 @@
-//! The converger/1 wire contract: error codes, close codes, limits and the validation rules
-//! that both the gateway and clients share. No I/O lives here.
+//! The converger/1 wire contract: what clients may send (parsed and validated here), what the
+//! server sends (built and serialized here, once per frame), error and close codes, and limits.
+//! No I/O lives here.
 #![forbid(unsafe_code)]
 
+mod agent_frame;
 mod client_frame;
+mod delivery;
 mod error_code;
 mod frame;
 mod ids;
 mod limits;
+mod persistent;
+mod profile;
 mod server_frame;
+mod welcome;
 
+pub use agent_frame::{AgentFrame, EnvelopedFrame, ResultRuntime, TurnResult, parse_agent_text};
 pub use client_frame::{
     ClientFrame, FORWARDED_TYPES, Hello, Refusal, TurnTarget, parse_client_frame, parse_client_text,
 };
+pub use delivery::{ChannelRef, Envelope, RuntimeRef, TurnMeta, TurnRef, delivered_turn, turn_key};
 pub use error_code::{CloseCode, ErrorCode};
 pub use frame::{
     CONTROL_TYPES, FrameError, MessageFrame, SERVER_ONLY_TYPES, validate_message_frame,
 };
-pub use ids::{is_valid_client_id, is_valid_group};
+pub use ids::{MAX_USER_ID_BYTES, is_valid_client_id, is_valid_group, is_valid_user_id};
 pub use limits::Limits;
-pub use server_frame::{ErrorFrame, retry_close_reason};
+pub use persistent::{Participant, PersistentFrame, RenderedFrame, USER_ROLE, Viewer};
+pub use profile::{MEKIK_PROTOCOL_NAME, Profile};
+pub use server_frame::{
+    Ack, Catalog, ErrorFrame, Heartbeat, TurnNumber, presence, read_receipt, relayed_error,
+    replay_truncated, retry_close_reason, run_status, token_refreshed, typing,
+};
+pub use welcome::{ChannelWelcome, ConversationWelcome, PendingInterrupt};
 
 /// Protocol identifier a client sends in `hello.protocol` to select the converger profile.
 pub const PROTOCOL_NAME: &str = "converger/1";
@@ -28,3 +42,15 @@ pub const SUBPROTOCOL: &str = "converger.v1";
 
 /// The `type` claim every converger token carries.
 pub const TOKEN_TYPE: &str = "converger";
+
+/// A server frame as JSON text.
+fn encode<T: serde::Serialize + ?Sized>(frame: &T) -> String {
+    // The frames are plain structs, strings, numbers and JSON values: nothing in them can fail
+    // to serialize (no map with non-string keys, no custom error).
+    serde_json::to_string(frame).expect("server frames always serialize")
+}
+
+/// A server frame as a JSON value (frames that travel between nodes as values).
+fn to_value<T: serde::Serialize + ?Sized>(frame: &T) -> serde_json::Value {
+    serde_json::to_value(frame).expect("server frames always serialize")
+}

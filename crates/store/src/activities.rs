@@ -111,65 +111,12 @@ pub struct CommitOutcome {
     pub duplicate: bool,
 }
 
-/// Whose view a frame is rendered for, which decides `from` and `clientId`.
-#[derive(Debug, Clone, Copy)]
-pub enum Viewer<'a> {
-    /// The conversation's end user; `author_copy` is true on the author's other connections.
-    EndUser {
-        /// The viewing user's id.
-        user_id: &'a str,
-        /// Include `clientId` (a copy for the author's other connections or REST).
-        include_client_id: bool,
-    },
-    /// An agent or observer: `from` is relative to the conversation's end user.
-    Agent,
-}
-
 pub(crate) const ACTIVITY_COLUMNS: &str = "conversation_id, seq, id, type, sender_id, sender_role, data, metadata, extra, client_id, created_at, turn_seq, turn_revision";
 
 impl Activity {
     /// Commit time in milliseconds since the Unix epoch, as sent on the wire.
     pub fn timestamp_ms(&self) -> i64 {
         self.created_at.timestamp_millis()
-    }
-
-    /// The persistent frame as a client sees it. Server-owned fields overwrite any the sender
-    /// tried to set, so the result is the same for live delivery, replay and REST.
-    pub fn to_frame(&self, viewer: Viewer<'_>) -> Value {
-        let mut frame = match &self.extra {
-            Some(Value::Object(extra)) => extra.clone(),
-            _ => Map::new(),
-        };
-        let from_user = match viewer {
-            Viewer::EndUser { user_id, .. } => {
-                self.sender_role == "user" && self.sender_id == user_id
-            }
-            Viewer::Agent => self.sender_role == "user",
-        };
-        frame.insert("type".into(), Value::String(self.kind.clone()));
-        frame.insert("id".into(), Value::String(self.id.clone()));
-        frame.insert("seq".into(), Value::from(self.seq));
-        frame.insert(
-            "from".into(),
-            Value::String(if from_user { "user" } else { "bot" }.into()),
-        );
-        frame.insert(
-            "sender".into(),
-            serde_json::json!({"id": self.sender_id, "role": self.sender_role}),
-        );
-        frame.insert("data".into(), self.data.clone());
-        frame.insert("timestamp".into(), Value::from(self.timestamp_ms()));
-        if let Some(metadata) = &self.metadata {
-            frame.insert("metadata".into(), metadata.clone());
-        }
-        let include_client_id = matches!(
-            viewer,
-            Viewer::EndUser { include_client_id: true, user_id } if user_id == self.sender_id
-        );
-        if let (true, Some(client_id)) = (include_client_id, &self.client_id) {
-            frame.insert("clientId".into(), Value::String(client_id.clone()));
-        }
-        Value::Object(frame)
     }
 }
 

@@ -1,13 +1,12 @@
-//! The Postgres store: migrations, the transactions behind every observable write, and the
-//! embedded development database. Every query is runtime-checked (`sqlx::query_as`) and runs
-//! under both a client-side deadline and a server-side `statement_timeout`.
+//! The Postgres store: migrations and the transactions behind every observable write. Every
+//! query is runtime-checked (`sqlx::query_as`) and runs under both a client-side deadline and a
+//! server-side `statement_timeout`.
 #![forbid(unsafe_code)]
 
 mod activities;
 pub mod bus;
 mod channels;
 mod conversations;
-pub mod embedded;
 mod error;
 pub mod faults;
 mod group_commit;
@@ -20,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 
-pub use activities::{Activity, CommitOutcome, NewActivity, Sender, SenderRole, Viewer};
+pub use activities::{Activity, CommitOutcome, NewActivity, Sender, SenderRole};
 pub use channels::{Channel, ChannelStatus};
 pub use conversations::{ChannelCatalogs, Conversation, PendingInterrupt};
 pub use error::StoreError;

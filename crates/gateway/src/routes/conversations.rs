@@ -7,17 +7,19 @@ use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
+use converger_protocol::Viewer;
 use converger_protocol::{ErrorCode, FrameError, is_valid_client_id, validate_message_frame};
-use converger_store::{Conversation, NewActivity, Sender, SenderRole, Viewer};
+use converger_store::{Conversation, NewActivity, Sender, SenderRole};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use uuid::Uuid;
 
 use super::body::parse_json;
 use super::tokens::{checked_user_id, token_json};
-use crate::auth::{Claims, Scope, TokenAuth};
+use crate::auth::TokenAuth;
 use crate::error::ApiError;
 use crate::state::AppState;
+use crate::tokens::{Claims, Scope};
 
 /// Largest page of `GET …/activities`.
 pub const MAX_PAGE: i64 = 1000;
@@ -146,13 +148,12 @@ pub(crate) async fn list_activities(
         Scope::Channel => Viewer::Agent,
         Scope::Conversation => Viewer::EndUser {
             user_id: &conversation.user_id,
-            include_client_id: true,
         },
     };
     let next_watermark = activities.last().map_or(watermark, |activity| activity.seq);
     let frames: Vec<Value> = activities
         .iter()
-        .map(|activity| activity.to_frame(viewer))
+        .map(|activity| crate::wire::persistent(activity).view(viewer).to_value())
         .collect();
     Ok(Json(
         json!({"activities": frames, "watermark": next_watermark, "hasMore": has_more}),
@@ -230,25 +231,15 @@ pub(crate) async fn post_activity(
         extra: Some(message.extra),
         client_id: idempotency_key.or(frame_key),
     };
-    let outcome = state.store.commit_activity(&new).await?;
-    if !outcome.duplicate {
-        // This node's sessions get it at once; other nodes hear it from the bus.
-        let activity = std::sync::Arc::new(outcome.activity.clone());
-        let event = crate::hub::HubEvent::Committed {
-            seq: activity.seq,
-            activity: Some(activity),
-        };
-        state
-            .hub
-            .publish_to_all(conversation.channel_id, conversation.id, event);
-    }
-    let status = if outcome.duplicate {
+    let (activity, duplicate) =
+        crate::publish::commit_frame(&state, conversation.channel_id, &new).await?;
+    let status = if duplicate {
         StatusCode::OK
     } else {
         StatusCode::CREATED
     };
     Ok((
         status,
-        Json(json!({"id": outcome.activity.id, "seq": outcome.activity.seq})),
+        Json(json!({"id": activity.id, "seq": activity.seq})),
     ))
 }

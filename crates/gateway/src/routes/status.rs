@@ -8,8 +8,6 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::sync::Mutex;
-use std::time::Instant;
 
 use axum::extract::{Query, State};
 use axum::http::{HeaderMap, StatusCode, header};
@@ -20,46 +18,12 @@ use uuid::Uuid;
 
 use crate::auth::{bearer, secrets_match};
 use crate::state::AppState;
+use crate::status_rates::Counters;
 
 /// Seconds between automatic refreshes of the page.
 const REFRESH_SECS: u64 = 5;
 /// Name of the cookie that carries the admin token.
 const COOKIE: &str = "converger_admin";
-
-/// Counters of this node sampled at the previous page view, to show rates.
-#[derive(Debug, Default)]
-pub struct RateSampler {
-    previous: Mutex<Option<(Instant, Counters)>>,
-}
-
-/// Totals read from this node's metrics.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-struct Counters {
-    frames_committed: f64,
-    turn_results: f64,
-    deliveries: f64,
-}
-
-impl RateSampler {
-    /// Per-second rates since the previous sample (`None` on the first view).
-    fn rates(&self, now: Counters) -> Option<Counters> {
-        let mut previous = self
-            .previous
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        let at = Instant::now();
-        let rates = previous.and_then(|(then, before)| {
-            let seconds = at.duration_since(then).as_secs_f64();
-            (seconds > 0.0).then(|| Counters {
-                frames_committed: (now.frames_committed - before.frames_committed) / seconds,
-                turn_results: (now.turn_results - before.turn_results) / seconds,
-                deliveries: (now.deliveries - before.deliveries) / seconds,
-            })
-        });
-        *previous = Some((at, now));
-        rates
-    }
-}
 
 #[derive(Deserialize)]
 pub(crate) struct TokenQuery {

@@ -5,19 +5,17 @@ use axum::body::Bytes;
 use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
 use axum::http::StatusCode;
-use converger_protocol::ErrorCode;
+use converger_protocol::{ErrorCode, MAX_USER_ID_BYTES};
 use converger_store::{Channel, Store};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use uuid::Uuid;
 
 use super::body::parse_json;
-use crate::auth::{ChannelSecretAuth, Scope, TokenAuth, TokenKeys};
+use crate::auth::{ChannelSecretAuth, TokenAuth};
 use crate::error::ApiError;
 use crate::state::AppState;
-
-/// Longest accepted user id, in bytes.
-pub(crate) const MAX_USER_ID_BYTES: usize = 128;
+use crate::tokens::{Scope, TokenKeys};
 
 #[derive(Deserialize, Default)]
 struct UserRef {
@@ -37,7 +35,7 @@ struct GenerateRequest {
 
 /// Checks a user id's length.
 pub(crate) fn checked_user_id(user_id: &str) -> Result<String, ApiError> {
-    if user_id.is_empty() || user_id.len() > MAX_USER_ID_BYTES {
+    if !converger_protocol::is_valid_user_id(user_id) {
         return Err(ApiError::bad_request(format!(
             "user id must be 1-{MAX_USER_ID_BYTES} bytes"
         )));

@@ -1,22 +1,14 @@
-//! `hello` → an established conversation-scope session, or the documented refusal.
+//! `hello` → an end user's session in one conversation, an agent's session on the channel, or
+//! the documented refusal.
 
-use converger_protocol::{CloseCode, ErrorCode, ErrorFrame, Hello, PROTOCOL_NAME};
+use converger_protocol::{CloseCode, ErrorCode, ErrorFrame, Hello, Profile, is_valid_user_id};
 use converger_store::Conversation;
 use serde_json::json;
 use uuid::Uuid;
 
 use super::UpgradeRequest;
-use crate::auth::{Claims, Scope, TokenRejection};
 use crate::state::AppState;
-
-/// Which dialect the client speaks (PROTOCOL section 3.1).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Profile {
-    /// `hello.protocol: "converger/1"`.
-    Converger,
-    /// `hello` without `protocol`: an unmodified mekik/1 client.
-    Mekik,
-}
+use crate::tokens::{Claims, Scope, TokenRejection};
 
 /// What a hello establishes.
 #[derive(Debug)]
@@ -79,16 +71,8 @@ pub(crate) async fn establish(
     request: &UpgradeRequest,
     hello: Hello,
 ) -> Result<Setup, Refused> {
-    let profile = match hello.protocol.as_deref() {
-        None => Profile::Mekik,
-        Some(PROTOCOL_NAME) => Profile::Converger,
-        Some(_) => {
-            return Err(Refused::new(
-                ErrorCode::UnsupportedProtocol,
-                "unsupported protocol; use converger/1",
-            ));
-        }
-    };
+    let profile = Profile::from_hello(hello.protocol.as_deref())
+        .map_err(|code| Refused::new(code, "unsupported protocol; use converger/1"))?;
     // First found wins: hello.token, ?token=, Authorization: Bearer.
     let token = hello
         .token
@@ -171,7 +155,7 @@ pub(crate) async fn establish(
         .user_id
         .clone()
         .or_else(|| request.user_id.clone())
-        .filter(|user| valid_user_id(user));
+        .filter(|user| is_valid_user_id(user));
 
     if let Some(bound) = claims.conversation_id {
         let conversation = state
@@ -270,10 +254,6 @@ async fn adoptable(
             .as_ref()
             .is_none_or(|user| *user == conversation.user_id)
     }))
-}
-
-fn valid_user_id(user_id: &str) -> bool {
-    !user_id.is_empty() && user_id.len() <= crate::routes::tokens::MAX_USER_ID_BYTES
 }
 
 fn internal(error: converger_store::StoreError) -> Refused {

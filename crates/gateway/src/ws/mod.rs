@@ -1,14 +1,20 @@
-//! The WebSocket endpoint `GET /socket/converger/v1` (PROTOCOL sections 1–3).
+//! The WebSocket endpoint `GET /socket/converger/v1` (PROTOCOL sections 1–4).
 //!
 //! The upgrade itself never fails for credential reasons: credentials are checked when `hello`
 //! arrives so every client can read the reason (error frame, then close 4401).
+//!
+//! Layout, top down: `connection.rs` runs an upgraded socket (writer task, `hello`, handshake)
+//! and hands it to the end user's session (`conversation/`) or the agent's (`agent/`); both
+//! build on `session.rs` (how a session ends, socket reads, shared answers), `outbound.rs` (the
+//! bounded queue), `writer.rs` and `rate.rs`.
 
 mod agent;
+mod connection;
 mod conversation;
 mod handshake;
 pub(crate) mod outbound;
 mod rate;
-mod turn_results;
+mod session;
 mod writer;
 
 use std::collections::HashMap;
@@ -97,7 +103,7 @@ pub(crate) async fn upgrade(
         .write_buffer_size(0)
         .max_message_size(limits.hard_frame_bytes)
         .max_frame_size(limits.hard_frame_bytes)
-        .on_upgrade(move |socket| conversation::serve(socket, state, request))
+        .on_upgrade(move |socket| connection::serve(socket, state, request))
 }
 
 fn refuse_upgrade(rejection: WebSocketUpgradeRejection) -> Response {

@@ -8,6 +8,7 @@
 use std::collections::VecDeque;
 use std::sync::Mutex;
 
+use axum::extract::ws::Utf8Bytes;
 use tokio::sync::Notify;
 
 /// One item for the writer.
@@ -15,8 +16,8 @@ use tokio::sync::Notify;
 pub enum Outgoing {
     /// A JSON text frame.
     Text {
-        /// The serialized frame.
-        text: String,
+        /// The serialized frame (shared, not copied, when it goes to several connections).
+        text: Utf8Bytes,
         /// True for frames that may be dropped under pressure.
         transient: bool,
     },
@@ -74,7 +75,7 @@ impl Outbound {
     }
 
     /// Queues a text frame under the drop policy described above.
-    pub fn push_text(&self, text: String, transient: bool) -> Result<(), PushError> {
+    pub fn push_text(&self, text: impl Into<Utf8Bytes>, transient: bool) -> Result<(), PushError> {
         let mut state = self.state();
         if state.closing {
             return Err(PushError::Closed);
@@ -101,7 +102,10 @@ impl Outbound {
                 None => return Err(PushError::Full),
             }
         }
-        state.queue.push_back(Outgoing::Text { text, transient });
+        state.queue.push_back(Outgoing::Text {
+            text: text.into(),
+            transient,
+        });
         drop(state);
         self.ready.notify_one();
         Ok(())
@@ -111,9 +115,10 @@ impl Outbound {
     /// the client is expected to drain); `Full` when the client did not make room in time.
     pub async fn push_text_waiting(
         &self,
-        text: String,
+        text: impl Into<Utf8Bytes>,
         timeout: std::time::Duration,
     ) -> Result<(), PushError> {
+        let text = text.into();
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             let space = self.space.notified();
@@ -124,7 +129,7 @@ impl Outbound {
                 }
                 if state.queue.len() < self.capacity {
                     state.queue.push_back(Outgoing::Text {
-                        text,
+                        text: text.clone(),
                         transient: false,
                     });
                     drop(state);
@@ -189,9 +194,9 @@ impl Outbound {
 mod tests {
     use super::*;
 
-    fn text(value: &str, transient: bool) -> Outgoing {
+    fn text(value: &'static str, transient: bool) -> Outgoing {
         Outgoing::Text {
-            text: value.into(),
+            text: Utf8Bytes::from_static(value),
             transient,
         }
     }
@@ -199,12 +204,12 @@ mod tests {
     #[tokio::test]
     async fn transient_frames_give_way_to_persistent_ones() {
         let queue = Outbound::new(2);
-        queue.push_text("t1".into(), true).unwrap();
-        queue.push_text("p1".into(), false).unwrap();
+        queue.push_text("t1", true).unwrap();
+        queue.push_text("p1", false).unwrap();
         // Full: a new transient frame is dropped, a persistent one evicts the transient.
-        queue.push_text("t2".into(), true).unwrap();
-        queue.push_text("p2".into(), false).unwrap();
-        assert_eq!(queue.push_text("p3".into(), false), Err(PushError::Full));
+        queue.push_text("t2", true).unwrap();
+        queue.push_text("p2", false).unwrap();
+        assert_eq!(queue.push_text("p3", false), Err(PushError::Full));
         assert_eq!(queue.next().await, text("p1", false));
         assert_eq!(queue.next().await, text("p2", false));
     }
@@ -212,9 +217,9 @@ mod tests {
     #[tokio::test]
     async fn close_now_discards_the_backlog() {
         let queue = Outbound::new(4);
-        queue.push_text("p1".into(), false).unwrap();
+        queue.push_text("p1", false).unwrap();
         queue.close_now(4503, "slow".into());
-        assert_eq!(queue.push_text("p2".into(), false), Err(PushError::Closed));
+        assert_eq!(queue.push_text("p2", false), Err(PushError::Closed));
         assert_eq!(
             queue.next().await,
             Outgoing::Close {
@@ -227,7 +232,7 @@ mod tests {
     #[tokio::test]
     async fn close_keeps_what_was_queued() {
         let queue = Outbound::new(4);
-        queue.push_text("p1".into(), false).unwrap();
+        queue.push_text("p1", false).unwrap();
         queue.close(1000, String::new());
         assert_eq!(queue.next().await, text("p1", false));
         assert!(matches!(

@@ -19,7 +19,7 @@ pub(crate) async fn run(
     loop {
         let item = outbound.next().await;
         let (message, last) = match item {
-            Outgoing::Text { text, .. } => (Message::Text(text.into()), false),
+            Outgoing::Text { text, .. } => (Message::Text(text), false),
             Outgoing::Ping => (Message::Ping(Default::default()), false),
             Outgoing::Close { code, reason } => (
                 Message::Close(Some(CloseFrame {

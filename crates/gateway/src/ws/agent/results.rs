@@ -13,13 +13,13 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use converger_protocol::{ErrorCode, ErrorFrame};
+use converger_protocol::{Ack, ErrorCode, ErrorFrame, TurnNumber};
 use converger_store::{AnswerOutcome, StoreError, TurnAnswer};
 use serde_json::{Value, json};
 use tokio::task::{Id, JoinSet};
 use uuid::Uuid;
 
-use crate::hub::HubEvent;
+use crate::publish;
 use crate::state::AppState;
 
 /// Results committing at once on one connection; the next one waits for a slot.
@@ -99,7 +99,10 @@ fn reply_to(
     outcome: Result<AnswerOutcome, StoreError>,
 ) -> Value {
     let conversation_id = answer.conversation_id;
-    let turn = json!({"seq": answer.seq, "revision": answer.revision});
+    let turn = TurnNumber {
+        seq: answer.seq,
+        revision: answer.revision,
+    };
     let outcome = match outcome {
         Ok(outcome) => outcome,
         Err(error) => {
@@ -124,14 +127,12 @@ fn reply_to(
                 .map(|activity| activity.id.clone())
                 .collect();
             let seqs = activities.iter().map(|activity| activity.seq).collect();
-            for activity in activities {
-                let activity = Arc::new(activity);
-                let event = HubEvent::Committed {
-                    seq: activity.seq,
-                    activity: Some(activity),
-                };
-                state.hub.publish_to_all(channel_id, conversation_id, event);
-            }
+            publish::committed(
+                &state.hub,
+                channel_id,
+                conversation_id,
+                activities.into_iter().map(Arc::new),
+            );
             ("committed", Ok((ids, seqs, completed_at, false)))
         }
         AnswerOutcome::Duplicate {
@@ -173,7 +174,11 @@ fn reply_to(
         ),
         AnswerOutcome::NoSuchTurn => (
             "no_such_turn",
-            Err((ErrorCode::BadRequest, "no such turn", json!({"turn": turn}))),
+            Err((
+                ErrorCode::BadRequest,
+                "no such turn",
+                json!({"turn": {"seq": turn.seq, "revision": turn.revision}}),
+            )),
         ),
     };
     metrics::counter!("converger_turn_results_total", "outcome" => label).increment(1);
@@ -190,14 +195,14 @@ fn reply_to(
         }
     };
     // A resend gets the same ack as the first send, plus `duplicate`.
-    let mut ack = json!({
-        "type": "ack", "turn": turn, "ids": ids, "seqs": seqs, "timestamp": completed_at.timestamp_millis(),
-    });
-    if let Some(client_id) = client_id {
-        ack["clientId"] = json!(client_id);
+    Ack {
+        client_id: client_id.as_deref(),
+        turn: Some(turn),
+        ids: Some(&ids),
+        seqs: Some(&seqs),
+        timestamp: Some(completed_at.timestamp_millis()),
+        duplicate,
+        ..Ack::default()
     }
-    if duplicate {
-        ack["duplicate"] = Value::Bool(true);
-    }
-    ack
+    .to_value()
 }

@@ -1,0 +1,692 @@
+//! The channel decider: everything a node decides about one channel's agent connections, as
+//! values. It takes the channel actor's events (a local agent joins or leaves, a member of
+//! another node appears or goes, frames commit, a replay is asked, a lease runs out) and returns
+//! [`Decision`]s; the actor in the gateway performs them (claims, reads, sends) and feeds what
+//! it read back in. Nothing here reads a clock or the database.
+//!
+//! The rules (ADR 0006):
+//! - every frame goes to every local observer;
+//! - a user turn goes to the owner of each group ([`GroupView::owner`] at the turn's commit
+//!   time), which remembers whom it passed each unanswered turn to ([`PassedTurns`]);
+//! - a frame of another party (another group's answer, a proactive frame) goes to the owner of
+//!   each group that did not write it: a group never gets its own frames back;
+//! - when a member leaves, its remembered unanswered turns go to their new owners, and turns
+//!   that fell out of memory are read back from the turn registry;
+//! - a replay gives a connection what it owns of a conversation after its watermark.
+
+#[cfg(test)]
+mod simulation;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use crate::groups::{GroupView, NOBODY, PassedTurns};
+
+/// Conversations remembered per group.
+pub const MEMORY_CONVERSATIONS: usize = 100_000;
+/// Unanswered turns remembered per conversation.
+pub const MEMORY_TURNS_PER_CONVERSATION: usize = 64;
+
+/// What the decider needs to know of a committed frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FrameFacts<'a> {
+    /// Its conversation.
+    pub conversation_id: &'a str,
+    /// Its seq.
+    pub seq: i64,
+    /// Its commit time, ms since the epoch (the database clock).
+    pub at_ms: i64,
+    /// `sender.id`.
+    pub sender_id: &'a str,
+    /// True when the conversation's end user wrote it (`sender.role` is `user`).
+    pub from_user: bool,
+    /// The turn the frame belongs to: the answered turn of an agent's result, the edited turn of
+    /// an edit (with `revision`).
+    pub turn_seq: Option<i64>,
+    /// The revision an edit opened.
+    pub turn_revision: Option<i32>,
+}
+
+/// An unanswered turn read back from the turn registry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PendingFacts {
+    /// Its conversation.
+    pub conversation_id: String,
+    /// The turn's seq.
+    pub seq: i64,
+    /// Its commit time, ms since the epoch.
+    pub at_ms: i64,
+}
+
+/// Which turn a delivery is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TurnId {
+    /// The turn's seq.
+    pub seq: i64,
+    /// Its revision.
+    pub revision: i32,
+    /// Why a revision above 0 exists.
+    pub reason: Option<TurnReason>,
+}
+
+/// Why a turn has a revision above 0.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TurnReason {
+    /// The user edited the turn's frame.
+    Edit,
+    /// The user asked for another answer.
+    Regenerate,
+}
+
+impl TurnReason {
+    /// The wire and stored form: `edit` or `regenerate`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TurnReason::Edit => "edit",
+            TurnReason::Regenerate => "regenerate",
+        }
+    }
+
+    /// The reason a stored `turns.reason` names.
+    pub fn parse(reason: &str) -> Option<TurnReason> {
+        match reason {
+            "edit" => Some(TurnReason::Edit),
+            "regenerate" => Some(TurnReason::Regenerate),
+            _ => None,
+        }
+    }
+}
+
+impl TurnId {
+    /// The turn a user frame stands for: an edit is the revision it opened of the turn it
+    /// replaces; any other user frame is a new turn at revision 0.
+    pub fn of(frame: &FrameFacts<'_>) -> TurnId {
+        match (frame.turn_seq, frame.turn_revision) {
+            (Some(seq), Some(revision)) => TurnId {
+                seq,
+                revision,
+                reason: Some(TurnReason::Edit),
+            },
+            _ => TurnId {
+                seq: frame.seq,
+                revision: 0,
+                reason: None,
+            },
+        }
+    }
+}
+
+/// What the actor does next. Frames are named by their index in the slice the decision was
+/// made from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// Send the frame, as agents see it, to one connection.
+    SendFrame {
+        /// The connection.
+        to: String,
+        /// The frame's index.
+        frame: usize,
+    },
+    /// Deliver a user turn with its `meta` (claimed first for a lease-mode member).
+    DeliverTurn {
+        /// The member.
+        to: String,
+        /// The turn's frame.
+        frame: usize,
+        /// Which turn.
+        turn: TurnId,
+        /// True for a turn's first delivery (not a replay).
+        first: bool,
+    },
+    /// Read these turns from the registry and deliver those still unanswered, at their latest
+    /// revision, to one member: they were taken over.
+    DeliverPending {
+        /// The member.
+        to: String,
+        /// The conversation.
+        conversation_id: String,
+        /// The turns' seqs, ascending.
+        seqs: Vec<i64>,
+    },
+    /// Read the channel's unanswered turns and hand them to [`ChannelDecider::pending_read`].
+    ReadPendingOfChannel {
+        /// Remember them for this group only; `None`: for every group.
+        group: Option<String>,
+    },
+    /// Read a conversation's unanswered turns up to `up_to` (they fell out of a group's
+    /// memory) and hand them to [`ChannelDecider::pending_up_to_read`].
+    ReadPendingUpTo {
+        /// The group whose memory overflowed.
+        group: String,
+        /// The conversation.
+        conversation_id: String,
+        /// The highest seq that fell out.
+        up_to: i64,
+    },
+    /// Give up the turn claims a lease-mode member holds, so the next owner claims at once.
+    ReleaseLeases {
+        /// The member.
+        holder: String,
+    },
+}
+
+/// How to handle a committed event for a conversation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CommittedPlan {
+    /// Handled already (a local commit arrives directly and again through the bus).
+    Skip,
+    /// The event's own frame is all that is new.
+    Use,
+    /// Frames are missing (a lagged feed, or an event without its frame): read `count` frames
+    /// after `after`, then hand them to [`ChannelDecider::committed`].
+    Read {
+        /// Read frames after this seq.
+        after: i64,
+        /// How many.
+        count: i64,
+    },
+}
+
+/// A local agent connection, as the decider knows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocalAgent {
+    /// Its group; `None` for an observer.
+    pub group: Option<String>,
+    /// Eligibility time (ms).
+    pub since_ms: i64,
+    /// The `sender.id` its frames are stored with.
+    pub sender_id: String,
+    /// Lease mode: its turns are claimed before delivery.
+    pub leased: bool,
+}
+
+/// A join waiting for a read of the unanswered turns.
+#[derive(Debug, Clone)]
+struct Joining {
+    connection_id: String,
+    agent: LocalAgent,
+}
+
+/// One node's decisions for one channel.
+#[derive(Debug, Clone)]
+pub struct ChannelDecider {
+    agents: BTreeMap<String, LocalAgent>,
+    views: BTreeMap<String, GroupView>,
+    memories: BTreeMap<String, PassedTurns>,
+    /// Highest seq handled per conversation.
+    last_seq: HashMap<String, i64>,
+    /// A join waiting for the channel's unanswered turns to be read back.
+    joining: Option<Joining>,
+    memory_conversations: usize,
+    memory_turns: usize,
+}
+
+impl ChannelDecider {
+    /// A decider seeded with the members of other nodes: (connection, group, since).
+    pub fn new<'a>(remote_members: impl IntoIterator<Item = (&'a str, &'a str, i64)>) -> Self {
+        ChannelDecider::with_memory(
+            remote_members,
+            MEMORY_CONVERSATIONS,
+            MEMORY_TURNS_PER_CONVERSATION,
+        )
+    }
+
+    /// As [`ChannelDecider::new`], with the memory bounded as given (tests).
+    pub fn with_memory<'a>(
+        remote_members: impl IntoIterator<Item = (&'a str, &'a str, i64)>,
+        conversations: usize,
+        turns_per_conversation: usize,
+    ) -> Self {
+        let mut views: BTreeMap<String, GroupView> = BTreeMap::new();
+        for (connection_id, group, since_ms) in remote_members {
+            views
+                .entry(group.to_owned())
+                .or_default()
+                .join(connection_id, since_ms);
+        }
+        ChannelDecider {
+            agents: BTreeMap::new(),
+            views,
+            memories: BTreeMap::new(),
+            last_seq: HashMap::new(),
+            joining: None,
+            memory_conversations: conversations,
+            memory_turns: turns_per_conversation,
+        }
+    }
+
+    /// The local agent connection, if it is here.
+    pub fn agent(&self, connection_id: &str) -> Option<&LocalAgent> {
+        self.agents.get(connection_id)
+    }
+
+    /// A local agent connection arrived. When it is the channel's first here, this node did not
+    /// follow the channel's commits meanwhile; when its group is new here, no turn was ever
+    /// remembered for that group. Either way the unanswered turns are read back first
+    /// ([`Decision::ReadPendingOfChannel`]) so that turns of members gone meanwhile, or of
+    /// nobody, are handed on from here too.
+    pub fn join(&mut self, connection_id: &str, agent: LocalAgent) -> Vec<Decision> {
+        let first_here = self.agents.is_empty();
+        let new_group = agent
+            .group
+            .as_ref()
+            .filter(|group| !self.views.contains_key(*group))
+            .cloned();
+        if self.joining.is_some() || !(first_here || new_group.is_some()) {
+            return self.finish_join(connection_id.to_owned(), agent);
+        }
+        if let Some(group) = &agent.group {
+            self.views.entry(group.clone()).or_default();
+        }
+        let group = if first_here { None } else { new_group };
+        self.joining = Some(Joining {
+            connection_id: connection_id.to_owned(),
+            agent,
+        });
+        vec![Decision::ReadPendingOfChannel { group }]
+    }
+
+    /// The channel's unanswered turns, read back for [`Decision::ReadPendingOfChannel`] (empty
+    /// when the read failed: then only new turns are remembered). Completes a waiting join.
+    pub fn pending_read(&mut self, group: Option<&str>, pending: &[PendingFacts]) -> Vec<Decision> {
+        if group.is_none() {
+            // The registry is the whole truth now: holes in what this node followed before need
+            // no reading back (that would hand turns out a second time, as if they were new).
+            self.last_seq.clear();
+        }
+        for turn in pending {
+            for (view_group, view) in &self.views {
+                if group.is_some_and(|group| group != view_group) {
+                    continue;
+                }
+                let owner = view
+                    .owner(&turn.conversation_id, turn.at_ms)
+                    .unwrap_or(NOBODY);
+                memory(
+                    &mut self.memories,
+                    view_group,
+                    self.memory_conversations,
+                    self.memory_turns,
+                )
+                .remember(&turn.conversation_id, owner, turn.seq, turn.at_ms);
+            }
+        }
+        match self.joining.take() {
+            Some(joining) => self.finish_join(joining.connection_id, joining.agent),
+            None => Vec::new(),
+        }
+    }
+
+    fn finish_join(&mut self, connection_id: String, agent: LocalAgent) -> Vec<Decision> {
+        let group = agent.group.clone();
+        if let Some(group) = &group {
+            self.views
+                .entry(group.clone())
+                .or_default()
+                .join(&connection_id, agent.since_ms);
+        }
+        self.agents.insert(connection_id, agent);
+        // Turns passed to nobody (or to members gone meanwhile) wait for the next member.
+        match group {
+            Some(group) => self.take_over(&group),
+            None => Vec::new(),
+        }
+    }
+
+    /// A local agent connection ended: its leases go, and its unanswered turns move on.
+    pub fn leave(&mut self, connection_id: &str) -> Vec<Decision> {
+        let Some(agent) = self.agents.remove(connection_id) else {
+            return Vec::new();
+        };
+        let mut decisions = Vec::new();
+        // The session released its leases before leaving (so other nodes' takeovers claim at
+        // once), but this actor may have claimed a turn for it since.
+        if agent.leased {
+            decisions.push(Decision::ReleaseLeases {
+                holder: connection_id.to_owned(),
+            });
+        }
+        let Some(group) = agent.group else {
+            return decisions;
+        };
+        if let Some(view) = self.views.get_mut(&group) {
+            view.leave(connection_id);
+        }
+        decisions.extend(self.take_over(&group));
+        decisions
+    }
+
+    /// A group member of another node appeared in gossip. A group new here, on a node that
+    /// serves agents, has its unanswered turns read back, so this node can hand them on when the
+    /// remote member leaves.
+    pub fn remote_join(
+        &mut self,
+        connection_id: &str,
+        group: &str,
+        since_ms: i64,
+    ) -> Vec<Decision> {
+        let new_group = !self.views.contains_key(group);
+        self.views
+            .entry(group.to_owned())
+            .or_default()
+            .join(connection_id, since_ms);
+        if new_group && !self.agents.is_empty() {
+            return vec![Decision::ReadPendingOfChannel {
+                group: Some(group.to_owned()),
+            }];
+        }
+        Vec::new()
+    }
+
+    /// A group member of another node left (withdrawn, or its node died).
+    pub fn remote_leave(&mut self, connection_id: &str, group: &str) -> Vec<Decision> {
+        let left = self
+            .views
+            .get_mut(group)
+            .is_some_and(|view| view.leave(connection_id));
+        if left {
+            self.take_over(group)
+        } else {
+            Vec::new()
+        }
+    }
+
+    /// The node drains: its members stop owning turns (their sockets stay open a little longer)
+    /// and give up their claims, so a late answer carries an old fence and is refused.
+    pub fn withdraw_local(&mut self) -> Vec<Decision> {
+        let mut decisions = Vec::new();
+        let mut groups = BTreeSet::new();
+        for (connection_id, agent) in &self.agents {
+            let Some(group) = &agent.group else {
+                continue;
+            };
+            if let Some(view) = self.views.get_mut(group) {
+                view.leave(connection_id);
+            }
+            groups.insert(group.clone());
+            if agent.leased {
+                decisions.push(Decision::ReleaseLeases {
+                    holder: connection_id.clone(),
+                });
+            }
+        }
+        for group in groups {
+            decisions.extend(self.take_over(&group));
+        }
+        decisions
+    }
+
+    /// Lease mode: another holder's lease on a turn ran out; the turn goes to the member if it is
+    /// still here and still a member (not withdrawn by a drain).
+    pub fn redeliver(&self, connection_id: &str, conversation_id: &str, seq: i64) -> Vec<Decision> {
+        let member = self
+            .agents
+            .get(connection_id)
+            .and_then(|agent| agent.group.as_ref())
+            .and_then(|group| self.views.get(group))
+            .is_some_and(|view| view.contains(connection_id));
+        if !member {
+            return Vec::new();
+        }
+        vec![Decision::DeliverPending {
+            to: connection_id.to_owned(),
+            conversation_id: conversation_id.to_owned(),
+            seqs: vec![seq],
+        }]
+    }
+
+    /// How to handle a committed event of `seq` (with its frame at hand or not).
+    pub fn plan_committed(
+        &self,
+        conversation_id: &str,
+        seq: i64,
+        has_frame: bool,
+    ) -> CommittedPlan {
+        let last = self.last_seq.get(conversation_id).copied();
+        if last.is_some_and(|last| seq <= last) {
+            return CommittedPlan::Skip;
+        }
+        // A known conversation with a hole is read back from the hole on.
+        match last.filter(|last| *last < seq - 1) {
+            Some(after) => CommittedPlan::Read {
+                after,
+                count: seq - after,
+            },
+            None if has_frame => CommittedPlan::Use,
+            None => CommittedPlan::Read {
+                after: seq - 1,
+                count: 1,
+            },
+        }
+    }
+
+    /// The frames of a committed event, up to `seq`, in order: decides each.
+    pub fn committed(
+        &mut self,
+        conversation_id: &str,
+        seq: i64,
+        frames: &[FrameFacts<'_>],
+    ) -> Vec<Decision> {
+        self.last_seq.insert(conversation_id.to_owned(), seq);
+        let mut decisions = Vec::new();
+        for (index, frame) in frames.iter().enumerate() {
+            self.decide_committed(index, frame, &mut decisions);
+        }
+        decisions
+    }
+
+    fn decide_committed(
+        &mut self,
+        index: usize,
+        frame: &FrameFacts<'_>,
+        decisions: &mut Vec<Decision>,
+    ) {
+        for (connection_id, agent) in &self.agents {
+            if agent.group.is_none() {
+                decisions.push(Decision::SendFrame {
+                    to: connection_id.clone(),
+                    frame: index,
+                });
+            }
+        }
+        if !frame.from_user {
+            // An answer completes the turn for every group (the registry keeps one status per
+            // turn): nothing is left to hand on, so the memory keeps only unanswered turns.
+            if let Some(turn_seq) = frame.turn_seq {
+                for memory in self.memories.values_mut() {
+                    memory.answered(frame.conversation_id, turn_seq);
+                }
+            }
+            self.decide_other_party(index, frame, decisions);
+            return;
+        }
+        let turn = TurnId::of(frame);
+        for (group, view) in &self.views {
+            let owner = view
+                .owner(frame.conversation_id, frame.at_ms)
+                .unwrap_or(NOBODY);
+            memory(
+                &mut self.memories,
+                group,
+                self.memory_conversations,
+                self.memory_turns,
+            )
+            .remember(frame.conversation_id, owner, turn.seq, frame.at_ms);
+            if self.agents.contains_key(owner) {
+                decisions.push(Decision::DeliverTurn {
+                    to: owner.to_owned(),
+                    frame: index,
+                    turn,
+                    first: true,
+                });
+            }
+        }
+    }
+
+    /// A frame of another party goes to the owner of each group whose members did not write
+    /// it (named like the sender, or one of its local members wrote it).
+    fn decide_other_party(
+        &self,
+        index: usize,
+        frame: &FrameFacts<'_>,
+        decisions: &mut Vec<Decision>,
+    ) {
+        for (group, view) in &self.views {
+            let written_by_group = group == frame.sender_id
+                || self.agents.values().any(|agent| {
+                    agent.group.as_deref() == Some(group.as_str())
+                        && agent.sender_id == frame.sender_id
+                });
+            if written_by_group {
+                continue;
+            }
+            let Some(owner) = view.owner(frame.conversation_id, frame.at_ms) else {
+                continue;
+            };
+            let Some(agent) = self.agents.get(owner) else {
+                continue;
+            };
+            if agent.sender_id != frame.sender_id {
+                decisions.push(Decision::SendFrame {
+                    to: owner.to_owned(),
+                    frame: index,
+                });
+            }
+        }
+    }
+
+    /// What a connection owns among `frames` of one conversation read for its replay: every
+    /// frame for an observer; a member's own user turns (as turns) and the frames of other
+    /// parties it owns.
+    pub fn replay(&self, connection_id: &str, frames: &[FrameFacts<'_>]) -> Vec<Decision> {
+        let Some(agent) = self.agents.get(connection_id) else {
+            return Vec::new();
+        };
+        let view = agent.group.as_ref().and_then(|group| self.views.get(group));
+        let mut decisions = Vec::new();
+        for (index, frame) in frames.iter().enumerate() {
+            let to = connection_id.to_owned();
+            let Some(view) = view else {
+                decisions.push(Decision::SendFrame { to, frame: index });
+                continue;
+            };
+            if view.owner(frame.conversation_id, frame.at_ms) != Some(connection_id) {
+                continue;
+            }
+            if frame.from_user {
+                decisions.push(Decision::DeliverTurn {
+                    to,
+                    frame: index,
+                    turn: TurnId::of(frame),
+                    first: false,
+                });
+            } else if frame.sender_id != agent.sender_id {
+                decisions.push(Decision::SendFrame { to, frame: index });
+            }
+        }
+        decisions
+    }
+
+    /// The local members that own the conversation now, one per group at most: a regenerated
+    /// turn is answered again by them.
+    pub fn current_local_owners(&self, conversation_id: &str, now_ms: i64) -> Vec<String> {
+        self.views
+            .values()
+            .filter_map(|view| view.owner(conversation_id, now_ms))
+            .filter(|owner| self.agents.contains_key(*owner))
+            .map(str::to_owned)
+            .collect()
+    }
+
+    /// Who receives a transient frame of the conversation (a forwarded client frame, typing,
+    /// receipts, presence): every local observer and the current owner of each group.
+    pub fn transient_targets(&self, conversation_id: &str, now_ms: i64) -> Vec<String> {
+        let owners: Vec<&str> = self
+            .views
+            .values()
+            .filter_map(|view| view.owner(conversation_id, now_ms))
+            .collect();
+        self.agents
+            .iter()
+            .filter(|(connection_id, agent)| {
+                agent.group.is_none() || owners.contains(&connection_id.as_str())
+            })
+            .map(|(connection_id, _)| connection_id.clone())
+            .collect()
+    }
+
+    /// Hands the unanswered turns of departed members of `group` to their new owners here.
+    fn take_over(&mut self, group: &str) -> Vec<Decision> {
+        let mut decisions = Vec::new();
+        let (Some(view), Some(memory)) = (self.views.get(group), self.memories.get_mut(group))
+        else {
+            return decisions;
+        };
+        for decision in memory.take_over(view) {
+            if self.agents.contains_key(&decision.new_owner) {
+                decisions.push(Decision::DeliverPending {
+                    to: decision.new_owner,
+                    conversation_id: decision.conversation_id,
+                    seqs: decision.seqs,
+                });
+            }
+        }
+        // Turns that fell out of a conversation's memory are read back from the registry.
+        for (conversation_id, up_to) in memory.overflowed() {
+            decisions.push(Decision::ReadPendingUpTo {
+                group: group.to_owned(),
+                conversation_id,
+                up_to,
+            });
+        }
+        decisions
+    }
+
+    /// A conversation's unanswered turns up to the seq that fell out of `group`'s memory, read
+    /// back at a takeover: each goes to the owner the view gives at its commit time when that
+    /// owner is here. Without the memory this node cannot tell whether a live member already has
+    /// one, so a turn may be delivered twice; the registry still takes one answer.
+    pub fn pending_up_to_read(
+        &mut self,
+        group: &str,
+        conversation_id: &str,
+        pending: &[PendingFacts],
+    ) -> Vec<Decision> {
+        if pending.is_empty() {
+            if let Some(memory) = self.memories.get_mut(group) {
+                memory.clear_overflow(conversation_id);
+            }
+            return Vec::new();
+        }
+        let Some(view) = self.views.get(group) else {
+            return Vec::new();
+        };
+        let mut by_owner: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+        for turn in pending {
+            if let Some(owner) = view.owner(conversation_id, turn.at_ms)
+                && self.agents.contains_key(owner)
+            {
+                by_owner.entry(owner.to_owned()).or_default().push(turn.seq);
+            }
+        }
+        by_owner
+            .into_iter()
+            .map(|(to, seqs)| Decision::DeliverPending {
+                to,
+                conversation_id: conversation_id.to_owned(),
+                seqs,
+            })
+            .collect()
+    }
+}
+
+/// The group's memory, created on first use.
+fn memory<'a>(
+    memories: &'a mut BTreeMap<String, PassedTurns>,
+    group: &str,
+    conversations: usize,
+    turns: usize,
+) -> &'a mut PassedTurns {
+    memories
+        .entry(group.to_owned())
+        .or_insert_with(|| PassedTurns::new(conversations, turns))
+}

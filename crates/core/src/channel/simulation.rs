@@ -1,0 +1,509 @@
+//! A cluster of nodes, each running a [`ChannelDecider`] for one channel, driven by random
+//! joins, leaves, node deaths, user turns, answers and proactive frames, with gossip that tells
+//! the other nodes late. The test performs each decision the way the gateway's actor does
+//! (reads from a model registry, deliveries recorded per connection) and checks the delivery
+//! rules over the whole run.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use proptest::prelude::*;
+
+use super::*;
+
+const NODES: usize = 3;
+/// Eligibility delay of new members; gossip is always faster.
+const SETTLE: i64 = 1_000;
+const GROUPS: [&str; 2] = ["bot", "auditor"];
+
+#[derive(Debug, Clone)]
+enum Step {
+    /// A member of `GROUPS[group]` (or an observer) connects to a node.
+    Join { node: usize, group: Option<usize> },
+    /// The n-th live local connection ends.
+    Leave(usize),
+    /// Every connection of a node goes at once (kill -9: the others learn it from gossip).
+    NodeDies(usize),
+    /// The end user of a conversation sends a turn.
+    Turn(usize),
+    /// A member writes a frame of its own (not an answer) into a conversation.
+    Proactive { member: usize, conversation: usize },
+    /// Time passes; every member answers what it holds.
+    Tick(u8),
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        2 => (0..NODES, proptest::option::weighted(0.8, 0..GROUPS.len()))
+            .prop_map(|(node, group)| Step::Join { node, group }),
+        1 => (0usize..8).prop_map(Step::Leave),
+        1 => Just(()).prop_flat_map(|_| 0..NODES).prop_map(Step::NodeDies),
+        6 => (0usize..5).prop_map(Step::Turn),
+        1 => (0usize..8, 0usize..5).prop_map(|(member, conversation)| Step::Proactive { member, conversation }),
+        2 => (0u8..200).prop_map(Step::Tick),
+    ]
+}
+
+/// One stored frame of the model database.
+#[derive(Debug, Clone)]
+struct Stored {
+    conversation: String,
+    seq: i64,
+    at_ms: i64,
+    sender_id: String,
+    from_user: bool,
+    turn_seq: Option<i64>,
+}
+
+impl Stored {
+    fn facts(&self) -> FrameFacts<'_> {
+        FrameFacts {
+            conversation_id: &self.conversation,
+            seq: self.seq,
+            at_ms: self.at_ms,
+            sender_id: &self.sender_id,
+            from_user: self.from_user,
+            turn_seq: self.turn_seq,
+            turn_revision: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Connection {
+    node: usize,
+    group: Option<String>,
+    sender_id: String,
+    joined_at: i64,
+    live: bool,
+}
+
+#[derive(Default)]
+struct Cluster {
+    now: i64,
+    deciders: Vec<ChannelDecider>,
+    connections: BTreeMap<String, Connection>,
+    frames: Vec<Stored>,
+    next_seq: BTreeMap<String, i64>,
+    answered: BTreeSet<(String, i64)>,
+    /// Gossip not yet heard: (deliver at, node, event).
+    gossip: Vec<(i64, usize, Gossip)>,
+    /// What each connection was sent: (conversation, seq, first delivery?).
+    received: BTreeMap<String, Vec<(String, i64, bool)>>,
+    /// Frames each node's decider has been fed, per conversation (the feed stops while a node
+    /// has no local agent, as the gateway's bus bridge does).
+    fed: Vec<BTreeMap<String, i64>>,
+    /// User turns committed while a join was still unheard somewhere: then two nodes may each
+    /// pick a member only they know as the earliest (the settle delay is what makes this rare).
+    racing: BTreeSet<(String, i64)>,
+}
+
+#[derive(Debug, Clone)]
+enum Gossip {
+    Joined {
+        connection: String,
+        group: String,
+        since: i64,
+    },
+    Left {
+        connection: String,
+        group: String,
+    },
+}
+
+impl Cluster {
+    fn new() -> Cluster {
+        Cluster {
+            deciders: (0..NODES)
+                .map(|_| ChannelDecider::with_memory(std::iter::empty(), 1_000, 2))
+                .collect(),
+            fed: vec![BTreeMap::new(); NODES],
+            ..Cluster::default()
+        }
+    }
+
+    fn has_local_agents(&self, node: usize) -> bool {
+        self.connections
+            .values()
+            .any(|connection| connection.live && connection.node == node)
+    }
+
+    /// Performs decisions as the gateway's actor does; follow-ups of a read go first.
+    fn perform(&mut self, node: usize, decisions: Vec<Decision>, frames: &[Stored]) {
+        let mut queue: std::collections::VecDeque<Decision> = decisions.into();
+        while let Some(decision) = queue.pop_front() {
+            match decision {
+                Decision::SendFrame { to, frame } => {
+                    let frame = &frames[frame];
+                    self.deliver(&to, &frame.conversation, frame.seq, false);
+                }
+                Decision::DeliverTurn {
+                    to, frame, first, ..
+                } => {
+                    let frame = &frames[frame];
+                    self.deliver(&to, &frame.conversation, frame.seq, first);
+                }
+                Decision::DeliverPending {
+                    to,
+                    conversation_id,
+                    seqs,
+                } => {
+                    for seq in seqs {
+                        if !self.answered.contains(&(conversation_id.clone(), seq)) {
+                            self.deliver(&to, &conversation_id, seq, false);
+                        }
+                    }
+                }
+                Decision::ReadPendingOfChannel { group } => {
+                    let pending = self.pending(|_| true);
+                    let follow = self.deciders[node].pending_read(group.as_deref(), &pending);
+                    prepend(&mut queue, follow);
+                }
+                Decision::ReadPendingUpTo {
+                    group,
+                    conversation_id,
+                    up_to,
+                } => {
+                    let pending = self.pending(|turn| {
+                        turn.conversation_id == conversation_id && turn.seq <= up_to
+                    });
+                    let follow =
+                        self.deciders[node].pending_up_to_read(&group, &conversation_id, &pending);
+                    prepend(&mut queue, follow);
+                }
+                Decision::ReleaseLeases { .. } => {}
+            }
+        }
+    }
+
+    fn pending(&self, keep: impl Fn(&PendingFacts) -> bool) -> Vec<PendingFacts> {
+        self.frames
+            .iter()
+            .filter(|frame| frame.from_user)
+            .filter(|frame| {
+                !self
+                    .answered
+                    .contains(&(frame.conversation.clone(), frame.seq))
+            })
+            .map(|frame| PendingFacts {
+                conversation_id: frame.conversation.clone(),
+                seq: frame.seq,
+                at_ms: frame.at_ms,
+            })
+            .filter(|turn| keep(turn))
+            .collect()
+    }
+
+    fn deliver(&mut self, to: &str, conversation: &str, seq: i64, first: bool) {
+        let live = self
+            .connections
+            .get(to)
+            .is_some_and(|connection| connection.live);
+        assert!(live, "a decision named {to}, which is gone");
+        self.received
+            .entry(to.to_owned())
+            .or_default()
+            .push((conversation.to_owned(), seq, first));
+    }
+
+    fn join(&mut self, node: usize, group: Option<&str>) {
+        let id = format!("n{node}-a{}", self.connections.len());
+        let since = self.now + SETTLE;
+        let sender_id = group.unwrap_or("agent").to_owned();
+        self.connections.insert(
+            id.clone(),
+            Connection {
+                node,
+                group: group.map(str::to_owned),
+                sender_id: sender_id.clone(),
+                joined_at: self.now,
+                live: true,
+            },
+        );
+        let agent = LocalAgent {
+            group: group.map(str::to_owned),
+            since_ms: since,
+            sender_id,
+            leased: false,
+        };
+        let decisions = self.deciders[node].join(&id, agent);
+        self.perform(node, decisions, &[]);
+        if let Some(group) = group {
+            for other in (0..NODES).filter(|other| *other != node) {
+                let lag = 50 + 100 * other as i64;
+                self.gossip.push((
+                    self.now + lag,
+                    other,
+                    Gossip::Joined {
+                        connection: id.clone(),
+                        group: group.to_owned(),
+                        since,
+                    },
+                ));
+            }
+        }
+    }
+
+    fn leave(&mut self, id: &str) {
+        let Some(connection) = self.connections.get_mut(id).filter(|c| c.live) else {
+            return;
+        };
+        connection.live = false;
+        let node = connection.node;
+        let group = connection.group.clone();
+        let decisions = self.deciders[node].leave(id);
+        self.perform(node, decisions, &[]);
+        if let Some(group) = group {
+            for other in (0..NODES).filter(|other| *other != node) {
+                self.gossip.push((
+                    self.now + 30,
+                    other,
+                    Gossip::Left {
+                        connection: id.to_owned(),
+                        group: group.clone(),
+                    },
+                ));
+            }
+        }
+    }
+
+    fn hear_gossip(&mut self, all: bool) {
+        let now = self.now;
+        let (due, later): (Vec<_>, Vec<_>) = std::mem::take(&mut self.gossip)
+            .into_iter()
+            .partition(|(at, _, _)| all || *at <= now);
+        self.gossip = later;
+        for (_, node, event) in due {
+            match event {
+                Gossip::Joined {
+                    connection,
+                    group,
+                    since,
+                } => {
+                    let live = self.connections.get(&connection).is_some_and(|c| c.live);
+                    if live {
+                        let decisions = self.deciders[node].remote_join(&connection, &group, since);
+                        self.perform(node, decisions, &[]);
+                    }
+                }
+                Gossip::Left { connection, group } => {
+                    let decisions = self.deciders[node].remote_leave(&connection, &group);
+                    self.perform(node, decisions, &[]);
+                }
+            }
+        }
+    }
+
+    /// Commits a frame and feeds it to every node with agents of the channel.
+    fn commit(
+        &mut self,
+        conversation: &str,
+        sender_id: &str,
+        from_user: bool,
+        turn_seq: Option<i64>,
+    ) {
+        let seq = {
+            let next = self.next_seq.entry(conversation.to_owned()).or_insert(0);
+            *next += 1;
+            *next
+        };
+        let join_in_flight = self
+            .gossip
+            .iter()
+            .any(|(_, _, event)| matches!(event, Gossip::Joined { .. }));
+        if from_user && join_in_flight {
+            self.racing.insert((conversation.to_owned(), seq));
+        }
+        self.frames.push(Stored {
+            conversation: conversation.to_owned(),
+            seq,
+            at_ms: self.now,
+            sender_id: sender_id.to_owned(),
+            from_user,
+            turn_seq,
+        });
+        for node in 0..NODES {
+            if !self.has_local_agents(node) {
+                continue;
+            }
+            let plan = self.deciders[node].plan_committed(conversation, seq, true);
+            let frames: Vec<Stored> = match plan {
+                CommittedPlan::Skip => continue,
+                CommittedPlan::Use => vec![self.frames.last().cloned().expect("just stored")],
+                CommittedPlan::Read { after, count } => self
+                    .frames
+                    .iter()
+                    .filter(|frame| frame.conversation == conversation)
+                    .filter(|frame| frame.seq > after && frame.seq <= after + count)
+                    .cloned()
+                    .collect(),
+            };
+            let facts: Vec<FrameFacts<'_>> = frames.iter().map(Stored::facts).collect();
+            let decisions = self.deciders[node].committed(conversation, seq, &facts);
+            self.fed[node].insert(conversation.to_owned(), seq);
+            self.perform(node, decisions, &frames);
+        }
+    }
+
+    /// Every live member answers the unanswered turns it was sent.
+    fn answer_everything(&mut self) {
+        let mut answers = Vec::new();
+        for (id, connection) in &self.connections {
+            if !connection.live || connection.group.is_none() {
+                continue;
+            }
+            for (conversation, seq, _) in self.received.get(id).into_iter().flatten() {
+                let is_turn = self
+                    .frames
+                    .iter()
+                    .any(|f| f.conversation == *conversation && f.seq == *seq && f.from_user);
+                if is_turn && !self.answered.contains(&(conversation.clone(), *seq)) {
+                    answers.push((conversation.clone(), *seq, connection.sender_id.clone()));
+                }
+            }
+        }
+        for (conversation, seq, sender_id) in answers {
+            if self.answered.insert((conversation.clone(), seq)) {
+                self.commit(&conversation, &sender_id, false, Some(seq));
+            }
+        }
+    }
+
+    fn live_members(&self, group: &str) -> Vec<&String> {
+        self.connections
+            .iter()
+            .filter(|(_, c)| c.live && c.group.as_deref() == Some(group))
+            .map(|(id, _)| id)
+            .collect()
+    }
+}
+
+fn prepend(queue: &mut std::collections::VecDeque<Decision>, follow: Vec<Decision>) {
+    for decision in follow.into_iter().rev() {
+        queue.push_front(decision);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(600))]
+
+    /// Over a random run: a turn's first delivery happens once per group at most; no group
+    /// receives its own frames; observers receive every frame committed while they were
+    /// connected, once and in order; no unanswered turn is left with nobody alive to answer it;
+    /// and a member's replay gives it exactly the user turns it owns.
+    #[test]
+    fn the_channel_rules_hold_across_nodes(steps in proptest::collection::vec(step(), 1..120)) {
+        let mut cluster = Cluster::new();
+        for step in steps {
+            cluster.now += 1;
+            cluster.hear_gossip(false);
+            match step {
+                Step::Join { node, group } => cluster.join(node, group.map(|g| GROUPS[g])),
+                Step::Leave(index) => {
+                    let id = cluster.connections.iter().filter(|(_, c)| c.live).map(|(id, _)| id.clone()).nth(index);
+                    if let Some(id) = id {
+                        cluster.leave(&id);
+                    }
+                }
+                Step::NodeDies(node) => {
+                    let ids: Vec<String> = cluster.connections.iter().filter(|(_, c)| c.live && c.node == node).map(|(id, _)| id.clone()).collect();
+                    for id in ids {
+                        cluster.leave(&id);
+                    }
+                }
+                Step::Turn(conversation) => cluster.commit(&format!("c{conversation}"), "user-1", true, None),
+                Step::Proactive { member, conversation } => {
+                    let writer = cluster.connections.values().filter(|c| c.live && c.group.is_some()).nth(member).map(|c| c.sender_id.clone());
+                    if let Some(sender_id) = writer {
+                        cluster.commit(&format!("c{conversation}"), &sender_id, false, None);
+                    }
+                }
+                Step::Tick(ms) => {
+                    cluster.now += i64::from(ms);
+                    cluster.hear_gossip(false);
+                    cluster.answer_everything();
+                }
+            }
+        }
+        cluster.now += SETTLE;
+        cluster.hear_gossip(true);
+
+        // A turn's first delivery: once per group at most (unless a join was still unheard).
+        let mut first: BTreeMap<(String, i64, String), usize> = BTreeMap::new();
+        for (id, received) in &cluster.received {
+            let Some(group) = cluster.connections[id].group.clone() else { continue };
+            for (conversation, seq, is_first) in received {
+                if *is_first && !cluster.racing.contains(&(conversation.clone(), *seq)) {
+                    *first.entry((conversation.clone(), *seq, group.clone())).or_default() += 1;
+                }
+            }
+        }
+        for (turn, count) in &first {
+            prop_assert_eq!(*count, 1, "turn {:?} first-delivered {} times", turn, count);
+        }
+
+        // No group receives a frame its own members wrote.
+        for (id, received) in &cluster.received {
+            let connection = &cluster.connections[id];
+            let Some(group) = &connection.group else { continue };
+            for (conversation, seq, _) in received {
+                let frame = cluster.frames.iter().find(|f| f.conversation == *conversation && f.seq == *seq).expect("sent frames exist");
+                prop_assert!(frame.from_user || frame.sender_id != *group, "{} got its group's own frame {:?}", id, frame);
+            }
+        }
+
+        // Observers: every frame committed while connected, once, in order per conversation.
+        for (id, connection) in cluster.connections.iter().filter(|(_, c)| c.group.is_none()) {
+            let received: Vec<(String, i64)> = cluster.received.get(id).into_iter().flatten().map(|(c, s, _)| (c.clone(), *s)).collect();
+            let mut by_conversation: BTreeMap<&str, Vec<i64>> = BTreeMap::new();
+            for (conversation, seq) in &received {
+                by_conversation.entry(conversation).or_default().push(*seq);
+            }
+            for seqs in by_conversation.values() {
+                prop_assert!(seqs.windows(2).all(|pair| pair[0] < pair[1]), "{} out of order or twice: {:?}", id, seqs);
+            }
+            if connection.live {
+                for frame in cluster.frames.iter().filter(|f| f.at_ms > connection.joined_at) {
+                    prop_assert!(received.contains(&(frame.conversation.clone(), frame.seq)), "observer {} missed {:?}", id, frame);
+                }
+            }
+        }
+
+        // Nothing unanswered is stranded: each group with live members has every unanswered turn
+        // with one of them.
+        for group in GROUPS {
+            let members = cluster.live_members(group);
+            if members.is_empty() {
+                continue;
+            }
+            for turn in cluster.pending(|_| true) {
+                let held = members.iter().any(|member| {
+                    cluster.received.get(*member).is_some_and(|received| {
+                        received.iter().any(|(c, s, _)| *c == turn.conversation_id && *s == turn.seq)
+                    })
+                });
+                prop_assert!(held, "group {} left turn {:?} with nobody", group, turn);
+            }
+        }
+
+        // A replay gives a member exactly the user turns it owns (by its node's view, which
+        // agrees with every other node's once gossip settled).
+        for (id, connection) in cluster.connections.iter().filter(|(_, c)| c.live && c.group.is_some()) {
+            let decider = &cluster.deciders[connection.node];
+            for conversation in (0..5).map(|n| format!("c{n}")) {
+                let frames: Vec<Stored> = cluster.frames.iter().filter(|f| f.conversation == conversation).cloned().collect();
+                let facts: Vec<FrameFacts<'_>> = frames.iter().map(Stored::facts).collect();
+                let replayed: BTreeSet<i64> = decider.replay(id, &facts).into_iter().filter_map(|decision| match decision {
+                    Decision::DeliverTurn { frame, .. } => Some(frames[frame].seq),
+                    _ => None,
+                }).collect();
+                let group = connection.group.as_deref().expect("members have a group");
+                let mut view = GroupView::new();
+                for (member, other) in cluster.connections.iter().filter(|(_, c)| c.live && c.group.as_deref() == Some(group)) {
+                    view.join(member, other.joined_at + SETTLE);
+                }
+                let owned: BTreeSet<i64> = frames.iter().filter(|f| f.from_user && view.owner(&conversation, f.at_ms) == Some(id.as_str())).map(|f| f.seq).collect();
+                prop_assert_eq!(replayed, owned, "replay of {} for {}", conversation, id);
+            }
+        }
+    }
+}

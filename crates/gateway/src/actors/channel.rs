@@ -1,0 +1,534 @@
+//! One channel's actor: it feeds the channel's events to its `ChannelDecider` and performs the
+//! decisions: claims (lease mode), reads (frames, the turn registry) and hands deliveries to
+//! the agent connections of this node.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+
+use converger_core::channel::{
+    ChannelDecider, CommittedPlan, Decision, LocalAgent, TurnId, TurnReason,
+};
+use converger_protocol::{Envelope, TurnRef, Viewer};
+use converger_store::{Activity, Claim, Store};
+use tokio::sync::{broadcast, mpsc};
+use uuid::Uuid;
+
+use super::{ActorMessage, Delivery};
+use crate::hub::{ChannelEvent, HubEvent};
+use crate::wire;
+
+/// How long the actor waits before reading a frame again that the database did not return.
+const FRAMES_RETRY: Duration = Duration::from_secs(1);
+
+/// Unanswered turns older than this are not handed on when a node starts serving a channel.
+const PENDING_TURNS_HORIZON: Duration = Duration::from_secs(3_600);
+
+/// A local agent connection: where its deliveries go, and its lease duration in lease mode.
+struct Link {
+    lease: Option<Duration>,
+    deliveries: mpsc::UnboundedSender<Delivery>,
+}
+
+pub(super) struct ChannelActor {
+    channel_id: Uuid,
+    /// For retries scheduled by the actor itself; weak so it never keeps itself alive.
+    own_inbox: mpsc::WeakUnboundedSender<ActorMessage>,
+    store: Store,
+    links: HashMap<String, Link>,
+    decider: ChannelDecider,
+}
+
+impl ChannelActor {
+    pub(super) fn new<'a>(
+        channel_id: Uuid,
+        inbox: &mpsc::UnboundedSender<ActorMessage>,
+        store: Store,
+        remote_members: impl IntoIterator<Item = (&'a str, &'a str, i64)>,
+    ) -> ChannelActor {
+        ChannelActor {
+            channel_id,
+            own_inbox: inbox.downgrade(),
+            store,
+            links: HashMap::new(),
+            decider: ChannelDecider::new(remote_members),
+        }
+    }
+
+    pub(super) async fn run(
+        mut self,
+        mut inbox: mpsc::UnboundedReceiver<ActorMessage>,
+        mut feed: broadcast::Receiver<ChannelEvent>,
+    ) {
+        loop {
+            tokio::select! {
+                message = inbox.recv() => match message {
+                    Some(message) => self.on_message(message).await,
+                    None => return,
+                },
+                event = feed.recv() => match event {
+                    Ok(event) => self.on_event(event).await,
+                    Err(broadcast::error::RecvError::Lagged(missed)) => {
+                        tracing::warn!(channel_id = %self.channel_id, missed, "agents: channel feed lagged; gaps are read back on the next frame");
+                    }
+                    Err(broadcast::error::RecvError::Closed) => return,
+                },
+            }
+        }
+    }
+
+    async fn on_message(&mut self, message: ActorMessage) {
+        let decisions = match message {
+            ActorMessage::Join {
+                connection_id,
+                group,
+                since_ms,
+                sender_id,
+                lease,
+                deliveries,
+            } => {
+                self.links
+                    .insert(connection_id.clone(), Link { lease, deliveries });
+                let agent = LocalAgent {
+                    group,
+                    since_ms,
+                    sender_id,
+                    leased: lease.is_some(),
+                };
+                self.decider.join(&connection_id, agent)
+            }
+            ActorMessage::Replay {
+                connection_id,
+                conversation_id,
+                watermark,
+                limit,
+            } => {
+                return self
+                    .replay(&connection_id, conversation_id, watermark, limit)
+                    .await;
+            }
+            ActorMessage::Leave { connection_id } => {
+                self.links.remove(&connection_id);
+                self.decider.leave(&connection_id)
+            }
+            ActorMessage::RemoteJoin {
+                connection_id,
+                group,
+                since_ms,
+            } => self.decider.remote_join(&connection_id, &group, since_ms),
+            ActorMessage::RemoteLeave {
+                connection_id,
+                group,
+            } => self.decider.remote_leave(&connection_id, &group),
+            ActorMessage::Retry(event) => return self.on_event(event).await,
+            ActorMessage::Redeliver {
+                connection_id,
+                conversation_id,
+                seq,
+            } => self
+                .decider
+                .redeliver(&connection_id, &conversation_id.to_string(), seq),
+            ActorMessage::WithdrawLocal => self.decider.withdraw_local(),
+        };
+        self.perform(decisions, &[]).await;
+    }
+
+    async fn on_event(&mut self, event: ChannelEvent) {
+        let ChannelEvent {
+            conversation_id,
+            event,
+        } = event;
+        let conversation = conversation_id.to_string();
+        match event {
+            HubEvent::Committed { seq, activity } => {
+                let plan = self
+                    .decider
+                    .plan_committed(&conversation, seq, activity.is_some());
+                let frames = match (plan, activity) {
+                    (CommittedPlan::Skip, _) => return,
+                    (CommittedPlan::Use, Some(activity)) => vec![activity],
+                    (CommittedPlan::Use, None) | (CommittedPlan::Read { .. }, _) => {
+                        let (after, count) = match plan {
+                            CommittedPlan::Read { after, count } => (after, count),
+                            _ => (seq - 1, 1),
+                        };
+                        match self
+                            .store
+                            .list_activities(conversation_id, after, count)
+                            .await
+                        {
+                            Ok(rows) => rows.into_iter().map(Arc::new).collect(),
+                            Err(error) => {
+                                // Not marked as handled: the retry (or the conversation's next
+                                // frame) reads from the same place, so no turn is skipped.
+                                tracing::warn!(%error, %conversation_id, seq, "agents: frames unreadable; retrying");
+                                let event = ChannelEvent {
+                                    conversation_id,
+                                    event: HubEvent::Committed {
+                                        seq,
+                                        activity: None,
+                                    },
+                                };
+                                self.retry_after(event, FRAMES_RETRY);
+                                return;
+                            }
+                        }
+                    }
+                };
+                let facts: Vec<_> = frames
+                    .iter()
+                    .map(|frame| wire::facts(frame, &conversation))
+                    .collect();
+                let decisions = self.decider.committed(&conversation, seq, &facts);
+                self.perform(decisions, &frames).await;
+            }
+            HubEvent::Regenerated { turn, revision } => {
+                // Answered again by the conversation's current owner in each group, when that
+                // owner is here.
+                let now = chrono::Utc::now().timestamp_millis();
+                let owners = self.decider.current_local_owners(&conversation, now);
+                if owners.is_empty() {
+                    return;
+                }
+                let Some(frame) = self.regenerated_frame(&turn, revision).await else {
+                    return;
+                };
+                let turn = TurnId {
+                    seq: turn.seq,
+                    revision,
+                    reason: Some(TurnReason::Regenerate),
+                };
+                for owner in owners {
+                    self.deliver_turn(&owner, &frame, turn).await;
+                }
+            }
+            HubEvent::Transient { frame, .. } => {
+                // Forwarded client frames, typing, receipts and presence: to every observer and
+                // to the current owner of each group.
+                let now = chrono::Utc::now().timestamp_millis();
+                let targets = self.decider.transient_targets(&conversation, now);
+                if targets.is_empty() {
+                    return;
+                }
+                let envelope = Envelope {
+                    conversation_id: &conversation,
+                    frame: &*frame,
+                }
+                .encode();
+                self.send_to(&targets, envelope);
+            }
+        }
+    }
+
+    /// Performs decisions in order; what a read decides comes before the decisions after it.
+    /// Frames are named by their index in `frames`.
+    async fn perform(&mut self, decisions: Vec<Decision>, frames: &[Arc<Activity>]) {
+        let mut queue: VecDeque<Decision> = decisions.into();
+        // Each frame is serialized once for all the connections it goes to.
+        let mut encoded: HashMap<usize, axum::extract::ws::Utf8Bytes> = HashMap::new();
+        while let Some(decision) = queue.pop_front() {
+            match decision {
+                Decision::SendFrame { to, frame } => {
+                    let text = encoded
+                        .entry(frame)
+                        .or_insert_with(|| agent_envelope(&frames[frame]))
+                        .clone();
+                    self.send(&to, Delivery::Frame(text));
+                }
+                Decision::DeliverTurn {
+                    to,
+                    frame,
+                    turn,
+                    first,
+                } => {
+                    let activity = &frames[frame];
+                    if self.deliver_turn(&to, activity, turn).await && first {
+                        metrics::counter!("converger_deliveries_total", "kind" => "first")
+                            .increment(1);
+                        // Commit (database clock) to hand-off to the member's connection on this
+                        // node, which adds the runtime and queues the frame for its socket writer.
+                        let waited_ms =
+                            chrono::Utc::now().timestamp_millis() - activity.timestamp_ms();
+                        metrics::histogram!("converger_commit_to_delivery_seconds")
+                            .record(waited_ms.max(0) as f64 / 1000.0);
+                    }
+                }
+                Decision::DeliverPending {
+                    to,
+                    conversation_id,
+                    seqs,
+                } => self.deliver_pending(&conversation_id, &to, &seqs).await,
+                Decision::ReadPendingOfChannel { group } => {
+                    let pending = self.pending_of_channel().await;
+                    let follow = self.decider.pending_read(group.as_deref(), &pending);
+                    prepend(&mut queue, follow);
+                }
+                Decision::ReadPendingUpTo {
+                    group,
+                    conversation_id,
+                    up_to,
+                } => {
+                    let Ok(id) = Uuid::parse_str(&conversation_id) else {
+                        continue;
+                    };
+                    let pending = match self.store.pending_turns_up_to(id, up_to).await {
+                        Ok(pending) => pending,
+                        Err(error) => {
+                            tracing::error!(%error, conversation_id = %id, "takeover: evicted turns unreadable");
+                            continue;
+                        }
+                    };
+                    let pending: Vec<_> = pending.iter().map(wire::pending_facts).collect();
+                    let follow =
+                        self.decider
+                            .pending_up_to_read(&group, &conversation_id, &pending);
+                    prepend(&mut queue, follow);
+                }
+                Decision::ReleaseLeases { holder } => self.release_leases(&holder).await,
+            }
+        }
+    }
+
+    /// The channel's unanswered turns, for a node that starts serving it (or a group new here);
+    /// none when unreadable, and then only new turns are remembered.
+    async fn pending_of_channel(&self) -> Vec<converger_core::channel::PendingFacts> {
+        let limit = converger_core::channel::MEMORY_CONVERSATIONS as i64;
+        match self
+            .store
+            .pending_turns_of_channel(self.channel_id, PENDING_TURNS_HORIZON, limit)
+            .await
+        {
+            Ok(pending) => {
+                tracing::debug!(channel_id = %self.channel_id, turns = pending.len(), "pending turns read back");
+                pending.iter().map(wire::pending_facts).collect()
+            }
+            Err(error) => {
+                tracing::warn!(%error, channel_id = %self.channel_id, "pending turns unreadable; only new turns are remembered");
+                Vec::new()
+            }
+        }
+    }
+
+    /// Replays to one connection what it owns of a conversation after `watermark`.
+    async fn replay(
+        &mut self,
+        connection_id: &str,
+        conversation_id: Uuid,
+        watermark: i64,
+        limit: i64,
+    ) {
+        if self.decider.agent(connection_id).is_none() {
+            return;
+        }
+        let frames = match self
+            .store
+            .list_activities(conversation_id, watermark, limit)
+            .await
+        {
+            Ok(frames) => frames.into_iter().map(Arc::new).collect::<Vec<_>>(),
+            Err(error) => {
+                tracing::warn!(%error, %conversation_id, "agent replay unreadable");
+                return;
+            }
+        };
+        let conversation = conversation_id.to_string();
+        let facts: Vec<_> = frames
+            .iter()
+            .map(|frame| wire::facts(frame, &conversation))
+            .collect();
+        let decisions = self.decider.replay(connection_id, &facts);
+        self.perform(decisions, &frames).await;
+    }
+
+    /// The frame a regenerated turn is delivered with: its latest edit when it has one (as a
+    /// takeover would deliver it), else the turn itself; `None` when that revision is no longer
+    /// pending (answered, or superseded by a newer revision, which has its own event).
+    async fn regenerated_frame(&self, turn: &Activity, revision: i32) -> Option<Arc<Activity>> {
+        match self
+            .store
+            .pending_turns(turn.conversation_id, &[turn.seq])
+            .await
+        {
+            Ok(pending) => pending
+                .into_iter()
+                .find(|pending| pending.revision == revision)
+                .map(|pending| Arc::new(pending.activity)),
+            Err(error) => {
+                tracing::warn!(%error, conversation_id = %turn.conversation_id, seq = turn.seq, "regenerate: latest edit unreadable; delivering the turn as sent");
+                Some(Arc::new(turn.clone()))
+            }
+        }
+    }
+
+    /// Delivers those of `seqs` still unanswered to a local member, as taken over.
+    async fn deliver_pending(&self, conversation_id: &str, owner: &str, seqs: &[i64]) {
+        let Ok(id) = Uuid::parse_str(conversation_id) else {
+            return;
+        };
+        let pending = match self.store.pending_turns(id, seqs).await {
+            Ok(pending) => pending,
+            Err(error) => {
+                tracing::error!(%error, conversation_id = %id, "takeover: pending turns unreadable");
+                return;
+            }
+        };
+        for turn in pending {
+            metrics::counter!("converger_deliveries_total", "kind" => "takeover").increment(1);
+            let turn_id = TurnId {
+                seq: turn.turn_seq,
+                revision: turn.revision,
+                reason: turn.reason.as_deref().and_then(TurnReason::parse),
+            };
+            self.deliver_turn(owner, &Arc::new(turn.activity), turn_id)
+                .await;
+        }
+    }
+
+    /// Sends a user turn to a member, claimed first for a lease-mode member; false when it was
+    /// not sent now.
+    async fn deliver_turn(
+        &self,
+        connection_id: &str,
+        activity: &Arc<Activity>,
+        turn: TurnId,
+    ) -> bool {
+        let conversation = activity.conversation_id.to_string();
+        let mut turn = TurnRef::new(
+            &conversation,
+            turn.seq,
+            turn.revision,
+            turn.reason.map(TurnReason::as_str),
+        );
+        if !self
+            .claim_for(connection_id, activity.conversation_id, &mut turn)
+            .await
+        {
+            return false;
+        }
+        self.send(
+            connection_id,
+            Delivery::Turn {
+                activity: Arc::clone(activity),
+                turn,
+            },
+        );
+        true
+    }
+
+    /// For a lease-mode member, claims the turn and sets the delivery's fence; false when it
+    /// must not be delivered now (held by another member: retried when that lease runs out; or
+    /// no longer pending). Other members need no claim.
+    async fn claim_for(
+        &self,
+        connection_id: &str,
+        conversation_id: Uuid,
+        turn: &mut TurnRef,
+    ) -> bool {
+        let Some(lease) = self.links.get(connection_id).and_then(|link| link.lease) else {
+            return true;
+        };
+        let started = std::time::Instant::now();
+        let claim = self
+            .store
+            .claim_turn(
+                conversation_id,
+                turn.seq,
+                turn.revision,
+                connection_id,
+                lease,
+            )
+            .await;
+        metrics::histogram!("converger_claim_wait_seconds").record(started.elapsed().as_secs_f64());
+        match claim {
+            Ok(Claim::Claimed { fence }) => {
+                // A claim that does not continue a live lease of the same connection raises the
+                // fence, so above 1 the registry says the turn was handed out before, on any node.
+                if fence > 1 {
+                    metrics::counter!("converger_duplicate_deliveries_total").increment(1);
+                }
+                turn.fence = Some(fence);
+                true
+            }
+            Ok(Claim::Held { remaining_ms }) => {
+                self.redeliver_after(connection_id, conversation_id, turn.seq, remaining_ms);
+                false
+            }
+            Ok(Claim::NotPending) => false,
+            Err(error) => {
+                tracing::error!(%error, %conversation_id, seq = turn.seq, "claim failed; retrying");
+                self.redeliver_after(connection_id, conversation_id, turn.seq, 1_000);
+                false
+            }
+        }
+    }
+
+    /// Gives up the claims a departed lease-mode member still holds, so the next owner claims
+    /// them at once.
+    async fn release_leases(&self, holder: &str) {
+        match self.store.release_leases(holder).await {
+            Ok(0) => {}
+            Ok(released) => {
+                tracing::debug!(holder, released, "leases released by the channel actor")
+            }
+            Err(error) => {
+                tracing::warn!(%error, holder, "leases not released; they run out by themselves")
+            }
+        }
+    }
+
+    /// Asks this actor to try the delivery again after `delay_ms` (a lease's remaining time).
+    fn redeliver_after(&self, connection_id: &str, conversation_id: Uuid, seq: i64, delay_ms: i64) {
+        let wait = Duration::from_millis(u64::try_from(delay_ms).unwrap_or(0) + 20);
+        let message = ActorMessage::Redeliver {
+            connection_id: connection_id.to_owned(),
+            conversation_id,
+            seq,
+        };
+        self.send_to_self_after(message, wait);
+    }
+
+    /// Hands `event` back to this actor after `delay` (its frames could not be read).
+    fn retry_after(&self, event: ChannelEvent, delay: Duration) {
+        self.send_to_self_after(ActorMessage::Retry(event), delay);
+    }
+
+    fn send_to_self_after(&self, message: ActorMessage, delay: Duration) {
+        let Some(inbox) = self.own_inbox.upgrade() else {
+            return;
+        };
+        tokio::spawn(async move {
+            tokio::time::sleep(delay).await;
+            let _ = inbox.send(message);
+        });
+    }
+
+    fn send(&self, connection_id: &str, delivery: Delivery) {
+        if let Some(link) = self.links.get(connection_id) {
+            let _ = link.deliveries.send(delivery);
+        }
+    }
+
+    fn send_to(&self, connection_ids: &[String], text: String) {
+        let text = axum::extract::ws::Utf8Bytes::from(text);
+        for connection_id in connection_ids {
+            self.send(connection_id, Delivery::Frame(text.clone()));
+        }
+    }
+}
+
+/// A stored frame enveloped as agents see it.
+fn agent_envelope(activity: &Activity) -> axum::extract::ws::Utf8Bytes {
+    let conversation = activity.conversation_id.to_string();
+    Envelope {
+        conversation_id: &conversation,
+        frame: wire::persistent(activity).view(Viewer::Agent),
+    }
+    .encode()
+    .into()
+}
+
+fn prepend(queue: &mut VecDeque<Decision>, follow: Vec<Decision>) {
+    for decision in follow.into_iter().rev() {
+        queue.push_front(decision);
+    }
+}

@@ -1,0 +1,125 @@
+//! Publishing what this node committed or relays, the two ways it happens everywhere:
+//!
+//! - a committed frame goes to this node's hub at once (the conversation's sessions and the
+//!   channel's actor); the other nodes hear of it from the commit's own notification, so
+//!   nothing more is sent for them;
+//! - a transient frame (typing, receipts, presence, relayed agent frames, forwarded client
+//!   frames) goes to this node's hub and, through the bus, to every other node.
+
+use std::sync::Arc;
+
+use converger_store::bus::{Origin, TransientFrame};
+use converger_store::{Activity, CommitOutcome, NewActivity, StoreError};
+use serde_json::Value;
+use uuid::Uuid;
+
+use crate::hub::{Hub, HubEvent};
+use crate::state::AppState;
+
+/// Hands newly committed frames of a conversation to this node's sessions and channel actor.
+pub(crate) fn committed(
+    hub: &Hub,
+    channel_id: Uuid,
+    conversation_id: Uuid,
+    activities: impl IntoIterator<Item = Arc<Activity>>,
+) {
+    for activity in activities {
+        let event = HubEvent::Committed {
+            seq: activity.seq,
+            activity: Some(activity),
+        };
+        hub.publish_to_all(channel_id, conversation_id, event);
+    }
+}
+
+/// Commits a frame and, when it is new (not a repeated idempotency key), publishes it.
+pub(crate) async fn commit_frame(
+    state: &AppState,
+    channel_id: Uuid,
+    new: &NewActivity,
+) -> Result<(Arc<Activity>, bool), StoreError> {
+    let CommitOutcome {
+        activity,
+        duplicate,
+    } = state.store.commit_activity(new).await?;
+    let activity = Arc::new(activity);
+    if !duplicate {
+        committed(
+            &state.hub,
+            channel_id,
+            new.conversation_id,
+            [Arc::clone(&activity)],
+        );
+    }
+    Ok((activity, duplicate))
+}
+
+/// Who receives a transient frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Audience {
+    /// The conversation's end users and the channel's agents.
+    Everyone,
+    /// The channel's agents only (a forwarded client frame).
+    Agents,
+    /// The conversation's end users only (an agent's relayed frame: agents never receive each
+    /// other's transient frames).
+    EndUsers,
+}
+
+/// A frame that is not stored, and where it goes.
+#[derive(Debug, Clone)]
+pub(crate) struct Transient {
+    /// The conversation's channel.
+    pub channel_id: Uuid,
+    /// The conversation.
+    pub conversation_id: Uuid,
+    /// The frame.
+    pub frame: Value,
+    /// Its author, so receivers can skip the author's own connection.
+    pub origin: Origin,
+    /// Who receives it.
+    pub audience: Audience,
+}
+
+impl Transient {
+    /// Hands the frame to this node's hub.
+    pub(crate) fn publish_here(&self, hub: &Hub) {
+        let event = HubEvent::Transient {
+            frame: Arc::new(self.frame.clone()),
+            origin: Some(Arc::new(self.origin.clone())),
+        };
+        match self.audience {
+            Audience::Everyone => hub.publish_to_all(self.channel_id, self.conversation_id, event),
+            Audience::Agents => hub.publish_to_agents(self.channel_id, self.conversation_id, event),
+            Audience::EndUsers => hub.publish(self.conversation_id, event),
+        }
+    }
+
+    /// The frame as it travels to the other nodes.
+    fn for_other_nodes(self, node: &str) -> TransientFrame {
+        TransientFrame {
+            node: node.to_owned(),
+            channel_id: (self.audience != Audience::EndUsers).then_some(self.channel_id),
+            conversation_id: self.conversation_id,
+            frame: self.frame,
+            origin: Some(self.origin),
+            agents_only: self.audience == Audience::Agents,
+        }
+    }
+
+    /// Hands the frame to this node's hub, then to the other nodes through the bus (a failure
+    /// there is logged: transient frames may be lost).
+    pub(crate) async fn publish(self, state: &AppState) {
+        self.publish_here(&state.hub);
+        self.publish_elsewhere(state).await;
+    }
+
+    /// Hands the frame to the other nodes only (this node already has it).
+    pub(crate) async fn publish_elsewhere(self, state: &AppState) {
+        let audience = self.audience;
+        let transient = self.for_other_nodes(state.hub.node_id());
+        if let Err(error) = state.store.publish_transient(&transient).await {
+            tracing::warn!(%error, ?audience, "transient frame not published to other nodes");
+        }
+    }
+}

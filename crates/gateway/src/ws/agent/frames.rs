@@ -1,0 +1,329 @@
+//! What an agent sends, as `converger_protocol::parse_agent_text` parsed it: bare commands,
+//! and enveloped frames for one conversation (results, relayed frames, `sync`, proactive
+//! frames).
+
+use converger_protocol::{
+    AgentFrame, Catalog, Envelope, EnvelopedFrame, ErrorCode, ErrorFrame, Heartbeat, MessageFrame,
+    TurnResult, relayed_error, run_status, token_refreshed, typing,
+};
+use converger_store::bus::Origin;
+use converger_store::{AnswerFrame, NewActivity, RuntimeWrite, Sender, SenderRole, TurnAnswer};
+use serde::Serialize;
+use serde_json::Value;
+use uuid::Uuid;
+
+use super::{AGENT_ROLE, AgentSession};
+use crate::actors::ActorMessage;
+use crate::publish::{self, Audience, Transient};
+use crate::tokens::Scope;
+use crate::ws::session::{
+    Ending, expiry_instant, internal_close, now_ms, refusal_frame, token_refused,
+};
+
+impl AgentSession<'_> {
+    pub(super) async fn on_frame(&mut self, frame: AgentFrame) -> Result<(), Ending> {
+        let (conversation_id, frame) = match frame {
+            AgentFrame::Enveloped {
+                conversation_id,
+                frame,
+            } => (conversation_id, frame),
+            bare => {
+                self.finish_results().await?;
+                return self.on_bare(bare).await;
+            }
+        };
+        if self.at_conversation_limit(conversation_id) {
+            let error = ErrorFrame::new(
+                ErrorCode::TooManySubscriptions,
+                "maxConversations reached for this connection",
+            );
+            return self.enveloped_error(conversation_id, error);
+        }
+        if !self.owns_conversation(conversation_id).await? {
+            return self.enveloped_error(conversation_id, not_in_channel());
+        }
+        if !matches!(frame, EnvelopedFrame::TurnResult(_)) {
+            self.finish_results().await?;
+        }
+        match frame {
+            EnvelopedFrame::TurnResult(Ok(result)) => {
+                self.on_turn_result(conversation_id, *result).await
+            }
+            EnvelopedFrame::TurnResult(Err(refusal))
+            | EnvelopedFrame::Sync(Err(refusal))
+            | EnvelopedFrame::Message(Err(refusal)) => {
+                self.enveloped_error(conversation_id, refusal_frame(&refusal))
+            }
+            EnvelopedFrame::Typing { is_typing } => {
+                self.relay(conversation_id, typing(is_typing, None)).await;
+                Ok(())
+            }
+            EnvelopedFrame::Run { data } => {
+                self.relay(conversation_id, run_status(&data)).await;
+                Ok(())
+            }
+            EnvelopedFrame::Error { data } => {
+                self.relay(conversation_id, relayed_error(&data)).await;
+                Ok(())
+            }
+            EnvelopedFrame::Sync(Ok(watermark)) => self.replay(conversation_id, watermark).await,
+            EnvelopedFrame::Message(Ok(message)) => {
+                self.on_proactive(conversation_id, *message).await
+            }
+        }
+    }
+
+    async fn on_bare(&mut self, frame: AgentFrame) -> Result<(), Ending> {
+        match frame {
+            AgentFrame::Ping { nonce } => {
+                let heartbeat = Heartbeat {
+                    timestamp: now_ms(),
+                    head_seq: None,
+                    nonce: nonce.as_ref(),
+                };
+                self.push(heartbeat.encode())
+            }
+            AgentFrame::Auth { token } => self.on_auth(&token),
+            AgentFrame::Catalog {
+                catalog,
+                hash,
+                list,
+            } => self.on_catalog(catalog, &hash, &list).await,
+            AgentFrame::Ignored | AgentFrame::Enveloped { .. } => Ok(()),
+        }
+    }
+
+    async fn on_catalog(
+        &mut self,
+        catalog: Catalog,
+        hash: &Value,
+        list: &Value,
+    ) -> Result<(), Ending> {
+        let stored = catalog.stored(hash, list);
+        if let Err(error) = self
+            .state
+            .store
+            .set_channel_catalog(self.channel_id, catalog.kind(), &stored)
+            .await
+        {
+            tracing::warn!(%error, "catalog not stored");
+            return self.push_error(ErrorFrame::new(
+                ErrorCode::Internal,
+                "catalog not stored; retry",
+            ));
+        }
+        Ok(())
+    }
+
+    fn on_auth(&mut self, token: &str) -> Result<(), Ending> {
+        let accepted = self.state.tokens.verify(token).ok().filter(|claims| {
+            claims.tenant_id == self.claims.tenant_id
+                && claims.channel_id == self.channel_id
+                && claims.scope() == Scope::Channel
+        });
+        let Some(claims) = accepted else {
+            return self.push_error(token_refused());
+        };
+        self.token_expires_at = expiry_instant(claims.exp);
+        let expires_at = claims.exp.saturating_mul(1000);
+        self.claims = claims;
+        self.push(token_refreshed(expires_at))
+    }
+
+    pub(super) fn push_enveloped(
+        &mut self,
+        conversation_id: Uuid,
+        frame: impl Serialize,
+    ) -> Result<(), Ending> {
+        let conversation = conversation_id.to_string();
+        let text = Envelope {
+            conversation_id: &conversation,
+            frame,
+        }
+        .encode();
+        self.push(text)
+    }
+
+    fn enveloped_error(&mut self, conversation_id: Uuid, error: ErrorFrame) -> Result<(), Ending> {
+        self.push_enveloped(conversation_id, &error)
+    }
+
+    /// True when addressing this conversation would exceed `maxConversations`: the number of
+    /// distinct conversations this connection has sent frames for (deliveries do not count).
+    fn at_conversation_limit(&self, conversation_id: Uuid) -> bool {
+        !self.known_conversations.contains(&conversation_id)
+            && self.known_conversations.len() >= self.state.config.limits.max_conversations
+    }
+
+    /// True when the conversation belongs to this channel (checked once per conversation).
+    async fn owns_conversation(&mut self, conversation_id: Uuid) -> Result<bool, Ending> {
+        if self.known_conversations.contains(&conversation_id) {
+            return Ok(true);
+        }
+        match self
+            .state
+            .store
+            .conversation_in_channel(conversation_id, self.channel_id)
+            .await
+        {
+            Ok(Some(_)) => {
+                self.known_conversations.insert(conversation_id);
+                Ok(true)
+            }
+            Ok(None) => Ok(false),
+            Err(error) => {
+                tracing::error!(%error, "agent: conversation lookup failed");
+                Err(internal_close(self.outbound))
+            }
+        }
+    }
+
+    /// Relays a transient agent frame to the conversation's end users on every node (agents do
+    /// not receive each other's transient frames).
+    async fn relay(&self, conversation_id: Uuid, frame: Value) {
+        Transient {
+            channel_id: self.channel_id,
+            conversation_id,
+            frame,
+            origin: Origin {
+                id: self.sender_id.clone(),
+                role: AGENT_ROLE.into(),
+                connection: self.connection_id.to_string(),
+            },
+            audience: Audience::EndUsers,
+        }
+        .publish(self.state)
+        .await;
+    }
+
+    /// Asks the actor to replay what this connection owns of a conversation after `watermark`.
+    pub(super) async fn replay(
+        &mut self,
+        conversation_id: Uuid,
+        watermark: u64,
+    ) -> Result<(), Ending> {
+        if self.at_conversation_limit(conversation_id) {
+            let error = ErrorFrame::new(
+                ErrorCode::TooManySubscriptions,
+                "maxConversations reached for this connection",
+            );
+            return self.enveloped_error(conversation_id, error);
+        }
+        if !self.owns_conversation(conversation_id).await? {
+            return self.enveloped_error(conversation_id, not_in_channel());
+        }
+        if let Some(inbox) = &self.inbox {
+            let _ = inbox.send(ActorMessage::Replay {
+                connection_id: self.connection_id.to_string(),
+                conversation_id,
+                watermark: i64::try_from(watermark).unwrap_or(i64::MAX),
+                limit: self.state.config.limits.replay_max as i64,
+            });
+        }
+        Ok(())
+    }
+
+    fn sender(&self) -> Sender {
+        Sender {
+            id: self.sender_id.clone(),
+            role: SenderRole::Agent,
+        }
+    }
+
+    async fn on_proactive(
+        &mut self,
+        conversation_id: Uuid,
+        message: MessageFrame,
+    ) -> Result<(), Ending> {
+        let new = NewActivity {
+            conversation_id,
+            id: message.id.clone(),
+            kind: message.kind.clone(),
+            sender: self.sender(),
+            data: message.data,
+            metadata: message.metadata,
+            extra: Some(message.extra),
+            client_id: message.client_id.clone(),
+        };
+        let (activity, duplicate) =
+            match publish::commit_frame(self.state, self.channel_id, &new).await {
+                Ok(committed) => committed,
+                Err(error) => {
+                    tracing::warn!(%error, "agent frame not stored");
+                    let error = ErrorFrame {
+                        client_id: message.client_id,
+                        ..ErrorFrame::new(ErrorCode::Internal, "the frame was not stored")
+                    };
+                    return self.enveloped_error(conversation_id, error);
+                }
+            };
+        let Some(client_id) = message.client_id else {
+            return Ok(());
+        };
+        let ack = converger_protocol::Ack::stored(
+            &client_id,
+            &activity.id,
+            activity.seq,
+            activity.timestamp_ms(),
+            duplicate,
+        );
+        let text = ack.to_value();
+        self.push_enveloped(conversation_id, text)
+    }
+
+    async fn on_turn_result(
+        &mut self,
+        conversation_id: Uuid,
+        result: TurnResult,
+    ) -> Result<(), Ending> {
+        if self.results.must_wait(conversation_id) {
+            self.finish_results().await?;
+        }
+        let client_id = result.client_id.clone();
+        let answer = self.answer(conversation_id, result);
+        self.results
+            .start(self.state, self.channel_id, client_id, answer);
+        Ok(())
+    }
+
+    /// A parsed result as the store commits it.
+    fn answer(&self, conversation_id: Uuid, result: TurnResult) -> TurnAnswer {
+        TurnAnswer {
+            conversation_id,
+            seq: result.seq,
+            revision: result.revision,
+            sender: self.sender(),
+            frames: result
+                .frames
+                .into_iter()
+                .map(|frame| AnswerFrame {
+                    id: frame.id,
+                    kind: frame.kind,
+                    data: frame.data,
+                    metadata: frame.metadata,
+                    extra: frame.extra,
+                })
+                .collect(),
+            runtime: result.runtime.map(|runtime| RuntimeWrite {
+                version: runtime.version,
+                state: runtime.state,
+            }),
+            fence: result.fence,
+        }
+    }
+
+    /// Waits for every result in flight and writes its ack or refusal.
+    pub(super) async fn finish_results(&mut self) -> Result<(), Ending> {
+        while let Some((conversation_id, reply)) = self.results.next_reply().await {
+            self.push_enveloped(conversation_id, reply)?;
+        }
+        Ok(())
+    }
+}
+
+fn not_in_channel() -> ErrorFrame {
+    ErrorFrame::new(
+        ErrorCode::ConversationNotFound,
+        "conversation not found in this channel",
+    )
+}

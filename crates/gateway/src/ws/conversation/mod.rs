@@ -1,0 +1,376 @@
+//! A conversation-scope session: one end user's connection to one conversation.
+//!
+//! One task per connection owns all session state and handles, one at a time, inbound frames,
+//! live events of the conversation, completed commits, timers and orders from the node (drain,
+//! channel deactivation). A writer task owns the socket's sending half.
+//!
+//! - `mod.rs`: the session's state, its start (subscribe, then read the head, then welcome and
+//!   replay) and its main loop;
+//! - `sends.rs`: message frames, edits and regenerates: queue, commit, publish, ack;
+//! - `live.rs`: live events of the conversation, replays and `sync`;
+//! - `signals.rs`: typing, receipts, presence, `auth`, forwarded frames, heartbeats, orders.
+//!
+//! Architecture invariant: while this connection's own send commits, live events wait, so the
+//! bus echo of its own frame is known to be its own when it arrives and is never pushed back.
+
+mod live;
+mod sends;
+mod signals;
+
+use std::collections::{BTreeSet, VecDeque};
+use std::time::Duration;
+
+use axum::extract::ws::{Message, Utf8Bytes, WebSocket};
+use converger_core::replay::{ReplayCursor, ReplayPlan};
+use converger_protocol::{
+    Catalog, ClientFrame, ConversationWelcome, ErrorCode, ErrorFrame, Hello, PendingInterrupt,
+    Profile, USER_ROLE, Viewer, parse_client_text,
+};
+use converger_store::bus::Origin;
+use futures_util::StreamExt;
+use futures_util::stream::SplitStream;
+use tokio::sync::{broadcast, mpsc};
+use tokio::time::Instant;
+use uuid::Uuid;
+
+use super::handshake::Established;
+use super::outbound::{Outbound, PushError};
+use super::rate::TokenBucket;
+use super::session::{
+    Ending, Inbound, binary_refusal, classify, expiry_instant, internal_close, push_failed,
+    rate_limited, refusal_frame, too_large,
+};
+use crate::hub::{HubEvent, SessionControl};
+use crate::state::AppState;
+use crate::tokens::Claims;
+
+use sends::{CommitFuture, PendingSend};
+
+/// Everything one session knows.
+struct Session<'a> {
+    state: &'a AppState,
+    outbound: &'a Outbound,
+    profile: Profile,
+    claims: Claims,
+    conversation_id: Uuid,
+    channel_id: Uuid,
+    user_id: String,
+    connection_id: Uuid,
+    cursor: ReplayCursor,
+    /// Seqs this connection sent and had acked, not yet passed by the cursor: never pushed back.
+    own_seqs: BTreeSet<i64>,
+    sends: VecDeque<PendingSend>,
+    in_flight: bool,
+    /// `sync` watermarks waiting for the sends before them to be acked, so a replay never
+    /// shows this connection a frame of its own before its ack.
+    deferred_syncs: VecDeque<u64>,
+    rate: TokenBucket,
+    last_inbound: Instant,
+    last_outbound: Instant,
+    typing_relayed: Option<(bool, Instant)>,
+    token_expires_at: Instant,
+    draining: Option<u64>,
+}
+
+/// Runs an end user's session after its hello.
+pub(super) async fn run(
+    state: &AppState,
+    established: Established,
+    stream: &mut SplitStream<WebSocket>,
+    outbound: &Outbound,
+) -> Ending {
+    let Established {
+        profile,
+        claims,
+        conversation,
+        user_id,
+        watermark,
+        hello,
+    } = established;
+    let (control_sender, mut controls) = mpsc::channel::<SessionControl>(8);
+    let guard = state.hub.register(conversation.channel_id, control_sender);
+    // Subscribe before reading the head: whatever commits from now on is either in the replay
+    // or arrives live (and the cursor drops what the replay already sent).
+    let mut live = state.hub.subscribe(conversation.id);
+    let head = match state.store.conversation(conversation.id).await {
+        Ok(Some(current)) => u64::try_from(current.last_seq).unwrap_or(0),
+        Ok(None) => return internal_close(outbound),
+        Err(error) => {
+            tracing::error!(%error, "session: cannot read the head");
+            return internal_close(outbound);
+        }
+    };
+    let limits = &state.config.limits;
+    let now = Instant::now();
+    let invalid_watermark = watermark > head;
+    let watermark = if invalid_watermark { head } else { watermark };
+    let (cursor, plan) = ReplayCursor::start(watermark, head, replay_cap(state, profile));
+    let mut session = Session {
+        state,
+        outbound,
+        profile,
+        token_expires_at: expiry_instant(claims.exp),
+        claims,
+        conversation_id: conversation.id,
+        channel_id: conversation.channel_id,
+        user_id,
+        connection_id: guard.connection_id(),
+        cursor,
+        own_seqs: BTreeSet::new(),
+        sends: VecDeque::new(),
+        in_flight: false,
+        deferred_syncs: VecDeque::new(),
+        rate: TokenBucket::new(limits.max_frames_per_sec, now.into_std()),
+        last_inbound: now,
+        last_outbound: now,
+        typing_relayed: None,
+        draining: None,
+    };
+    // Boxed, and the hello and conversation dropped, so the idle session's future and heap keep
+    // only what the session loop needs (memory per idle connection, docs/benchmarks.md).
+    if let Err(ending) = Box::pin(session.welcome(head, &hello, invalid_watermark, plan)).await {
+        return ending;
+    }
+    drop(hello);
+    drop(conversation);
+    session.presence_changed(true);
+    let ending = session.run(stream, &mut live, &mut controls).await;
+    session.presence_changed(false);
+    drop(guard);
+    ending
+}
+
+/// The converger profile's replay is capped at `replayMax` (then `replayTruncated`); a mekik
+/// client gets everything it asks for.
+fn replay_cap(state: &AppState, profile: Profile) -> Option<u64> {
+    profile
+        .is_converger()
+        .then_some(state.config.limits.replay_max as u64)
+}
+
+impl Session<'_> {
+    fn is_converger(&self) -> bool {
+        self.profile.is_converger()
+    }
+
+    /// Queues a persistent frame or one of the frames every profile gets; a full queue of
+    /// persistent frames means the client cannot keep up.
+    fn push(&mut self, text: impl Into<Utf8Bytes>, transient: bool) -> Result<(), Ending> {
+        match self.outbound.push_text(text, transient) {
+            Ok(()) => {
+                self.last_outbound = Instant::now();
+                Ok(())
+            }
+            Err(error) => Err(self.push_failed(error)),
+        }
+    }
+
+    /// Queues a transient frame of type `kind`, unless the profile does not take it.
+    fn push_transient(&mut self, kind: &str, text: impl Into<Utf8Bytes>) -> Result<(), Ending> {
+        if !self.profile.receives_transient(kind) {
+            return Ok(());
+        }
+        self.push(text, true)
+    }
+
+    fn push_failed(&self, error: PushError) -> Ending {
+        if error == PushError::Full {
+            tracing::info!(connection_id = %self.connection_id, "slow consumer: closing");
+        }
+        push_failed(error, self.state.config.drain.retry_after_ms)
+    }
+
+    /// Errors are never dropped under pressure: a client may be waiting on one for its send.
+    fn push_error(&mut self, error: ErrorFrame) -> Result<(), Ending> {
+        self.push(error.encode(), false)
+    }
+
+    fn viewer(&self) -> Viewer<'_> {
+        Viewer::EndUser {
+            user_id: &self.user_id,
+        }
+    }
+
+    /// This user as the author of transient frames, so receivers can skip its own tabs.
+    fn origin(&self) -> Origin {
+        Origin {
+            id: self.user_id.clone(),
+            role: USER_ROLE.into(),
+            connection: self.connection_id.to_string(),
+        }
+    }
+
+    /// Sends welcome, the catalogs, then the replay.
+    async fn welcome(
+        &mut self,
+        head: u64,
+        hello: &Hello,
+        invalid_watermark: bool,
+        plan: ReplayPlan,
+    ) -> Result<(), Ending> {
+        let store = &self.state.store;
+        let pending = store
+            .pending_interrupts(self.conversation_id)
+            .await
+            .map_err(|error| {
+                tracing::error!(%error, "session: cannot read interrupts");
+                internal_close(self.outbound)
+            })?;
+        let conversation_id = self.conversation_id.to_string();
+        let connection_id = self.connection_id.to_string();
+        let welcome = ConversationWelcome {
+            profile: self.profile,
+            conversation_id: &conversation_id,
+            user_id: &self.user_id,
+            connection_id: &connection_id,
+            watermark: head,
+            pending: pending
+                .iter()
+                .map(|interrupt| PendingInterrupt {
+                    id: &interrupt.id,
+                    data: &interrupt.data,
+                })
+                .collect(),
+            expires_at_ms: self.claims.exp.saturating_mul(1000),
+            limits: &self.state.config.limits,
+        }
+        .encode();
+        self.push(welcome, false)?;
+        let catalogs = store
+            .channel_catalogs(self.channel_id)
+            .await
+            .map_err(|_| internal_close(self.outbound))?;
+        if let Some(components) = catalogs.components {
+            let frame = Catalog::Components.frame(&components, hello.components_hash.as_deref());
+            self.push(frame, false)?;
+        }
+        if let Some(skills) = catalogs.skills {
+            let frame = Catalog::Skills.frame(&skills, hello.skills_hash.as_deref());
+            self.push(frame, false)?;
+        }
+        if invalid_watermark {
+            self.push_error(ErrorFrame::new(
+                ErrorCode::InvalidWatermark,
+                "watermark is above the conversation head",
+            ))?;
+        }
+        self.replay(plan).await
+    }
+
+    /// The main loop.
+    async fn run(
+        &mut self,
+        stream: &mut SplitStream<WebSocket>,
+        live: &mut broadcast::Receiver<HubEvent>,
+        controls: &mut mpsc::Receiver<SessionControl>,
+    ) -> Ending {
+        let limits = self.state.config.limits.clone();
+        let heartbeat_every = Duration::from_millis(limits.heartbeat_interval_ms);
+        let idle_after = Duration::from_millis(limits.idle_timeout_ms);
+        let mut heartbeat =
+            tokio::time::interval_at(Instant::now() + heartbeat_every, heartbeat_every);
+        let mut in_flight: Option<CommitFuture> = None;
+        loop {
+            // Live frames already waiting go first, so a client that keeps sending still sees
+            // the conversation.
+            if in_flight.is_none()
+                && live.is_empty()
+                && let Some(next) = self.sends.pop_front()
+            {
+                in_flight = Some(self.start_commit(next));
+                self.in_flight = true;
+            }
+            if in_flight.is_none()
+                && self.sends.is_empty()
+                && let Some(watermark) = self.deferred_syncs.pop_front()
+            {
+                if let Err(ending) = self.on_sync(watermark).await {
+                    return ending;
+                }
+                continue;
+            }
+            if let Some(retry_after_ms) = self.draining
+                && in_flight.is_none()
+                && self.sends.is_empty()
+            {
+                let _ = self.push_error(super::session::draining_error(retry_after_ms));
+                return Ending::draining(retry_after_ms);
+            }
+            let reading =
+                self.draining.is_none() && self.sends.len() < limits.max_in_flight.max(1) + 1;
+            let idle_deadline = self.last_inbound + idle_after;
+            let outcome = tokio::select! {
+                message = stream.next(), if reading => self.on_message(message).await,
+                // While this connection's own send commits, live frames wait: the commit's bus
+                // echo must not arrive before the seq is known to be this connection's own.
+                event = live.recv(), if in_flight.is_none() => self.on_live(event).await,
+                control = controls.recv() => self.on_control(control),
+                done = async { match in_flight.as_mut() { Some(commit) => commit.await, None => std::future::pending().await } } => {
+                    in_flight = None;
+                    self.in_flight = false;
+                    self.on_commit(done)
+                }
+                _ = heartbeat.tick() => self.on_heartbeat(heartbeat_every),
+                _ = tokio::time::sleep_until(idle_deadline) => Err(Ending::idle()),
+                _ = tokio::time::sleep_until(self.token_expires_at) => Err(self.on_token_expired()),
+            };
+            if let Err(ending) = outcome {
+                return ending;
+            }
+        }
+    }
+
+    async fn on_message(
+        &mut self,
+        message: Option<Result<Message, axum::Error>>,
+    ) -> Result<(), Ending> {
+        let inbound = classify(message)?;
+        self.last_inbound = Instant::now();
+        let text = match inbound {
+            Inbound::Text(text) => text,
+            Inbound::Binary => return self.push_error(binary_refusal()),
+            Inbound::Control => return Ok(()),
+        };
+        if let Err(wait) = self.rate.take(std::time::Instant::now()) {
+            match self.profile {
+                // A mekik client cannot handle rate_limited: hold the socket instead.
+                Profile::Mekik => tokio::time::sleep(wait).await,
+                Profile::Converger => return self.push_error(rate_limited(wait)),
+            }
+        }
+        let limits = &self.state.config.limits;
+        if text.len() > limits.max_frame_bytes {
+            return self.push_error(too_large());
+        }
+        match parse_client_text(text.as_str(), limits) {
+            Err(refusal) => self.push_error(refusal_frame(&refusal)),
+            Ok(frame) => self.on_frame(frame).await,
+        }
+    }
+
+    async fn on_frame(&mut self, frame: ClientFrame) -> Result<(), Ending> {
+        match frame {
+            // A second hello is ignored.
+            ClientFrame::Hello(_) | ClientFrame::Unknown { .. } => Ok(()),
+            ClientFrame::Message(message) => self.on_send(*message),
+            ClientFrame::Sync { watermark } if self.in_flight || !self.sends.is_empty() => {
+                self.deferred_syncs.push_back(watermark);
+                Ok(())
+            }
+            ClientFrame::Sync { watermark } => self.on_sync(watermark).await,
+            ClientFrame::Ping { nonce } => self.on_ping(nonce.as_ref()),
+            ClientFrame::Typing { is_typing } => self.on_typing(is_typing).await,
+            ClientFrame::Read { watermark } => self.on_read(watermark).await,
+            ClientFrame::Auth { token } => self.on_auth(&token),
+            ClientFrame::Edit {
+                target,
+                client_id,
+                data,
+            } => self.on_revision(target, client_id, Some(data)).await,
+            ClientFrame::Regenerate { target, client_id } => {
+                self.on_revision(target, client_id, None).await
+            }
+            ClientFrame::Forwarded { kind, frame } => self.on_forwarded(kind, frame).await,
+        }
+    }
+}

@@ -1,0 +1,246 @@
+//! Message frames, edits and regenerates: queued (`maxInFlight`), committed one at a time,
+//! published to this node, acked.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use converger_protocol::{Ack, ErrorCode, ErrorFrame, MessageFrame, TurnNumber, TurnTarget};
+use converger_store::faults;
+use converger_store::{CommitOutcome, NewActivity, Sender, SenderRole, StoreError};
+use serde_json::Value;
+
+use super::Session;
+use crate::hub::HubEvent;
+use crate::publish;
+use crate::ws::session::Ending;
+
+pub(super) type CommitFuture = Pin<Box<dyn Future<Output = CommitDone> + Send>>;
+
+/// A send waiting for its commit.
+pub(super) struct PendingSend {
+    frame: MessageFrame,
+}
+
+/// A finished commit.
+pub(super) struct CommitDone {
+    client_id: Option<String>,
+    frame_type: String,
+    result: Result<CommitOutcome, StoreError>,
+}
+
+impl Session<'_> {
+    pub(super) fn on_send(&mut self, frame: MessageFrame) -> Result<(), Ending> {
+        if self.is_converger()
+            && self.sends.len() + usize::from(self.in_flight)
+                >= self.state.config.limits.max_in_flight
+        {
+            return self.push_error(ErrorFrame {
+                client_id: frame.user_idempotency_key().map(str::to_owned),
+                frame_type: Some(frame.kind.clone()),
+                retry_after_ms: Some(100),
+                ..ErrorFrame::new(ErrorCode::TooManyInFlight, "too many unacknowledged sends")
+            });
+        }
+        self.sends.push_back(PendingSend { frame });
+        Ok(())
+    }
+
+    pub(super) fn start_commit(&self, send: PendingSend) -> CommitFuture {
+        let store = self.state.store.clone();
+        let frame = send.frame;
+        let client_id = frame.user_idempotency_key().map(str::to_owned);
+        let new = NewActivity {
+            conversation_id: self.conversation_id,
+            // A user's `id` is its idempotency key (mekik), never the stored frame id.
+            id: None,
+            kind: frame.kind.clone(),
+            sender: Sender {
+                id: self.user_id.clone(),
+                role: SenderRole::User,
+            },
+            data: frame.data,
+            metadata: frame.metadata,
+            extra: Some(frame.extra),
+            client_id: client_id.clone(),
+        };
+        let frame_type = frame.kind;
+        Box::pin(async move {
+            let result = store.commit_activity(&new).await;
+            CommitDone {
+                client_id,
+                frame_type,
+                result,
+            }
+        })
+    }
+
+    pub(super) fn on_commit(&mut self, done: CommitDone) -> Result<(), Ending> {
+        let CommitDone {
+            client_id,
+            frame_type,
+            result,
+        } = done;
+        let outcome = match result {
+            Ok(outcome) => outcome,
+            Err(error) => {
+                let code = match error {
+                    StoreError::ConversationClosed => ErrorCode::ConversationClosed,
+                    StoreError::ConversationNotFound => ErrorCode::ConversationNotFound,
+                    _ => ErrorCode::Internal,
+                };
+                if code == ErrorCode::Internal {
+                    tracing::error!(%error, conversation_id = %self.conversation_id, "send failed");
+                }
+                return self.push_error(ErrorFrame {
+                    client_id,
+                    frame_type: Some(frame_type),
+                    ..ErrorFrame::new(code, "the frame was not stored")
+                });
+            }
+        };
+        if faults::injected(faults::AFTER_COMMIT_BEFORE_NOTIFY) {
+            // As if the node died right after the commit: other nodes hear of it from the
+            // database; this session neither dispatches nor acks.
+            return Ok(());
+        }
+        let activity = Arc::new(outcome.activity);
+        if !outcome.duplicate {
+            metrics::counter!("converger_frames_committed_total").increment(1);
+            self.own_seqs.insert(activity.seq);
+            publish::committed(
+                &self.state.hub,
+                self.channel_id,
+                self.conversation_id,
+                [Arc::clone(&activity)],
+            );
+        }
+        let (Some(client_id), true) = (client_id, self.is_converger()) else {
+            return Ok(());
+        };
+        if faults::injected(faults::ACK_SEND_DROP) {
+            return Ok(());
+        }
+        let ack = Ack::stored(
+            &client_id,
+            &activity.id,
+            activity.seq,
+            activity.timestamp_ms(),
+            outcome.duplicate,
+        );
+        self.push(ack.encode(), false)
+    }
+
+    /// `edit` (with `data`) or `regenerate`: revision + 1 of the targeted turn of this user.
+    pub(super) async fn on_revision(
+        &mut self,
+        target: TurnTarget,
+        client_id: Option<String>,
+        data: Option<Value>,
+    ) -> Result<(), Ending> {
+        let frame_type = if data.is_some() { "edit" } else { "regenerate" };
+        let refuse = |code: ErrorCode, message: &str| ErrorFrame {
+            client_id: client_id.clone(),
+            frame_type: Some(frame_type.into()),
+            ..ErrorFrame::new(code, message)
+        };
+        let seq = target.seq.and_then(|seq| i64::try_from(seq).ok());
+        let store = &self.state.store;
+        let turn = match store
+            .resolve_turn(
+                self.conversation_id,
+                &self.user_id,
+                seq,
+                target.message_id.as_deref(),
+            )
+            .await
+        {
+            Ok(Some(turn)) => turn,
+            Ok(None) => {
+                return self
+                    .push_error(refuse(ErrorCode::BadRequest, "no turn of yours to revise"));
+            }
+            Err(error) => {
+                tracing::warn!(%error, "revision target unreadable");
+                return self.push_error(refuse(ErrorCode::Internal, "try again"));
+            }
+        };
+        let edit = data
+            .as_ref()
+            .map(|data| (turn.kind.as_str(), data, client_id.as_deref()));
+        let regenerate_key = if data.is_none() {
+            client_id.as_deref()
+        } else {
+            None
+        };
+        let revision = match store.open_revision(&turn, edit, regenerate_key).await {
+            Ok(revision) => revision,
+            Err(StoreError::ConversationClosed) => {
+                return self.push_error(refuse(
+                    ErrorCode::ConversationClosed,
+                    "conversation is closed",
+                ));
+            }
+            Err(error) => {
+                tracing::warn!(%error, "revision not stored");
+                return self.push_error(refuse(ErrorCode::Internal, "the revision was not stored"));
+            }
+        };
+        let mut ack = Ack {
+            client_id: client_id.as_deref(),
+            turn: Some(TurnNumber {
+                seq: revision.turn_seq,
+                revision: revision.revision,
+            }),
+            duplicate: revision.duplicate,
+            ..Ack::default()
+        };
+        let stored = revision.edit.map(Arc::new);
+        match &stored {
+            Some(stored) => {
+                ack.id = Some(&stored.id);
+                ack.seq = Some(stored.seq);
+                ack.timestamp = Some(stored.timestamp_ms());
+                if !revision.duplicate {
+                    // The edit is a persistent frame: everyone but this connection sees it.
+                    self.own_seqs.insert(stored.seq);
+                    publish::committed(
+                        &self.state.hub,
+                        self.channel_id,
+                        self.conversation_id,
+                        [Arc::clone(stored)],
+                    );
+                }
+            }
+            None if revision.duplicate => {}
+            None => {
+                let event = HubEvent::Regenerated {
+                    turn: Arc::new(turn),
+                    revision: revision.revision,
+                };
+                self.state
+                    .hub
+                    .publish_to_agents(self.channel_id, self.conversation_id, event);
+                if let Err(error) = self
+                    .state
+                    .store
+                    .publish_regenerated(
+                        self.state.hub.node_id(),
+                        self.channel_id,
+                        self.conversation_id,
+                        revision.turn_seq,
+                        revision.revision,
+                    )
+                    .await
+                {
+                    tracing::warn!(%error, "regenerated turn not published to other nodes");
+                }
+            }
+        }
+        if client_id.is_none() || !self.is_converger() {
+            return Ok(());
+        }
+        let ack = ack.encode();
+        self.push(ack, false)
+    }
+}

@@ -1,0 +1,222 @@
+//! A stored frame as clients see it (PROTOCOL section 3.1): the same bytes for live delivery,
+//! replay and REST, whoever renders it.
+//!
+//! The server-owned fields (`type`, `id`, `seq`, `from`, `sender`, `data`, `timestamp`,
+//! `metadata`, `clientId`, `meta`) always win over any top-level field the sender stored with
+//! the frame, so a client can never forge them.
+
+use serde::ser::{Serialize, SerializeMap, Serializer};
+use serde_json::{Map, Value};
+
+use crate::delivery::TurnMeta;
+
+/// Whose view a frame is rendered for, which decides `from` and `clientId`.
+#[derive(Debug, Clone, Copy)]
+pub enum Viewer<'a> {
+    /// The conversation's end user (any of its connections, or REST).
+    EndUser {
+        /// The viewing user's id.
+        user_id: &'a str,
+    },
+    /// An agent or observer: `from` is relative to the conversation's end user.
+    Agent,
+}
+
+/// The role of the end user in `sender.role`.
+pub const USER_ROLE: &str = "user";
+
+/// Top-level names the server writes itself; stored extra fields never override them.
+const SERVER_FIELDS: &[&str] = &[
+    "type",
+    "id",
+    "seq",
+    "from",
+    "sender",
+    "data",
+    "timestamp",
+    "metadata",
+    "clientId",
+    "meta",
+];
+
+/// The parts of a stored frame a client sees, borrowed from wherever it is kept.
+#[derive(Debug, Clone, Copy)]
+pub struct PersistentFrame<'a> {
+    /// `type`.
+    pub kind: &'a str,
+    /// `id`.
+    pub id: &'a str,
+    /// `seq`.
+    pub seq: i64,
+    /// `sender.id`.
+    pub sender_id: &'a str,
+    /// `sender.role` (`user`, `bot`, `agent`, `system`).
+    pub sender_role: &'a str,
+    /// `data`.
+    pub data: &'a Value,
+    /// `metadata`, when stored.
+    pub metadata: Option<&'a Value>,
+    /// Other top-level fields, as the sender gave them.
+    pub extra: Option<&'a Map<String, Value>>,
+    /// The author's idempotency key.
+    pub client_id: Option<&'a str>,
+    /// Commit time in milliseconds since the Unix epoch.
+    pub timestamp_ms: i64,
+}
+
+impl<'a> PersistentFrame<'a> {
+    /// The frame as `viewer` sees it.
+    pub fn view(self, viewer: Viewer<'a>) -> RenderedFrame<'a> {
+        RenderedFrame {
+            frame: self,
+            viewer,
+            meta: None,
+        }
+    }
+
+    fn written_by_user(&self, user_id: &str) -> bool {
+        self.sender_role == USER_ROLE && self.sender_id == user_id
+    }
+}
+
+/// A stored frame rendered for one viewer, optionally with a delivery's `meta`.
+#[derive(Debug, Clone, Copy)]
+pub struct RenderedFrame<'a> {
+    frame: PersistentFrame<'a>,
+    viewer: Viewer<'a>,
+    meta: Option<&'a TurnMeta<'a>>,
+}
+
+impl<'a> RenderedFrame<'a> {
+    /// The same frame carrying a delivered turn's `meta` (channel scope).
+    pub fn with_meta(self, meta: &'a TurnMeta<'a>) -> RenderedFrame<'a> {
+        RenderedFrame {
+            meta: Some(meta),
+            ..self
+        }
+    }
+
+    /// `from`: `user` for the conversation's end user's own frames, else `bot`.
+    fn from(&self) -> &'static str {
+        let from_user = match self.viewer {
+            Viewer::EndUser { user_id } => self.frame.written_by_user(user_id),
+            Viewer::Agent => self.frame.sender_role == USER_ROLE,
+        };
+        if from_user { "user" } else { "bot" }
+    }
+
+    /// `clientId` goes back to its author only (the author's other connections, or REST).
+    fn client_id(&self) -> Option<&'a str> {
+        match self.viewer {
+            Viewer::EndUser { user_id } if self.frame.sender_id == user_id => self.frame.client_id,
+            _ => None,
+        }
+    }
+
+    /// The frame as JSON text.
+    pub fn encode(&self) -> String {
+        crate::encode(self)
+    }
+
+    /// The frame as a JSON value.
+    pub fn to_value(&self) -> Value {
+        crate::to_value(self)
+    }
+}
+
+/// `{id, role}` of a frame's author or a participant.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct Participant<'a> {
+    /// Participant id.
+    pub id: &'a str,
+    /// Participant role.
+    pub role: &'a str,
+}
+
+impl Serialize for RenderedFrame<'_> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let frame = &self.frame;
+        let mut map = serializer.serialize_map(None)?;
+        if let Some(extra) = frame.extra {
+            for (key, value) in extra {
+                if !SERVER_FIELDS.contains(&key.as_str()) {
+                    map.serialize_entry(key, value)?;
+                }
+            }
+        }
+        map.serialize_entry("type", frame.kind)?;
+        map.serialize_entry("id", frame.id)?;
+        map.serialize_entry("seq", &frame.seq)?;
+        map.serialize_entry("from", self.from())?;
+        map.serialize_entry(
+            "sender",
+            &Participant {
+                id: frame.sender_id,
+                role: frame.sender_role,
+            },
+        )?;
+        map.serialize_entry("data", frame.data)?;
+        map.serialize_entry("timestamp", &frame.timestamp_ms)?;
+        if let Some(metadata) = frame.metadata {
+            map.serialize_entry("metadata", metadata)?;
+        }
+        if let Some(client_id) = self.client_id() {
+            map.serialize_entry("clientId", client_id)?;
+        }
+        if let Some(meta) = self.meta {
+            map.serialize_entry("meta", meta)?;
+        }
+        map.end()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn stored<'a>(data: &'a Value, extra: &'a Map<String, Value>) -> PersistentFrame<'a> {
+        PersistentFrame {
+            kind: "text",
+            id: "f-1",
+            seq: 3,
+            sender_id: "alice",
+            sender_role: "user",
+            data,
+            metadata: None,
+            extra: Some(extra),
+            client_id: Some("c-1"),
+            timestamp_ms: 1_700_000_000_000,
+        }
+    }
+
+    #[test]
+    fn server_fields_win_over_stored_extras() {
+        let data = json!({"text": "hi"});
+        let Value::Object(extra) = json!({"seq": 99, "from": "bot", "actions": [1]}) else {
+            unreachable!()
+        };
+        let frame = stored(&data, &extra)
+            .view(Viewer::EndUser { user_id: "alice" })
+            .to_value();
+        assert_eq!(frame["seq"], 3);
+        assert_eq!(frame["from"], "user");
+        assert_eq!(frame["actions"], json!([1]));
+        assert_eq!(frame["clientId"], "c-1");
+        assert_eq!(frame["sender"], json!({"id": "alice", "role": "user"}));
+    }
+
+    #[test]
+    fn client_id_goes_to_its_author_only() {
+        let data = json!({"text": "hi"});
+        let extra = Map::new();
+        let for_bob = stored(&data, &extra)
+            .view(Viewer::EndUser { user_id: "bob" })
+            .to_value();
+        assert!(for_bob.get("clientId").is_none());
+        assert_eq!(for_bob["from"], "bot");
+        let for_agent = stored(&data, &extra).view(Viewer::Agent).to_value();
+        assert!(for_agent.get("clientId").is_none());
+        assert_eq!(for_agent["from"], "user");
+    }
+}

@@ -1,0 +1,49 @@
+#!/usr/bin/env python3
+"""Echo agent: answers every turn with an echo and counts the turns in the runtime state.
+
+Environment:
+    CONVERGER_URL          the node, e.g. http://127.0.0.1:8080 (default) or its ws:// endpoint
+    CONVERGER_AGENT_TOKEN  a channel-scope token (``converger token issue --scope channel`` or
+                           ``POST /api/v1/converger/tokens/generate`` with ``{"scope":"channel"}``)
+    CONVERGER_AGENT_GROUP  the group to join (default ``echo``)
+
+Prints ``ready <connectionId> <since>`` once connected; SIGTERM or Ctrl-C drains and exits 0.
+
+    CONVERGER_AGENT_TOKEN=... python3 sdk/python/examples/echo_agent.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+
+from converger import Agent, Turn
+
+
+async def main() -> None:
+    """Connects, prints the ready line and answers turns until SIGTERM."""
+    agent = Agent(
+        os.environ.get("CONVERGER_URL", "http://127.0.0.1:8080"),
+        os.environ["CONVERGER_AGENT_TOKEN"],
+        group=os.environ.get("CONVERGER_AGENT_GROUP", "echo"),
+    )
+
+    @agent.turn
+    async def echo(turn: Turn) -> None:
+        count = int(turn.runtime.state.get("count", 0)) + 1
+        await turn.typing(True)
+        await turn.reply(f"echo {count}: {turn.text}", runtime={"count": count})
+
+    welcome = await agent.connect()
+    print(f"ready {welcome.connection_id} {welcome.since}", flush=True)
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, agent.stop)
+    await agent.run(concurrency=8)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    asyncio.run(main())
