@@ -1,28 +1,48 @@
 //! Conformance to the frame schemas of `docs/protocol/schemas/`. Every frame the integration
-//! tests receive is checked by the test support (`support::ws`); this file checks the frames
-//! clients send as the tests and the example agents build them, and that the schemas do refuse
-//! what the contract forbids (so the suite-wide check can fail).
+//! tests receive is checked by the test support (`support::ws`); this file checks the frames the
+//! Rust client (and so its echo-agent example) builds, and that the schemas do refuse what the
+//! contract forbids (so the suite-wide check can fail). The Python SDK checks its own frames
+//! against the same schemas in its tests.
 
 mod support;
 
+use converger_client::agent::Turn;
+use converger_client::outgoing;
 use serde_json::{Value, json};
 use support::schemas::{Schema, assert_conforms, violations};
+use uuid::Uuid;
 
 const CONVERSATION: &str = "01a229f7-6923-72c8-b84e-152340d1c09c";
 
+fn conversation() -> Uuid {
+    CONVERSATION.parse().expect("a uuid")
+}
+
+/// A turn as the Rust client reads it from a delivery, for the results it builds.
+fn delivered_turn(fence: Option<i64>) -> Turn {
+    let mut meta = json!({"channel": {"id": CONVERSATION}, "participant": {"id": "u", "role": "user"},
+                          "turn": {"seq": 4, "revision": 1, "key": format!("{CONVERSATION}:4:1"), "reason": "edit"},
+                          "runtime": {"version": 2, "state": {"count": 1}}});
+    if let Some(fence) = fence {
+        meta["turn"]["fence"] = json!(fence);
+    }
+    let envelope = json!({"conversationId": CONVERSATION, "frame": {
+        "type": "text", "id": "f", "seq": 5, "from": "user", "sender": {"id": "u", "role": "user"},
+        "data": {"text": "hi"}, "timestamp": 1, "meta": meta}});
+    Turn::from_envelope(&envelope).expect("a delivered turn")
+}
+
 #[test]
-fn frames_end_users_send_conform() {
+fn frames_the_rust_client_sends_end_users_conform() {
     let frames = [
-        json!({"type": "hello", "protocol": "converger/1", "token": "t", "watermark": 3}),
-        json!({"type": "text", "clientId": "c-1", "data": {"text": "hello"}}),
-        json!({"type": "event", "clientId": "c-2", "data": {"name": "opened"}}),
-        json!({"type": "typing", "isTyping": true}),
-        json!({"type": "read", "watermark": 4}),
-        json!({"type": "sync", "watermark": 0}),
-        json!({"type": "ping", "nonce": "n-1"}),
-        json!({"type": "edit", "clientId": "e-1", "target": {"seq": 1}, "data": {"text": "better"}}),
-        json!({"type": "regenerate", "clientId": "g-1", "target": {"seq": 1}}),
-        json!({"type": "auth", "token": "t2"}),
+        outgoing::conversation_hello("t", 3, None),
+        outgoing::conversation_hello("t", 0, Some(conversation())),
+        outgoing::keyed(outgoing::text("hello"), "c-1").expect("an object"),
+        outgoing::keyed(json!({"type": "event", "data": {"name": "opened"}}), "c-2")
+            .expect("an object"),
+        outgoing::typing(true),
+        outgoing::read(4),
+        outgoing::sync(0),
     ];
     for frame in &frames {
         assert_conforms(Schema::ClientConversation, frame);
@@ -30,18 +50,18 @@ fn frames_end_users_send_conform() {
 }
 
 #[test]
-fn frames_agents_send_conform() {
+fn frames_the_rust_client_sends_agents_conform() {
     let frames = [
-        json!({"type": "hello", "protocol": "converger/1", "token": "t", "group": "bot",
-               "watermarks": {CONVERSATION: 2}}),
-        json!({"type": "ping", "nonce": "n"}),
-        json!({"conversationId": CONVERSATION, "frame": {
-            "type": "turnResult", "clientId": "r-1", "turn": {"seq": 1, "revision": 0},
-            "frames": [{"type": "text", "data": {"text": "answer"}}],
-            "runtime": {"version": 0, "state": {"count": 1}}}}),
-        json!({"conversationId": CONVERSATION, "frame": {"type": "text", "clientId": "p-1", "data": {"text": "proactive"}}}),
-        json!({"conversationId": CONVERSATION, "frame": {"type": "typing", "isTyping": true}}),
-        json!({"conversationId": CONVERSATION, "frame": {"type": "sync", "watermark": 0}}),
+        outgoing::agent_hello("t", Some("bot"), false, [(conversation(), 2)]),
+        outgoing::agent_hello("t", None, false, []),
+        outgoing::agent_hello("t", Some("bot"), true, []),
+        outgoing::result_envelope(
+            &delivered_turn(None),
+            "r-1",
+            vec![outgoing::text("answer")],
+            Some(json!({"count": 2})),
+        ),
+        outgoing::result_envelope(&delivered_turn(Some(3)), "r-2", Vec::new(), None),
     ];
     for frame in &frames {
         assert_conforms(Schema::ClientChannel, frame);

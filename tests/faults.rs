@@ -11,8 +11,8 @@ use converger_client::TokenRequest;
 use converger_store::faults;
 use fail::FailScenario;
 use serde_json::{Value, json};
-use support::TestNode;
 use support::ws::WsClient;
+use support::{TestNode, seqs};
 use uuid::Uuid;
 
 fn text(client_id: &str, words: &str) -> Value {
@@ -32,14 +32,6 @@ async fn stored(node: &TestNode, conversation_id: Uuid, client_id: &str) -> i64 
             "SELECT count(*) FROM activities WHERE conversation_id = '{conversation_id}' AND client_id = '{client_id}'"
         ))
         .await
-}
-
-/// Persistent frames (with a seq) among `frames`.
-fn seqs(frames: &[Value]) -> Vec<i64> {
-    frames
-        .iter()
-        .filter_map(|frame| frame["seq"].as_i64())
-        .collect()
 }
 
 #[tokio::test]

@@ -1,4 +1,4 @@
-//! PROTOCOL sections 3 and 7 over real sockets: sends, acks, fan-out, commands, bad input and
+//! docs/protocol.md §§3 and 7 over real sockets: sends, acks, fan-out, commands, bad input and
 //! connection hygiene.
 
 mod support;
@@ -9,14 +9,7 @@ use converger_client::TokenRequest;
 use converger_gateway::tokens::Claims;
 use serde_json::{Value, json};
 use support::ws::WsClient;
-use support::{TenantFixture, TestNode};
-use uuid::Uuid;
-
-async fn setup(node: &TestNode) -> (TenantFixture, Uuid, String) {
-    let acme = node.tenant_with_channel("acme").await;
-    let (conversation_id, token) = node.conversation(&acme, "alice").await;
-    (acme, conversation_id, token)
-}
+use support::{TestNode, setup};
 
 async fn connected(node: &TestNode, token: &str) -> WsClient {
     let mut client = WsClient::connect(&node.ws_url("")).await;
@@ -487,7 +480,19 @@ async fn heartbeats_follow_outbound_silence_for_converger_clients_only() {
         .await;
     let frames = client.recv_until("text").await;
     assert_eq!(frames.last().unwrap()["clientId"], "m-1");
-    let _ = mekik;
+    // A frame from the converger tab marks the end: everything the mekik socket was sent in
+    // the meantime arrives before it, and none of it may be a heartbeat.
+    client.send(text("c-2", "y")).await;
+    let received = mekik.recv_until("text").await;
+    assert_eq!(
+        received
+            .iter()
+            .map(|frame| frame["type"].as_str())
+            .collect::<Vec<_>>(),
+        vec![Some("text")],
+        "the mekik client was sent only the converger tab's text: {received:?}"
+    );
+    assert_eq!(received[0]["data"]["text"], "y");
 }
 
 #[tokio::test]

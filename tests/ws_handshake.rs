@@ -1,20 +1,14 @@
-//! PROTOCOL sections 1–2 over real sockets: the endpoint, credentials, hello and welcome.
+//! docs/protocol.md §§1–2 over real sockets: the endpoint, credentials, hello and welcome.
 
 mod support;
 
 use converger_client::TokenRequest;
 use converger_gateway::tokens::Claims;
-use serde_json::{Value, json};
+use serde_json::json;
 use support::ws::WsClient;
-use support::{TenantFixture, TestNode};
+use support::{TestNode, seqs, setup};
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use uuid::Uuid;
-
-async fn setup(node: &TestNode) -> (TenantFixture, Uuid, String) {
-    let acme = node.tenant_with_channel("acme").await;
-    let (conversation_id, token) = node.conversation(&acme, "alice").await;
-    (acme, conversation_id, token)
-}
 
 async fn post_text(node: &TestNode, token: &str, conversation_id: Uuid, text: &str) -> i64 {
     let frame = json!({"type": "text", "data": {"text": text}});
@@ -23,13 +17,6 @@ async fn post_text(node: &TestNode, token: &str, conversation_id: Uuid, text: &s
         .await
         .expect("post")
         .seq
-}
-
-fn seqs(frames: &[Value]) -> Vec<i64> {
-    frames
-        .iter()
-        .filter_map(|frame| frame["seq"].as_i64())
-        .collect()
 }
 
 #[tokio::test]

@@ -10,6 +10,9 @@ use tokio::process::{Child, Command};
 
 use super::{converger_bin, test_config};
 
+// The poll loop lives in the support module; cluster tests name it from here as before.
+pub use super::eventually;
+
 /// Settle delay of the cluster tests' members: well above gossip propagation (~200 ms).
 pub const SETTLE_MS: u64 = 700;
 
@@ -150,25 +153,6 @@ impl NodeProcess {
             .expect("node exits after SIGTERM")
             .expect("wait on node");
         assert!(exit.success(), "node {} exited with {exit}", self.name);
-    }
-}
-
-/// Polls an observable condition until it holds; panics with `what` after `timeout`.
-pub async fn eventually<F, Fut>(what: &str, timeout: Duration, mut condition: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = tokio::time::Instant::now() + timeout;
-    loop {
-        if condition().await {
-            return;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 

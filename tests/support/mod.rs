@@ -168,6 +168,40 @@ impl Drop for TestDb {
     }
 }
 
+/// Polls an observable condition until it holds; panics with `what` after `timeout`.
+pub async fn eventually<F, Fut>(what: &str, timeout: Duration, mut condition: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if condition().await {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A tenant with a channel, and alice's conversation in it with its bound token.
+pub async fn setup(node: &TestNode) -> (TenantFixture, Uuid, String) {
+    let acme = node.tenant_with_channel("acme").await;
+    let (conversation_id, token) = node.conversation(&acme, "alice").await;
+    (acme, conversation_id, token)
+}
+
+/// The seqs of the persistent frames (those with a seq) among `frames`, in order.
+pub fn seqs(frames: &[serde_json::Value]) -> Vec<i64> {
+    frames
+        .iter()
+        .filter_map(|frame| frame["seq"].as_i64())
+        .collect()
+}
+
 /// Waits until a group member's `since` (its welcome's) has passed, so it owns the turns that
 /// follow: the server's own stated time, not a guess.
 pub async fn settle(welcome: &serde_json::Value) {

@@ -2,10 +2,11 @@
 //! that are resent with the same clientId until the server acknowledges them, across
 //! reconnects.
 
+pub use crate::outgoing::result_envelope;
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
-use serde_json::{Map, Value, json};
+use serde_json::Value;
 use tokio::time::Instant;
 use uuid::Uuid;
 
@@ -291,23 +292,12 @@ impl Agent {
     }
 
     fn hello(&self) -> Value {
-        let mut hello = json!({"type": "hello", "protocol": "converger/1", "token": self.token});
-        if let Some(group) = &self.group {
-            hello["group"] = json!(group);
-        }
-        if self.lease {
-            hello["claim"] = json!("lease");
-        }
-        let watermarks: Map<String, Value> = self
-            .seen
-            .watermarks(self.hello_watermarks)
-            .into_iter()
-            .map(|(conversation, seq)| (conversation.to_string(), json!(seq)))
-            .collect();
-        if !watermarks.is_empty() {
-            hello["watermarks"] = Value::Object(watermarks);
-        }
-        hello
+        crate::outgoing::agent_hello(
+            &self.token,
+            self.group.as_deref(),
+            self.lease,
+            self.seen.watermarks(self.hello_watermarks),
+        )
     }
 
     fn on_welcome(&mut self, welcome: Value, early: Vec<Value>) {
@@ -365,29 +355,6 @@ pub fn result_client_id(turn: &Turn) -> String {
     )
 }
 
-/// The enveloped `turnResult` answering `turn` with `frames` (and the runtime written against
-/// the version the turn was delivered with), for agents that write frames themselves.
-pub fn result_envelope(
-    turn: &Turn,
-    client_id: &str,
-    frames: Vec<Value>,
-    runtime_state: Option<Value>,
-) -> Value {
-    let mut result = json!({
-        "type": "turnResult",
-        "clientId": client_id,
-        "turn": {"seq": turn.seq, "revision": turn.revision},
-        "frames": frames,
-    });
-    if let Some(fence) = turn.fence {
-        result["turn"]["fence"] = json!(fence);
-    }
-    if let Some(state) = runtime_state {
-        result["runtime"] = json!({"version": turn.runtime_version, "state": state});
-    }
-    json!({"conversationId": turn.conversation_id, "frame": result})
-}
-
 /// The clientId an enveloped `ack` or `error` answers.
 fn answered_client_id(envelope: &Value) -> Option<&str> {
     let frame = envelope.get("frame")?;
@@ -412,6 +379,7 @@ fn reply_ack(frame: &Value) -> ReplyAck {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     const CONVERSATION: &str = "0193e0a4-0000-7000-8000-000000000001";
 

@@ -5,7 +5,7 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
-use serde_json::{Value, json};
+use serde_json::Value;
 use tokio::time::Instant;
 use uuid::Uuid;
 
@@ -57,16 +57,7 @@ impl ConversationState {
 
     /// The `hello` for the next connection: the conversation and the watermark so far.
     pub(crate) fn hello(&self, token: &str) -> Value {
-        let mut hello = json!({
-            "type": "hello",
-            "protocol": "converger/1",
-            "token": token,
-            "watermark": self.seen.watermark(),
-        });
-        if let Some(conversation_id) = self.conversation_id {
-            hello["conversationId"] = json!(conversation_id);
-        }
-        hello
+        crate::outgoing::conversation_hello(token, self.seen.watermark(), self.conversation_id)
     }
 
     /// A connection was (re)established.
@@ -241,8 +232,8 @@ impl Conversation {
 
     /// Sends a `text` message, kept and resent with the same clientId until acked.
     pub async fn send_text(&mut self, client_id: &str, text: &str) -> Result<(), ClientError> {
-        let frame = json!({"type": "text", "data": {"text": text}});
-        self.send_message(client_id, frame).await
+        self.send_message(client_id, crate::outgoing::text(text))
+            .await
     }
 
     /// Sends any keyed frame the server acks (`text`, `event`, other message types, `edit`,
@@ -253,11 +244,10 @@ impl Conversation {
         if !is_valid_client_id(client_id) {
             return Err(ClientError::InvalidClientId(client_id.to_owned()));
         }
-        let Value::Object(mut fields) = frame else {
+        let Some(frame) = crate::outgoing::keyed(frame, client_id) else {
             return Err(ClientError::InvalidFrame("not a JSON object".into()));
         };
-        fields.insert("clientId".into(), json!(client_id));
-        let text = Value::Object(fields).to_string();
+        let text = frame.to_string();
         self.state.outbox.push(client_id, text, Instant::now());
         self.link.send_due(&mut self.state.outbox).await;
         Ok(())
@@ -266,14 +256,14 @@ impl Conversation {
     /// Tells the other participants whether the user types. Transient: false when it could
     /// not be written (disconnected), and it is not sent later.
     pub async fn send_typing(&mut self, is_typing: bool) -> bool {
-        let frame = json!({"type": "typing", "isTyping": is_typing});
+        let frame = crate::outgoing::typing(is_typing);
         self.link.write(frame.to_string()).await
     }
 
     /// Stores the user's read position, at most what this connection has been sent. Transient:
     /// false when it could not be written (disconnected), and it is not sent later.
     pub async fn send_read(&mut self, watermark: i64) -> bool {
-        let frame = json!({"type": "read", "watermark": watermark});
+        let frame = crate::outgoing::read(watermark);
         self.link.write(frame.to_string()).await
     }
 
@@ -322,7 +312,7 @@ impl Conversation {
         let accepted = self.state.accept(ServerFrame::parse(raw), Instant::now());
         if let Some(watermark) = accepted.sync_from {
             // Lost with the connection, it is not needed: the next hello carries the watermark.
-            let sync = json!({"type": "sync", "watermark": watermark});
+            let sync = crate::outgoing::sync(watermark);
             self.link.write(sync.to_string()).await;
         }
         accepted.surface
@@ -332,6 +322,7 @@ impl Conversation {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     fn state(watermark: i64) -> ConversationState {
         ConversationState::new(&ConversationOptions {

@@ -1,4 +1,4 @@
-//! Typed server frames of a conversation-scope (end-user) connection, PROTOCOL section 3.
+//! Typed server frames of a conversation-scope (end-user) connection, docs/protocol.md §3.
 //!
 //! Parsing never fails: a frame whose type is unknown, or a known frame missing a field the
 //! contract requires, is kept whole as [`ServerFrame::Unknown`], since receivers must ignore

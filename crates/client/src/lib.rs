@@ -1,4 +1,4 @@
-//! A Rust client for converger: the REST surface (PROTOCOL section 6), the end-user side of
+//! A Rust client for converger: the REST surface (docs/protocol.md §6), the end-user side of
 //! conversation-scope sessions ([`Conversation`], section 3) and the agent side of
 //! channel-scope sessions ([`agent::Agent`], section 4).
 //!
@@ -14,6 +14,7 @@ mod conversation;
 mod error;
 pub mod frames;
 mod outbox;
+pub mod outgoing;
 mod rest;
 mod session;
 mod tracking;

@@ -13,7 +13,7 @@ use serde_json::json;
 pub struct ApiError {
     /// HTTP status.
     pub status: StatusCode,
-    /// Wire code: a PROTOCOL section 7 code, or `not_found` for resources that are not
+    /// Wire code: a docs/protocol.md §7 code, or `not_found` for resources that are not
     /// conversations.
     pub code: &'static str,
     /// Human-readable reason.

@@ -1,5 +1,5 @@
 //! Converger tokens: HS256 JWTs naming a tenant, a channel and, optionally, a conversation and a
-//! verified user (PROTOCOL section 1). Signing and verification only; the request extractors
+//! verified user (docs/protocol.md §1). Signing and verification only; the request extractors
 //! that use them are in `auth.rs`.
 
 use converger_protocol::TOKEN_TYPE;
@@ -20,7 +20,7 @@ pub enum Scope {
     Channel,
 }
 
-/// The claims of a converger token (PROTOCOL section 1).
+/// The claims of a converger token (docs/protocol.md §1).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Claims {
     /// Always `converger`.

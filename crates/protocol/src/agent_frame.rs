@@ -1,4 +1,4 @@
-//! Parsing of every frame a channel-scope (agent) connection may send (PROTOCOL section 4.5).
+//! Parsing of every frame a channel-scope (agent) connection may send (docs/protocol.md §4.5).
 //!
 //! Like `client_frame.rs`, parsing never panics: a message is a bare command (`ping`, `auth`,
 //! a catalog), an enveloped conversation frame, something to ignore, or a refusal. An enveloped

@@ -1,4 +1,4 @@
-//! Parsing of every frame a conversation-scope client may send (PROTOCOL sections 2–3).
+//! Parsing of every frame a conversation-scope client may send (docs/protocol.md §§2–3).
 //!
 //! Parsing never panics and never fails on unknown fields: a frame is either one of the known
 //! commands, a message to store, a frame to forward to agents, an unknown type (ignored), or a
@@ -116,7 +116,7 @@ pub enum ClientFrame {
         /// The whole frame as sent.
         frame: Map<String, Value>,
     },
-    /// A type this version does not know: ignored (PROTOCOL general rules).
+    /// A type this version does not know: ignored (docs/protocol.md, general rules).
     Unknown {
         /// The unknown type.
         kind: String,

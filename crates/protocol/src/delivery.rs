@@ -1,4 +1,4 @@
-//! What agent connections receive (PROTOCOL section 4): envelopes, and user turns delivered
+//! What agent connections receive (docs/protocol.md §4): envelopes, and user turns delivered
 //! with their `meta`.
 
 use serde::Serialize;
@@ -6,7 +6,7 @@ use serde_json::Value;
 
 use crate::persistent::{Participant, RenderedFrame};
 
-/// The turn key of PROTOCOL section 5: `conversation:seq:revision`, stable across deliveries.
+/// The turn key of docs/protocol.md §5: `conversation:seq:revision`, stable across deliveries.
 pub fn turn_key(conversation_id: &str, seq: i64, revision: i32) -> String {
     format!("{conversation_id}:{seq}:{revision}")
 }

@@ -1,4 +1,4 @@
-//! Error codes of PROTOCOL section 7, with their numbers, retry hints and close codes.
+//! Error codes of docs/protocol.md §7, with their numbers, retry hints and close codes.
 
 use serde::{Deserialize, Serialize};
 
@@ -131,7 +131,7 @@ impl ErrorCode {
         }
     }
 
-    /// The numeric code of the table in PROTOCOL section 7.
+    /// The numeric code of the table in docs/protocol.md §7.
     pub fn number(self) -> u16 {
         match self {
             ErrorCode::BadRequest => 1000,

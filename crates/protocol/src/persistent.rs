@@ -1,4 +1,4 @@
-//! A stored frame as clients see it (PROTOCOL section 3.1): the same bytes for live delivery,
+//! A stored frame as clients see it (docs/protocol.md §3.1): the same bytes for live delivery,
 //! replay and REST, whoever renders it.
 //!
 //! The server-owned fields (`type`, `id`, `seq`, `from`, `sender`, `data`, `timestamp`,

@@ -1,4 +1,4 @@
-//! The two dialects of the conversation scope (PROTOCOL section 3.7).
+//! The two dialects of the conversation scope (docs/protocol.md §3.7).
 //!
 //! A `hello` with `protocol: "converger/1"` selects the converger profile: acks, heartbeats,
 //! presence, receipts and every other server frame. A `hello` without `protocol` is an unmodified

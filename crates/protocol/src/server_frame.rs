@@ -1,5 +1,5 @@
-//! The frames only the server sends, each built by one type and serialized once (PROTOCOL
-//! sections 2, 3 and 7). Welcome frames live in `welcome.rs`, stored frames in `persistent.rs`
+//! The frames only the server sends, each built by one type and serialized once (docs/protocol.md
+//! §§2, 3 and 7). Welcome frames live in `welcome.rs`, stored frames in `persistent.rs`
 //! and agent deliveries in `delivery.rs`.
 
 use serde::Serialize;
@@ -8,7 +8,7 @@ use serde_json::{Value, json};
 use crate::ErrorCode;
 use crate::persistent::Participant;
 
-/// An `error` frame (PROTOCOL section 7).
+/// An `error` frame (docs/protocol.md §7).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ErrorFrame {
     /// The code.
@@ -115,7 +115,7 @@ pub struct TurnNumber {
     pub revision: i32,
 }
 
-/// An `ack` (PROTOCOL section 3.3): of a stored frame, of an edit or regenerate, or of a turn
+/// An `ack` (docs/protocol.md §3.3): of a stored frame, of an edit or regenerate, or of a turn
 /// result. A resend gets the same ack as the first send, plus `duplicate`.
 #[derive(Debug, Clone, Default, Serialize)]
 #[serde(rename_all = "camelCase")]

@@ -1,4 +1,4 @@
-//! The `welcome` frames of both scopes (PROTOCOL sections 2 and 4.1).
+//! The `welcome` frames of both scopes (docs/protocol.md §§2 and 4.1).
 
 use serde::Serialize;
 use serde_json::Value;

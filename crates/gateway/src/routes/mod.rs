@@ -1,4 +1,4 @@
-//! The HTTP routes of PROTOCOL section 6.
+//! The HTTP routes of docs/protocol.md §6.
 
 mod admin;
 mod body;

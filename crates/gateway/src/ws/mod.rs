@@ -1,4 +1,4 @@
-//! The WebSocket endpoint `GET /socket/converger/v1` (PROTOCOL sections 1–4).
+//! The WebSocket endpoint `GET /socket/converger/v1` (docs/protocol.md §§1–4).
 //!
 //! The upgrade itself never fails for credential reasons: credentials are checked when `hello`
 //! arrives so every client can read the reason (error frame, then close 4401).

@@ -8,6 +8,7 @@ use converger_protocol::{CloseCode, ErrorCode, ErrorFrame, Refusal, retry_close_
 use tokio::time::Instant;
 
 use super::outbound::{Outbound, PushError};
+use super::rate::TokenBucket;
 
 /// Why a session loop ended.
 pub(super) enum Ending {
@@ -81,6 +82,57 @@ pub(super) fn binary_refusal() -> ErrorFrame {
         ErrorCode::InvalidMessage,
         "binary messages are not accepted",
     )
+}
+
+/// What an inbound message is once the connection's rate and the size limit have had their say.
+pub(super) enum Admitted {
+    /// A text to parse.
+    Text(Utf8Bytes),
+    /// Answer this error; the message is dropped.
+    Refused(ErrorFrame),
+    /// Over the rate: a token is back after `wait` (the size limit is not checked yet).
+    RateLimited {
+        /// The text, for a session that holds it until then.
+        text: Utf8Bytes,
+        /// When a token is back.
+        wait: Duration,
+    },
+    /// Ping or pong: nothing to answer.
+    Control,
+}
+
+/// Sorts an inbound message: binary is refused, text is rate limited, then size limited.
+pub(super) fn admit(inbound: Inbound, rate: &mut TokenBucket, max_frame_bytes: usize) -> Admitted {
+    let text = match inbound {
+        Inbound::Text(text) => text,
+        Inbound::Binary => return Admitted::Refused(binary_refusal()),
+        Inbound::Control => return Admitted::Control,
+    };
+    if let Err(wait) = rate.take(std::time::Instant::now()) {
+        return Admitted::RateLimited { text, wait };
+    }
+    match within_size(text, max_frame_bytes) {
+        Some(text) => Admitted::Text(text),
+        None => Admitted::Refused(too_large()),
+    }
+}
+
+/// The text when it is within `max_frame_bytes` (else [`too_large`] answers it).
+pub(super) fn within_size(text: Utf8Bytes, max_frame_bytes: usize) -> Option<Utf8Bytes> {
+    (text.len() <= max_frame_bytes).then_some(text)
+}
+
+/// An order to close from outside the connection: its error first, then the close.
+pub(super) fn ordered_close(
+    outbound: &Outbound,
+    error: Option<Box<ErrorFrame>>,
+    code: u16,
+    reason: String,
+) -> Ending {
+    if let Some(error) = error {
+        push_error(outbound, &error);
+    }
+    Ending::Close { code, reason }
 }
 
 /// The answer to a text message above `limits.max_frame_bytes`.

@@ -32,15 +32,8 @@ impl AgentSession<'_> {
                 return self.on_bare(bare).await;
             }
         };
-        if self.at_conversation_limit(conversation_id) {
-            let error = ErrorFrame::new(
-                ErrorCode::TooManySubscriptions,
-                "maxConversations reached for this connection",
-            );
-            return self.enveloped_error(conversation_id, error);
-        }
-        if !self.owns_conversation(conversation_id).await? {
-            return self.enveloped_error(conversation_id, not_in_channel());
+        if !self.may_address(conversation_id).await? {
+            return Ok(());
         }
         if !matches!(frame, EnvelopedFrame::TurnResult(_)) {
             self.finish_results().await?;
@@ -148,6 +141,24 @@ impl AgentSession<'_> {
         self.push_enveloped(conversation_id, &error)
     }
 
+    /// True when this connection may address the conversation; otherwise the refusal is sent
+    /// (over `maxConversations`, or not a conversation of the channel).
+    async fn may_address(&mut self, conversation_id: Uuid) -> Result<bool, Ending> {
+        if self.at_conversation_limit(conversation_id) {
+            let error = ErrorFrame::new(
+                ErrorCode::TooManySubscriptions,
+                "maxConversations reached for this connection",
+            );
+            self.enveloped_error(conversation_id, error)?;
+            return Ok(false);
+        }
+        if !self.owns_conversation(conversation_id).await? {
+            self.enveloped_error(conversation_id, not_in_channel())?;
+            return Ok(false);
+        }
+        Ok(true)
+    }
+
     /// True when addressing this conversation would exceed `maxConversations`: the number of
     /// distinct conversations this connection has sent frames for (deliveries do not count).
     fn at_conversation_limit(&self, conversation_id: Uuid) -> bool {
@@ -202,15 +213,8 @@ impl AgentSession<'_> {
         conversation_id: Uuid,
         watermark: u64,
     ) -> Result<(), Ending> {
-        if self.at_conversation_limit(conversation_id) {
-            let error = ErrorFrame::new(
-                ErrorCode::TooManySubscriptions,
-                "maxConversations reached for this connection",
-            );
-            return self.enveloped_error(conversation_id, error);
-        }
-        if !self.owns_conversation(conversation_id).await? {
-            return self.enveloped_error(conversation_id, not_in_channel());
+        if !self.may_address(conversation_id).await? {
+            return Ok(());
         }
         if let Some(inbox) = &self.inbox {
             let _ = inbox.send(ActorMessage::Replay {

@@ -1,5 +1,5 @@
 //! A channel-scope session: an agent process serving the conversations of one channel, as an
-//! observer or as a member of a group (PROTOCOL section 4). Conversation-level frames travel in
+//! observer or as a member of a group (docs/protocol.md §4). Conversation-level frames travel in
 //! `{conversationId, frame}` envelopes both ways.
 //!
 //! - `mod.rs`: the session's start (welcome, join the channel's actor, announce in gossip,
@@ -30,8 +30,8 @@ use super::handshake::AgentSetup;
 use super::outbound::Outbound;
 use super::rate::TokenBucket;
 use super::session::{
-    Ending, Inbound, binary_refusal, classify, draining_error, expiry_instant, now_ms, push_failed,
-    rate_limited, too_large,
+    Admitted, Ending, admit, classify, draining_error, expiry_instant, now_ms, ordered_close,
+    push_failed, rate_limited,
 };
 use crate::actors::{ActorMessage, Delivery};
 use crate::hub::SessionControl;
@@ -244,12 +244,7 @@ impl AgentSession<'_> {
                 error,
                 code,
                 reason,
-            }) => {
-                if let Some(error) = error {
-                    let _ = self.push_error(*error);
-                }
-                Err(Ending::Close { code, reason })
-            }
+            }) => Err(ordered_close(self.outbound, error, code, reason)),
         }
     }
 
@@ -272,18 +267,14 @@ impl AgentSession<'_> {
     ) -> Result<(), Ending> {
         let inbound = classify(message)?;
         self.last_inbound = Instant::now();
-        let text = match inbound {
-            Inbound::Text(text) => text,
-            Inbound::Binary => return self.push_error(binary_refusal()),
-            Inbound::Control => return Ok(()),
-        };
-        if let Err(wait) = self.rate.take(std::time::Instant::now()) {
-            return self.push_error(rate_limited(wait));
-        }
         let limits = &self.state.config.limits;
-        if text.len() > limits.max_frame_bytes {
-            return self.push_error(too_large());
-        }
+        let text = match admit(inbound, &mut self.rate, limits.max_frame_bytes) {
+            Admitted::Text(text) => text,
+            Admitted::Refused(error) => return self.push_error(error),
+            Admitted::RateLimited { wait, .. } => return self.push_error(rate_limited(wait)),
+            Admitted::Control => return Ok(()),
+        };
+        let limits = &self.state.config.limits;
         match parse_agent_text(text.as_str(), limits, self.lease.is_some()) {
             Ok(frame) => self.on_frame(frame).await,
             Err(refusal) => {

@@ -37,8 +37,8 @@ use super::handshake::Established;
 use super::outbound::{Outbound, PushError};
 use super::rate::TokenBucket;
 use super::session::{
-    Ending, Inbound, binary_refusal, classify, expiry_instant, internal_close, push_failed,
-    rate_limited, refusal_frame, too_large,
+    Admitted, Ending, admit, classify, expiry_instant, internal_close, push_failed, rate_limited,
+    refusal_frame, too_large, within_size,
 };
 use crate::hub::{HubEvent, SessionControl};
 use crate::state::AppState;
@@ -326,22 +326,24 @@ impl Session<'_> {
     ) -> Result<(), Ending> {
         let inbound = classify(message)?;
         self.last_inbound = Instant::now();
-        let text = match inbound {
-            Inbound::Text(text) => text,
-            Inbound::Binary => return self.push_error(binary_refusal()),
-            Inbound::Control => return Ok(()),
-        };
-        if let Err(wait) = self.rate.take(std::time::Instant::now()) {
-            match self.profile {
-                // A mekik client cannot handle rate_limited: hold the socket instead.
-                Profile::Mekik => tokio::time::sleep(wait).await,
-                Profile::Converger => return self.push_error(rate_limited(wait)),
-            }
-        }
         let limits = &self.state.config.limits;
-        if text.len() > limits.max_frame_bytes {
-            return self.push_error(too_large());
-        }
+        let text = match admit(inbound, &mut self.rate, limits.max_frame_bytes) {
+            Admitted::Text(text) => text,
+            Admitted::Refused(error) => return self.push_error(error),
+            Admitted::RateLimited { text, wait } => match self.profile {
+                // A mekik client cannot handle rate_limited: hold the socket instead.
+                Profile::Mekik => {
+                    tokio::time::sleep(wait).await;
+                    match within_size(text, limits.max_frame_bytes) {
+                        Some(text) => text,
+                        None => return self.push_error(too_large()),
+                    }
+                }
+                Profile::Converger => return self.push_error(rate_limited(wait)),
+            },
+            Admitted::Control => return Ok(()),
+        };
+        let limits = &self.state.config.limits;
         match parse_client_text(text.as_str(), limits) {
             Err(refusal) => self.push_error(refusal_frame(&refusal)),
             Ok(frame) => self.on_frame(frame).await,

@@ -13,7 +13,7 @@ use tokio::time::Instant;
 use super::Session;
 use crate::hub::SessionControl;
 use crate::publish::{Audience, Transient};
-use crate::ws::session::{Ending, now_ms, token_refused};
+use crate::ws::session::{Ending, now_ms, ordered_close, token_refused};
 
 impl Session<'_> {
     fn me(&self) -> Participant<'_> {
@@ -217,12 +217,7 @@ impl Session<'_> {
                 error,
                 code,
                 reason,
-            }) => {
-                if let Some(error) = error {
-                    let _ = self.push_error(*error);
-                }
-                Err(Ending::Close { code, reason })
-            }
+            }) => Err(ordered_close(self.outbound, error, code, reason)),
         }
     }
 }

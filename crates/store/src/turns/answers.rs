@@ -1,0 +1,235 @@
+//! An agent's answer to a turn — its frames, the conversation's runtime, the turn's completion
+//! and the outbox event — commits in one transaction keyed by (conversation, seq, revision)
+//! (`converger_answer_turn`, run inside the group commit's batch), so a turn never gets two
+//! answers and a resend of the same answer is idempotent.
+
+use std::collections::HashMap;
+
+use chrono::{DateTime, Utc};
+use serde::Deserialize;
+use serde_json::{Map, Value, json};
+use sha2::{Digest, Sha256};
+use uuid::Uuid;
+
+use crate::activities::{Activity, Sender, stored_extra};
+use crate::{Store, StoreError};
+
+/// One frame of an answer, split like a stored activity.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AnswerFrame {
+    /// The agent's own frame id, kept when given.
+    pub id: Option<String>,
+    /// Frame type.
+    pub kind: String,
+    /// The frame's `data`.
+    pub data: Value,
+    /// The frame's `metadata`.
+    pub metadata: Option<Value>,
+    /// Other top-level fields.
+    pub extra: Map<String, Value>,
+}
+
+/// A runtime written with an answer: `version` is the one the agent read.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RuntimeWrite {
+    /// The version the agent based its answer on.
+    pub version: i64,
+    /// The new state.
+    pub state: Value,
+}
+
+/// An agent's answer to one turn.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TurnAnswer {
+    /// Conversation.
+    pub conversation_id: Uuid,
+    /// The turn's seq.
+    pub seq: i64,
+    /// The turn's revision.
+    pub revision: i32,
+    /// The answering agent.
+    pub sender: Sender,
+    /// The answer's frames, in order.
+    pub frames: Vec<AnswerFrame>,
+    /// The runtime to write, if any.
+    pub runtime: Option<RuntimeWrite>,
+    /// Lease mode: the fence of the delivery being answered; an older one is refused.
+    pub fence: Option<i64>,
+}
+
+impl TurnAnswer {
+    /// A stable digest of what the answer says (frames and runtime), so a resend is recognised
+    /// and a different answer is a conflict.
+    pub fn fingerprint(&self) -> String {
+        let frames: Vec<Value> = self
+            .frames
+            .iter()
+            .map(|frame| json!({"id": frame.id, "type": frame.kind, "data": frame.data, "metadata": frame.metadata, "extra": frame.extra}))
+            .collect();
+        let runtime = self
+            .runtime
+            .as_ref()
+            .map(|runtime| json!({"version": runtime.version, "state": runtime.state}));
+        // serde_json maps are ordered by key, so equal answers serialize identically.
+        let canonical = json!({"frames": frames, "runtime": runtime}).to_string();
+        hex::encode(Sha256::digest(canonical.as_bytes()))
+    }
+}
+
+/// What became of an answer.
+#[derive(Debug, Clone, PartialEq)]
+pub enum AnswerOutcome {
+    /// Stored now.
+    Committed {
+        /// The stored frames.
+        activities: Vec<Activity>,
+        /// When the answer was committed (the ack's timestamp, first time and on resends).
+        completed_at: DateTime<Utc>,
+    },
+    /// The same answer was stored before; nothing new.
+    Duplicate {
+        /// The stored frames' ids.
+        ids: Vec<String>,
+        /// Their seqs.
+        seqs: Vec<i64>,
+        /// When the answer was committed.
+        completed_at: DateTime<Utc>,
+    },
+    /// Another answer is already committed for this turn key.
+    Conflict {
+        /// The seqs of the committed answer.
+        seqs: Vec<i64>,
+    },
+    /// A newer revision of the turn exists.
+    Superseded {
+        /// The latest revision.
+        latest: i32,
+    },
+    /// Lease mode: the turn was claimed again since this answer's delivery (its fence is old).
+    LeaseLost {
+        /// The current fence.
+        current: i64,
+    },
+    /// The runtime moved on since the agent read it.
+    StaleRuntime {
+        /// The current version.
+        current: i64,
+    },
+    /// No such turn in this conversation.
+    NoSuchTurn,
+}
+
+impl Store {
+    /// Commits an answer to a turn in one transaction (see the module comment).
+    /// Its statements share a transaction with other sessions' writes (see `group_commit`).
+    pub async fn commit_answer(&self, answer: &TurnAnswer) -> Result<AnswerOutcome, StoreError> {
+        // Hashed here, before the write joins a transaction that holds other writes' locks.
+        let fingerprint = answer.fingerprint();
+        self.group_commit.answer(answer.clone(), fingerprint).await
+    }
+
+    /// The conversation's runtime: (version, state).
+    pub async fn runtime(&self, conversation_id: Uuid) -> Result<(i64, Value), StoreError> {
+        let mut found = self.runtimes(&[conversation_id]).await?;
+        Ok(found
+            .remove(&conversation_id)
+            .unwrap_or_else(initial_runtime))
+    }
+
+    /// The runtimes of several conversations in one query; a conversation without a runtime
+    /// row is absent (its runtime is [`initial_runtime`]).
+    pub async fn runtimes(
+        &self,
+        conversation_ids: &[Uuid],
+    ) -> Result<HashMap<Uuid, (i64, Value)>, StoreError> {
+        let rows: Vec<(Uuid, i64, Value)> = self
+            .timed("runtimes", async {
+                sqlx::query_as(
+                    "SELECT conversation_id, version, state FROM conversation_runtime
+                     WHERE conversation_id = ANY($1)",
+                )
+                .bind(conversation_ids)
+                .fetch_all(&self.pool)
+                .await
+            })
+            .await?;
+        Ok(rows
+            .into_iter()
+            .map(|(id, version, state)| (id, (version, state)))
+            .collect())
+    }
+}
+
+/// The runtime of a conversation that has none stored: version 0, state `{}`.
+pub fn initial_runtime() -> (i64, Value) {
+    (0, json!({}))
+}
+
+/// What `converger_answer_turn` returns (migration 20261130000003), as `converger_commit_batch`
+/// returns it (a JSON object with the OUT parameters' names).
+#[derive(Deserialize)]
+pub(crate) struct AnswerRow {
+    o_outcome: String,
+    o_number: Option<i64>,
+    o_ids: Option<Vec<String>>,
+    o_seqs: Option<Vec<i64>>,
+    o_created: Option<Vec<DateTime<Utc>>>,
+    o_completed: Option<DateTime<Utc>>,
+}
+
+/// Reads `converger_answer_turn`'s row as the outcome of `answer`.
+pub(crate) fn answer_outcome(
+    answer: &TurnAnswer,
+    row: AnswerRow,
+) -> Result<AnswerOutcome, sqlx::Error> {
+    let number = row.o_number.unwrap_or(0);
+    let seqs = row.o_seqs.unwrap_or_default();
+    Ok(match row.o_outcome.as_str() {
+        "committed" => {
+            let created = row.o_created.unwrap_or_default();
+            let stored_ids = row.o_ids.unwrap_or_default();
+            let activities = answer
+                .frames
+                .iter()
+                .zip(stored_ids)
+                .zip(seqs.iter().zip(created))
+                .map(|((frame, id), (seq, created_at))| Activity {
+                    conversation_id: answer.conversation_id,
+                    seq: *seq,
+                    id,
+                    kind: frame.kind.clone(),
+                    sender_id: answer.sender.id.clone(),
+                    sender_role: answer.sender.role.as_str().to_owned(),
+                    data: frame.data.clone(),
+                    metadata: frame.metadata.clone(),
+                    extra: stored_extra(&frame.extra),
+                    client_id: None,
+                    created_at,
+                    turn_seq: Some(answer.seq),
+                    turn_revision: Some(answer.revision),
+                })
+                .collect();
+            AnswerOutcome::Committed {
+                activities,
+                completed_at: row.o_completed.unwrap_or_else(Utc::now),
+            }
+        }
+        "duplicate" => AnswerOutcome::Duplicate {
+            ids: row.o_ids.unwrap_or_default(),
+            seqs,
+            completed_at: row.o_completed.unwrap_or_else(Utc::now),
+        },
+        "conflict" => AnswerOutcome::Conflict { seqs },
+        "superseded" => AnswerOutcome::Superseded {
+            latest: i32::try_from(number).unwrap_or(i32::MAX),
+        },
+        "lease_lost" => AnswerOutcome::LeaseLost { current: number },
+        "stale_runtime" => AnswerOutcome::StaleRuntime { current: number },
+        "no_such_turn" => AnswerOutcome::NoSuchTurn,
+        other => {
+            return Err(sqlx::Error::Protocol(format!(
+                "converger_answer_turn returned an unknown outcome {other:?}"
+            )));
+        }
+    })
+}
