@@ -123,6 +123,7 @@ class Node:
     admin_token: str
     database_url: str
     logs: deque[str] = field(repr=False)
+    guest: bool = False  # embedded mode: uses another node's private Postgres
 
     @property
     def embedded(self) -> bool:
@@ -150,7 +151,7 @@ class Node:
             else:
                 self.process.kill()
         self.process.wait()
-        if self.embedded:
+        if self.embedded and not self.guest:
             _stop_leftover_postgres(self.state_dir / "postgres")
 
 
@@ -164,11 +165,18 @@ def _stop_leftover_postgres(data_dir: Path) -> None:
         os.kill(pid, signal.SIGQUIT)
 
 
-def start_node(database_url: str, extra_env: dict[str, str] | None = None) -> Node:
-    """Starts a node over `database_url` ("" = the node's embedded Postgres) and waits until
-    its logs show it listening (HTTP, gossip and the event bus)."""
+def start_node(
+    database_url: str, extra_env: dict[str, str] | None = None, state_dir: Path | None = None
+) -> Node:
+    """Starts a node over `database_url` ("" = the embedded Postgres under its state dir) and
+    waits until its logs show it listening (HTTP, gossip and the event bus).
+
+    With `state_dir` of a running embedded-mode node, the new node reuses that node's private
+    Postgres (a second node over the same database).
+    """
     secret_key, admin_token = test_secrets()
-    state_dir = Path(tempfile.mkdtemp(prefix="converger-sdk-"))
+    guest = state_dir is not None
+    state_dir = state_dir or Path(tempfile.mkdtemp(prefix="converger-sdk-"))
     env = {
         **os.environ,
         "CONVERGER_DATABASE_URL": database_url,
@@ -237,6 +245,7 @@ def start_node(database_url: str, extra_env: dict[str, str] | None = None) -> No
         admin_token=admin_token,
         database_url=database_url,
         logs=logs,
+        guest=guest,
     )
 
 
@@ -498,7 +507,9 @@ class Script:
         self.path = path
         self.env = {
             **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(SDK_ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+            "PYTHONPATH": os.pathsep.join(
+                [str(SDK_ROOT / "src"), os.environ.get("PYTHONPATH", "")]
+            ),
             "PYTHONUNBUFFERED": "1",
             **env,
         }

@@ -83,7 +83,7 @@ async def test_the_handler_style_answers_a_conversations_turns_in_order(env: Env
         await turn.reply(f"#{turn.seq} count {total}", runtime={"count": total})
 
     runner = asyncio.create_task(agent.run(concurrency=4))
-    conversation_id, user_token = await env.conversation()
+    _, user_token = await env.conversation()
     async with Conversation(env.url, user_token, backoff=FAST) as user:
         for text in ("a", "b", "c"):
             await user.send_text(text)  # three turns before any answer

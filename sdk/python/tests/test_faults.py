@@ -156,7 +156,7 @@ async def test_an_end_user_sees_every_frame_exactly_once_across_a_reconnect(
     from_elsewhere = [m for m in messages if m.client_id == "t-3"]
     assert [m.text for m in from_elsewhere] == ["three"]
     assert [m.text for m in messages if m.text and "note" in m.text] == ["#0 a note"]
-    assert user.watermark == five.seq + 1
+    assert five.seq is not None and user.watermark == five.seq + 1
     await user.close()
     await reader
     agent.stop()
@@ -176,6 +176,6 @@ async def test_sends_refused_as_rate_limited_are_resent_until_acked(env: Env) ->
         )
         refused = await first_of(events, lambda e: isinstance(e, ErrorEvent))
         assert refused.error.code == "rate_limited" and refused.error.retryable
-    assert sorted(ack.seq for ack in acks) == list(range(1, 9))
-    texts = [frame.text for frame in await env.frames(conversation_id)]
+    assert sorted(ack.seq or 0 for ack in acks) == list(range(1, 9))
+    texts = [frame.text or "" for frame in await env.frames(conversation_id)]
     assert sorted(texts) == sorted(f"burst {n}" for n in range(8)), "each send stored once"

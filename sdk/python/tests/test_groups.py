@@ -67,7 +67,9 @@ async def test_a_killed_members_unanswered_turn_is_taken_over_and_answered_once(
     try:
         ready = await hanging.line("ready ")
         since = int(ready.split()[2])
-        await asyncio.sleep(max(since / 1000 - time.time() + 0.02, 0))  # the node clock passes since
+        await asyncio.sleep(
+            max(since / 1000 - time.time() + 0.02, 0)
+        )  # the node clock passes since
         conversation_id, user_token = await env.conversation()
         posted = await env.rest.post_activity(user_token, conversation_id, "who answers?")
         assert (await hanging.line("turn ")).endswith(f":{posted.seq}:0")

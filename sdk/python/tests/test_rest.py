@@ -43,7 +43,9 @@ async def test_tenants_channels_tokens_and_conversations(node: Node) -> None:
             created.token, created.conversation_id, "hello", idempotency_key="k-1"
         )
         repeat = await rest.post_activity(
-            created.token, created.conversation_id, {"type": "text", "data": {"text": "x"}},
+            created.token,
+            created.conversation_id,
+            {"type": "text", "data": {"text": "x"}},
             idempotency_key="k-1",
         )
         assert (first.seq, first.duplicate) == (1, False)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from support import owner_hash
 
 from converger import (
     Backoff,
+    FatalClose,
     LeaseLost,
     ServerError,
     StaleRuntime,
@@ -15,7 +18,7 @@ from converger import (
     result_client_id,
     ws_url,
 )
-from converger._connection import retry_hint_of_reason
+from converger._connection import Retry, open_session, retry_hint_of_reason
 from converger._tracking import ChannelTracker, SeqTracker
 from converger.frames import Abort, ConversationMessage, Resume, UserTyping, parse_agent_event
 
@@ -101,7 +104,8 @@ def test_refusals_map_to_typed_errors() -> None:
 def test_result_client_ids_follow_the_rust_client() -> None:
     conversation = "0193e0a4-0000-7000-8000-000000000001"
     assert (
-        result_client_id(conversation, 18, 1, None) == "result-0193e0a4000070008000000000000001-18-1"
+        result_client_id(conversation, 18, 1, None)
+        == "result-0193e0a4000070008000000000000001-18-1"
     )
     assert result_client_id(conversation, 18, 1, 2).endswith("-18-1-f2")
 
@@ -136,3 +140,31 @@ def test_the_test_suites_owner_hash_matches_adr_0006(
     conversation: str, connection: str, expected: int
 ) -> None:
     assert owner_hash(conversation, connection) == expected
+
+
+async def refusing_http_server(status_line: str, headers: str) -> asyncio.Server:
+    """A bare HTTP responder that refuses every upgrade with one status (a stand-in: a real
+    draining node refuses upgrades with 503 only for the moments before it exits)."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(f"HTTP/1.1 {status_line}\r\n{headers}Content-Length: 0\r\n\r\n".encode())
+        await writer.drain()
+        writer.close()
+
+    return await asyncio.start_server(answer, "127.0.0.1", 0)
+
+
+async def test_an_http_503_upgrade_refusal_is_retried_after_its_retry_after() -> None:
+    server = await refusing_http_server("503 Service Unavailable", "Retry-After: 2\r\n")
+    port = server.sockets[0].getsockname()[1]
+    with pytest.raises(Retry) as refused:
+        await open_session(f"ws://127.0.0.1:{port}/socket/converger/v1", {}, 5)
+    assert refused.value.retry_after == 2.0
+    server.close()
+    fatal_server = await refusing_http_server("400 Bad Request", "")
+    port = fatal_server.sockets[0].getsockname()[1]
+    with pytest.raises(FatalClose) as fatal:
+        await open_session(f"ws://127.0.0.1:{port}/socket/converger/v1", {}, 5)
+    assert fatal.value.http_status == 400 and fatal.value.close_code is None
+    fatal_server.close()

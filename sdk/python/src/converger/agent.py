@@ -311,6 +311,7 @@ class Agent:
         self._connected_at: float | None = None
         self._stopping = False
         self._closed = False
+        self._close_started: asyncio.Future[None] | None = None
         self._turn_handler: TurnHandler | None = None
         self._event_handler: EventHandler | None = None
         self._handlers: set[asyncio.Task[None]] = set()
@@ -441,8 +442,16 @@ class Agent:
         the acks of the frames still waiting; whatever is left then is cancelled and fails with
         :class:`ClientClosed`.
         """
-        if self._closed:
+        if self._close_started is not None:
+            await asyncio.shield(self._close_started)
             return
+        self._close_started = asyncio.get_running_loop().create_future()
+        try:
+            await self._close_once(timeout)
+        finally:
+            self._close_started.set_result(None)
+
+    async def _close_once(self, timeout: float) -> None:
         self.stop()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(timeout, 0.0)
@@ -839,6 +848,9 @@ class Agent:
         except (FatalClose, GaveUp) as error:
             log.error("agent stopped: %s", error)
             self._fail(error)
+        except Exception as error:  # a bug: stop loudly rather than hang
+            log.exception("agent connection loop failed")
+            self._fail(ConvergerError(f"the connection loop failed: {error!r}"))
 
     async def _read(self, ws: ClientConnection) -> float | None:
         try:

@@ -153,6 +153,7 @@ class Conversation:
         self._last_disconnect: Disconnect | None = None
         self._connected_at: float | None = None
         self._closed = False
+        self._close_started: asyncio.Future[None] | None = None
 
     @classmethod
     async def open(cls, url: str, token: str, **options: Any) -> Conversation:
@@ -265,8 +266,16 @@ class Conversation:
 
         Sends still unacked then fail with :class:`ClientClosed`; the iterators end.
         """
-        if self._closed:
+        if self._close_started is not None:
+            await asyncio.shield(self._close_started)
             return
+        self._close_started = asyncio.get_running_loop().create_future()
+        try:
+            await self._close_once(timeout)
+        finally:
+            self._close_started.set_result(None)
+
+    async def _close_once(self, timeout: float) -> None:
         if self._outbox and self._fatal is None and self._supervisor is not None:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(timeout, 0.0)):
@@ -619,11 +628,17 @@ class Conversation:
                 await self._reconnect(hint)
         except (FatalClose, GaveUp) as error:
             log.error("conversation stopped: %s", error)
-            self._fatal = error
-            self._detach()
-            self._fail_outbox(error)
-            self._notify()
-            self._end_streams()
+            self._stop_for_good(error)
+        except Exception as error:  # a bug: stop loudly rather than hang
+            log.exception("conversation connection loop failed")
+            self._stop_for_good(ConvergerError(f"the connection loop failed: {error!r}"))
+
+    def _stop_for_good(self, error: ConvergerError) -> None:
+        self._fatal = error
+        self._detach()
+        self._fail_outbox(error)
+        self._notify()
+        self._end_streams()
 
     async def _read(self, ws: ClientConnection) -> float | None:
         try:
