@@ -5,7 +5,6 @@ mod support;
 
 use std::time::Duration;
 
-use converger_client::TokenRequest;
 use converger_core::groups::GroupView;
 use serde_json::{Value, json};
 use support::cluster::{eventually, member_connections};
@@ -14,21 +13,11 @@ use support::{TenantFixture, TestNode};
 use uuid::Uuid;
 
 async fn agent_token(node: &TestNode, fixture: &TenantFixture) -> String {
-    node.client
-        .generate_token(&fixture.secret, &TokenRequest::channel_scope())
-        .await
-        .unwrap()
-        .token
+    node.agent_token(fixture).await
 }
 
 async fn agent(node: &TestNode, token: &str, group: Option<&str>) -> (WsClient, Value) {
-    let mut client = WsClient::connect(&node.ws_url("")).await;
-    let extra = match group {
-        Some(group) => json!({"group": group}),
-        None => json!({}),
-    };
-    let welcome = client.hello(token, extra).await;
-    (client, welcome)
+    node.agent(token, group).await
 }
 
 async fn user(node: &TestNode, fixture: &TenantFixture, name: &str) -> (WsClient, Uuid) {

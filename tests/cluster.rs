@@ -700,3 +700,110 @@ async fn a_rolling_restart_under_load_loses_no_acked_turn_and_answers_none_twice
         effects.repeated_calls()
     );
 }
+
+/// A gossip key (64 hex digits) made of one repeated byte.
+fn gossip_key(byte: &str) -> String {
+    byte.repeat(32)
+}
+
+/// `converger_gossip_rejected_total` of a node, all reasons.
+async fn gossip_rejected(node: &NodeProcess) -> f64 {
+    node.metrics()
+        .await
+        .lines()
+        .filter(|line| line.starts_with("converger_gossip_rejected_total"))
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test]
+async fn a_node_without_the_cluster_key_never_joins_and_cannot_take_turns() {
+    let db = TestDb::create().await;
+    let key = gossip_key("a1");
+    let keyed = [("CONVERGER_GOSSIP__KEY", key.as_str())];
+    let a = NodeProcess::start_with(&db.url, "a", &[], &keyed).await;
+    let b =
+        NodeProcess::start_with(&db.url, "b", std::slice::from_ref(&a.gossip_addr), &keyed).await;
+    wait_for_live_nodes(&[&a, &b], &["a", "b"]).await;
+
+    let acme = channel(&a).await;
+    let (mut on_b, welcome) = member(&b, &acme.agent_token, "bot").await;
+    let on_b_connection = connection_id(&welcome);
+    wait_for_members(&[&a, &b], &[on_b_connection.as_str()]).await;
+
+    // A rogue with its own database, secrets and key, seeded with a's address, serving a copy of
+    // acme's channel (same ids, same secret): in the clear, its member of group "bot" would own
+    // some of acme's conversations.
+    let rogue_db = TestDb::create().await;
+    let mut source = db.connect().await;
+    let mut target = rogue_db.connect().await;
+    for table in ["tenants", "channels"] {
+        let rows: Vec<Value> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT to_jsonb(t) FROM {table} t"
+        )))
+        .fetch_all(&mut source)
+        .await
+        .unwrap();
+        for row in rows {
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "INSERT INTO {table} SELECT * FROM jsonb_populate_record(NULL::{table}, $1)"
+            )))
+            .bind(row)
+            .execute(&mut target)
+            .await
+            .unwrap();
+        }
+    }
+    let rogue_key = gossip_key("b2");
+    let rogue = NodeProcess::start_with(
+        &rogue_db.url,
+        "rogue",
+        std::slice::from_ref(&a.gossip_addr),
+        &[
+            ("CONVERGER_GOSSIP__KEY", rogue_key.as_str()),
+            (
+                "CONVERGER_SECRET_KEY",
+                "rogue-secret-key-0123456789abcdef0123456789",
+            ),
+        ],
+    )
+    .await;
+    let rogue_token = RestClient::new(&rogue.base_url)
+        .unwrap()
+        .generate_token(&acme.secret, &TokenRequest::channel_scope())
+        .await
+        .unwrap()
+        .token;
+    let (_rogue_member, _) = member(&rogue, &rogue_token, "bot").await;
+
+    // The rogue's datagrams reach a and are dropped there, counted.
+    eventually(
+        "a drops the rogue's gossip",
+        Duration::from_secs(10),
+        || async { gossip_rejected(&a).await >= 3.0 },
+    )
+    .await;
+    for node in [&a, &b] {
+        let view = node.cluster_view().await;
+        assert!(
+            !live_nodes(&view).contains(&"rogue".to_owned()),
+            "{} lists the rogue: {view}",
+            node.name
+        );
+        let members = support::cluster::member_connections(&view);
+        assert_eq!(members, vec![on_b_connection.clone()], "only b's member");
+    }
+
+    // Every turn reaches the one real member; none is stranded with the rogue's.
+    let mut alice = user(&a, &acme, "alice").await;
+    support::settle(&welcome).await;
+    let mut seqs = Vec::new();
+    for n in 0..30 {
+        let ack = say(&mut alice.client, &format!("t-{n}"), "hello").await;
+        seqs.push(ack["seq"].as_i64().unwrap());
+    }
+    let got = collect_turns(&mut [&mut on_b], seqs.len()).await;
+    let delivered: Vec<i64> = got[0].iter().map(|(_, seq)| *seq).collect();
+    assert_eq!(delivered, seqs);
+    drop(rogue);
+}

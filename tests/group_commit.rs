@@ -210,3 +210,89 @@ async fn writes_queued_together_commit_in_one_batch_with_the_outcomes_they_have_
     .await;
     assert_eq!(batch_calls(&db).await, 2);
 }
+
+/// Calls of the isolated batch function (the fallback after a refused batch) counted so far.
+async fn isolated_calls(db: &TestDb) -> i64 {
+    db.count(
+        "SELECT coalesce(sum(calls), 0)::bigint FROM pg_stat_user_functions
+         WHERE funcname = 'converger_commit_batch_isolated'",
+    )
+    .await
+}
+
+#[tokio::test]
+async fn a_write_the_database_refuses_costs_its_batch_one_more_statement() {
+    let db = TestDb::create().await;
+    let mut admin = db.connect().await;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "ALTER DATABASE {} SET track_functions = 'pl'",
+        db.name
+    )))
+    .execute(&mut admin)
+    .await
+    .unwrap();
+    // A real refusal by the database for one write: a trigger raises for one idempotency key.
+    for statement in [
+        "CREATE FUNCTION refuse_poison() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF NEW.client_id = 'poison' THEN
+                 RAISE EXCEPTION 'poisoned frame' USING ERRCODE = '22023';
+             END IF;
+             RETURN NEW;
+         END $$",
+        "CREATE TRIGGER refuse_poison BEFORE INSERT ON activities
+         FOR EACH ROW EXECUTE FUNCTION refuse_poison()",
+    ] {
+        sqlx::query(statement).execute(&mut admin).await.unwrap();
+    }
+    let store = db.store().await;
+    let (tenant, _) = store.create_tenant("acme").await.unwrap();
+    let (channel, _) = store.create_channel(tenant.id, "web").await.unwrap();
+    let conversation = store
+        .create_conversation(channel.id, "alice")
+        .await
+        .unwrap()
+        .id;
+
+    // Fifty honest frames with the poisoned one among them, queued together (one batch), and
+    // a frame with a NUL character, which Postgres could not even parse as the batch's
+    // argument: the store refuses that one before it joins any batch.
+    let mut frames: Vec<NewActivity> = (0..50)
+        .map(|n| frame(conversation, &format!("honest {n}"), &format!("h-{n}")))
+        .collect();
+    frames.insert(25, frame(conversation, "poison", "poison"));
+    frames.push(frame(conversation, "nul \u{0}", "nul"));
+    let outcomes: Vec<Result<CommitOutcome, StoreError>> =
+        join_all(frames.iter().map(|new| store.commit_activity(new))).await;
+
+    for index in [25, 51] {
+        let refused = outcomes[index]
+            .as_ref()
+            .expect_err("a poisoned frame is refused");
+        assert!(refused.is_refused_input(), "{refused}");
+    }
+    let mut seqs: Vec<i64> = outcomes
+        .iter()
+        .enumerate()
+        .filter(|(index, _)| ![25, 51].contains(index))
+        .map(|(_, outcome)| {
+            let stored = outcome.as_ref().expect("an honest frame commits");
+            assert!(!stored.duplicate);
+            stored.activity.seq
+        })
+        .collect();
+    seqs.sort_unstable();
+    assert_eq!(seqs, (1..=50).collect::<Vec<_>>(), "gap-free, each once");
+    let stored = store.list_activities(conversation, 0, 100).await.unwrap();
+    assert_eq!(stored.len(), 50);
+
+    // One refused batch, committed again in one isolated statement, not write by write.
+    store.pool().close().await;
+    eventually(
+        "the isolated batch call counted",
+        Duration::from_secs(10),
+        || async { isolated_calls(&db).await >= 1 },
+    )
+    .await;
+    assert_eq!(isolated_calls(&db).await, 1);
+}

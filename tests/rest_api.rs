@@ -463,7 +463,8 @@ async fn conversations_bind_tokens_and_verified_users_win() {
     assert_eq!(bound.conversation_id, Some(conversation_id));
     assert_eq!(bound.user_id.as_deref(), Some("alice"));
 
-    // An unverified token may assert a user; with nothing asserted the user is anonymous.
+    // A token naming no user cannot create a conversation for one (ADR 0013); with nothing
+    // asserted the user is anonymous.
     let anonymous = node
         .client
         .generate_token(&acme.secret, &TokenRequest::default())
@@ -473,8 +474,9 @@ async fn conversations_bind_tokens_and_verified_users_win() {
         .http
         .post(node.url("/api/v1/converger/conversations"))
         .bearer_auth(&anonymous.token);
-    let (_, body) = call(request.json(&json!({"userId": "bob"}))).await;
-    assert_eq!(body["userId"], "bob");
+    let (status, body) = call(request.json(&json!({"userId": "bob"}))).await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    assert_eq!(body["error"]["code"], "forbidden");
     let created = node
         .client
         .create_conversation(&anonymous.token)
@@ -503,19 +505,19 @@ async fn conversations_bind_tokens_and_verified_users_win() {
     // A token bound to one conversation cannot open others.
     let refused = node
         .client
-        .create_conversation(body["token"].as_str().unwrap())
+        .create_conversation(&created.token)
         .await
         .unwrap_err();
     assert_eq!(
         (refused.status(), refused.code()),
         (Some(StatusCode::FORBIDDEN), Some("forbidden"))
     );
-    assert_eq!(node.db.count("SELECT count(*) FROM conversations").await, 4);
+    assert_eq!(node.db.count("SELECT count(*) FROM conversations").await, 3);
     assert_eq!(
         node.db
             .count("SELECT count(*) FROM conversation_runtime WHERE version = 0")
             .await,
-        4
+        3
     );
 }
 

@@ -1,107 +1,81 @@
 //! The status page at `GET /`: admin token required, then nodes, channels with their groups and
 //! members, and this node's figures, server-rendered. Checked over HTTP and in headless Chromium
-//! (Debian's `chromium`, installed by `.ci/test-prerequisites`), whose screenshot is kept in
-//! `target/test-artifacts/status-page.png`.
+//! (Debian's `chromium`, installed by `.ci/test-prerequisites`, driven over DevTools), whose
+//! screenshot is kept in `target/test-artifacts/status-page.png`.
 
 mod support;
 
-use std::path::PathBuf;
-use std::process::Stdio;
-use std::time::Duration;
-
-use converger_client::TokenRequest;
-use serde_json::json;
 use support::TestNode;
-use support::ws::WsClient;
+use support::browser::Browser;
 
-/// Flags that keep headless Chromium off the network and quiet on this machine.
-const CHROMIUM_FLAGS: &[&str] = &[
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--window-size=1280,900",
-];
-
-fn chromium() -> PathBuf {
-    let path =
-        PathBuf::from(std::env::var("CHROMIUM").unwrap_or_else(|_| "/usr/bin/chromium".into()));
-    assert!(
-        path.exists(),
-        "{} is missing: install Debian's chromium package (`apt-get install chromium`; .ci/test-prerequisites does)",
-        path.display()
-    );
-    path
-}
-
-/// Runs headless Chromium on `url` with `extra` flags; returns its stdout.
-async fn run_chromium(url: &str, extra: &[String]) -> String {
-    let profile = tempfile::tempdir().unwrap();
-    let output = tokio::time::timeout(
-        Duration::from_secs(60),
-        tokio::process::Command::new(chromium())
-            .args(CHROMIUM_FLAGS)
-            .arg(format!("--user-data-dir={}", profile.path().display()))
-            .args(extra)
-            .arg(url)
-            .stdin(Stdio::null())
-            .output(),
-    )
-    .await
-    .expect("chromium finishes in time")
-    .expect("chromium runs");
-    assert!(
-        output.status.success(),
-        "chromium failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    String::from_utf8_lossy(&output.stdout).into_owned()
+/// The headers every status page answer carries.
+fn assert_page_headers(headers: &reqwest::header::HeaderMap) {
+    let csp = headers["content-security-policy"].to_str().unwrap();
+    assert!(csp.contains("default-src 'none'") && csp.contains("frame-ancestors 'none'"));
+    assert_eq!(headers["x-frame-options"], "DENY");
+    assert_eq!(headers["referrer-policy"], "no-referrer");
+    assert_eq!(headers["cache-control"], "no-store");
 }
 
 #[tokio::test]
 async fn the_status_page_needs_the_admin_token_and_shows_the_cluster() {
     let node = TestNode::start().await;
     let acme = node.tenant_with_channel("acme").await;
-    let agent_token = node
-        .client
-        .generate_token(&acme.secret, &TokenRequest::channel_scope())
-        .await
-        .unwrap()
-        .token;
-    let mut member = WsClient::connect(&node.ws_url("")).await;
-    let welcome = member
-        .hello(&agent_token, json!({"group": "support-bots"}))
-        .await;
+    let agent_token = node.agent_token(&acme).await;
+    let (member, welcome) = node.agent(&agent_token, Some("support-bots")).await;
     let connection_id = welcome["data"]["connectionId"].as_str().unwrap().to_owned();
     let no_redirects = reqwest::Client::builder()
         .redirect(reqwest::redirect::Policy::none())
         .build()
         .unwrap();
 
-    // Without the token: 401 and a form asking for it; a wrong token is refused the same way.
+    // Without the token: 401 and a form that posts it; a wrong token is refused the same way,
+    // and a token in the URL logs nobody in.
     let refused = no_redirects.get(node.url("/")).send().await.unwrap();
     assert_eq!(refused.status(), 401);
-    assert!(refused.text().await.unwrap().contains("name=\"token\""));
+    assert_page_headers(refused.headers());
+    let form = refused.text().await.unwrap();
+    assert!(form.contains("method=\"post\"") && form.contains("name=\"token\""));
+    let in_url = no_redirects
+        .get(node.url(&format!("/?token={}", node.admin_token)))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(in_url.status(), 401);
+    assert!(in_url.headers().get("set-cookie").is_none());
     let wrong = no_redirects
-        .get(node.url("/?token=not-the-token"))
+        .post(node.url("/"))
+        .form(&[("token", "not-the-token")])
         .send()
         .await
         .unwrap();
     assert_eq!(wrong.status(), 401);
 
-    // The token in the query becomes an HttpOnly cookie, then the page renders from it.
+    // The posted token becomes an HttpOnly cookie, then the page renders from it; Secure when
+    // the request came through a TLS proxy.
     let login = no_redirects
-        .get(node.url(&format!("/?token={}", node.admin_token)))
+        .post(node.url("/"))
+        .form(&[("token", node.admin_token.as_str())])
         .send()
         .await
         .unwrap();
     assert_eq!(login.status(), 303);
     let cookie = login.headers()["set-cookie"].to_str().unwrap().to_owned();
     assert!(cookie.contains("HttpOnly") && cookie.contains("SameSite=Strict"));
+    assert!(!cookie.contains("Secure"));
+    let behind_tls = no_redirects
+        .post(node.url("/"))
+        .header("x-forwarded-proto", "https")
+        .form(&[("token", node.admin_token.as_str())])
+        .send()
+        .await
+        .unwrap();
+    assert!(
+        behind_tls.headers()["set-cookie"]
+            .to_str()
+            .unwrap()
+            .contains("; Secure")
+    );
     let page = no_redirects
         .get(node.url("/"))
         .header("cookie", cookie.split(';').next().unwrap())
@@ -109,12 +83,7 @@ async fn the_status_page_needs_the_admin_token_and_shows_the_cluster() {
         .await
         .unwrap();
     assert_eq!(page.status(), 200);
-    assert!(
-        page.headers()["content-type"]
-            .to_str()
-            .unwrap()
-            .starts_with("text/html")
-    );
+    assert_page_headers(page.headers());
     let html = page.text().await.unwrap();
     for expected in [
         node.server.state().hub.node_id(),
@@ -134,14 +103,20 @@ async fn the_status_page_needs_the_admin_token_and_shows_the_cluster() {
         .unwrap();
     assert_eq!(with_bearer.status(), 200);
 
-    // In a real browser: the query token logs in, the redirect keeps the cookie, and the DOM
-    // holds the cluster; the screenshot is kept for people to look at.
-    let login_url = node.url(&format!("/?token={}", node.admin_token));
-    let dom = run_chromium(&login_url, &["--dump-dom".to_owned()]).await;
-    assert!(
-        dom.contains("<table id=\"nodes\">"),
-        "nodes table rendered: {dom}"
-    );
+    // In a real browser: the login form posts the token, the redirect keeps the cookie, and the
+    // DOM holds the cluster; the screenshot is kept for people to look at.
+    let mut browser = Browser::launch().await;
+    browser.navigate(&node.url("/")).await;
+    browser
+        .evaluate(&format!(
+            "document.querySelector('input[name=token]').value = {}; document.forms[0].submit(); true",
+            serde_json::to_string(&node.admin_token).unwrap()
+        ))
+        .await;
+    browser
+        .wait_for("document.querySelector('#nodes') !== null")
+        .await;
+    let dom = browser.html().await;
     assert!(dom.contains("support-bots") && dom.contains(&connection_id));
     assert!(
         dom.contains("class=\"self\""),
@@ -151,12 +126,8 @@ async fn the_status_page_needs_the_admin_token_and_shows_the_cluster() {
     std::fs::create_dir_all(&artifacts).unwrap();
     let screenshot = artifacts.join("status-page.png");
     let _ = std::fs::remove_file(&screenshot);
-    run_chromium(
-        &login_url,
-        &[format!("--screenshot={}", screenshot.display())],
-    )
-    .await;
-    let png = std::fs::read(&screenshot).expect("chromium wrote the screenshot");
+    browser.screenshot(&screenshot).await;
+    let png = std::fs::read(&screenshot).expect("the screenshot is written");
     assert!(
         png.starts_with(b"\x89PNG") && png.len() > 10_000,
         "a real picture"

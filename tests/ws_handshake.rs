@@ -279,16 +279,36 @@ async fn asserted_conversations_are_adopted_only_within_channel_and_user() {
     );
     assert_eq!(welcome["data"]["userId"], "bob");
 
-    // Without a verified user the conversation of the channel is adopted as its own user's.
+    // A token naming no user never joins a named user's conversation (ADR 0013), whatever it
+    // asserts: it gets a new anonymous conversation, and the asserted user is not taken.
     let mut anonymous_client = WsClient::connect(&node.ws_url("")).await;
-    let welcome = anonymous_client.hello(&anonymous, asserted).await;
-    assert_eq!(
+    let welcome = anonymous_client.hello(&anonymous, asserted.clone()).await;
+    assert_ne!(
         welcome["data"]["conversationId"],
         alice_conversation.to_string()
     );
-    assert_eq!(welcome["data"]["userId"], "alice");
+    let anonymous_user = welcome["data"]["userId"].as_str().unwrap().to_owned();
+    assert!(anonymous_user.starts_with("anon-"), "{anonymous_user}");
+    let anonymous_conversation = welcome["data"]["conversationId"].clone();
+    assert!(replayed_nothing_of_alice(&mut anonymous_client).await);
 
-    // Another channel's conversation is never adopted; the asserted user is kept for the new one.
+    // It rejoins its own anonymous conversation by presenting the anonymous id it was given;
+    // another anonymous token guessing the conversation without that id gets a new one.
+    let rejoin = json!({"conversationId": anonymous_conversation, "userId": anonymous_user});
+    let mut again = WsClient::connect(&node.ws_url("")).await;
+    let welcome = again.hello(&anonymous, rejoin).await;
+    assert_eq!(welcome["data"]["conversationId"], anonymous_conversation);
+    assert_eq!(welcome["data"]["userId"], anonymous_user.as_str());
+    let mut guesser = WsClient::connect(&node.ws_url("")).await;
+    let welcome = guesser
+        .hello(
+            &anonymous,
+            json!({"conversationId": anonymous_conversation}),
+        )
+        .await;
+    assert_ne!(welcome["data"]["conversationId"], anonymous_conversation);
+
+    // Another channel's conversation is never adopted, and the asserted user is not taken.
     let globex = node.tenant_with_channel("globex").await;
     let foreign = node
         .client
@@ -307,23 +327,55 @@ async fn asserted_conversations_are_adopted_only_within_channel_and_user() {
         welcome["data"]["conversationId"],
         alice_conversation.to_string()
     );
-    assert_eq!(welcome["data"]["userId"], "eve");
+    assert!(
+        welcome["data"]["userId"]
+            .as_str()
+            .unwrap()
+            .starts_with("anon-")
+    );
+    // Alice's conversation still has only alice's frames, and nobody else wrote into it.
+    assert_eq!(
+        node.db
+            .count(&format!(
+                "SELECT count(*) FROM activities WHERE conversation_id = '{alice_conversation}' AND sender_id <> 'alice'"
+            ))
+            .await,
+        0
+    );
+}
+
+/// True when the connection's replay holds no frame (a new conversation).
+async fn replayed_nothing_of_alice(client: &mut WsClient) -> bool {
+    seqs(&client.barrier().await).is_empty()
 }
 
 #[tokio::test]
 async fn query_fields_are_used_and_hello_fields_win() {
     let node = TestNode::start().await;
-    let (acme, conversation_id, token) = setup(&node).await;
-    for n in 1..=3 {
-        post_text(&node, &token, conversation_id, &format!("m{n}")).await;
-    }
+    let acme = node.tenant_with_channel("acme").await;
     let anonymous = node
         .client
         .generate_token(&acme.secret, &TokenRequest::default())
         .await
         .unwrap()
         .token;
-    let query = format!("?token={anonymous}&conversationId={conversation_id}&watermark=1");
+    // An anonymous conversation, and its anonymous user id, as a widget would have kept them.
+    let mut first = WsClient::connect(&node.ws_url("")).await;
+    let welcome = first.hello(&anonymous, json!({})).await;
+    let conversation_id: Uuid = welcome["data"]["conversationId"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let user_id = welcome["data"]["userId"].as_str().unwrap().to_owned();
+    for n in 1..=3 {
+        first
+            .send(json!({"type": "text", "clientId": format!("m{n}"), "data": {"text": format!("m{n}")}}))
+            .await;
+        first.recv_type("ack").await;
+    }
+    let query =
+        format!("?token={anonymous}&conversationId={conversation_id}&userId={user_id}&watermark=1");
     let mut from_query = WsClient::connect(&node.ws_url(&query)).await;
     from_query
         .send(json!({"type": "hello", "protocol": "converger/1"}))

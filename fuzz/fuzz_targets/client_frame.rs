@@ -8,7 +8,7 @@
 use converger_protocol::{
     CONTROL_TYPES, ClientFrame, ErrorCode, FORWARDED_TYPES, Limits, MessageFrame, Refusal,
     SERVER_ONLY_TYPES, TurnTarget, is_valid_client_id, parse_client_frame, parse_client_text,
-    validate_message_frame,
+    contains_nul, validate_message_frame,
 };
 use libfuzzer_sys::fuzz_target;
 use serde_json::{Map, Value};
@@ -70,6 +70,11 @@ fn check_target(target: &TurnTarget) {
 /// Invariants of a message accepted for storage.
 fn check_message(message: &MessageFrame, object: &Map<String, Value>, limits: &Limits) {
     let kind = message.kind.as_str();
+    // Storable: Postgres refuses a NUL character in text and jsonb, anywhere.
+    assert!(
+        !contains_nul(&Value::Object(object.clone())),
+        "a message holding a NUL character was accepted"
+    );
     assert!(!kind.is_empty(), "message kind is empty");
     assert!(kind.len() <= 64, "message kind is {} bytes", kind.len());
     assert!(!is_known_type(kind), "{kind} was accepted as a message");
@@ -145,6 +150,7 @@ fn check_message(message: &MessageFrame, object: &Map<String, Value>, limits: &L
 
 fn check_ok(frame: &ClientFrame, value: &Value, limits: &Limits) {
     let object = value.as_object().expect("an accepted frame is a JSON object");
+    assert!(!contains_nul(value), "a frame holding a NUL character was accepted");
     match frame {
         ClientFrame::Hello(hello) => {
             assert_eq!(&hello.raw, object, "hello.raw is not the frame");
@@ -227,7 +233,7 @@ fn check_refusal(refusal: &Refusal, value: Option<&Value>) {
     assert!(
         matches!(
             refusal.error.code,
-            ErrorCode::InvalidMessage | ErrorCode::PayloadTooLarge
+            ErrorCode::InvalidMessage | ErrorCode::PayloadTooLarge | ErrorCode::BadRequest
         ),
         "unexpected refusal code {:?}",
         refusal.error.code

@@ -31,6 +31,16 @@ pub struct NodeProcess {
 impl NodeProcess {
     /// Starts a node named `name` that joins the cluster through `seeds`.
     pub async fn start(database_url: &str, name: &str, seeds: &[String]) -> NodeProcess {
+        NodeProcess::start_with(database_url, name, seeds, &[]).await
+    }
+
+    /// As [`NodeProcess::start`], with more environment variables (`CONVERGER_*` settings).
+    pub async fn start_with(
+        database_url: &str,
+        name: &str,
+        seeds: &[String],
+        env: &[(&str, &str)],
+    ) -> NodeProcess {
         let config = test_config();
         let state_dir = tempfile::tempdir().expect("state dir");
         let mut child = Command::new(converger_bin())
@@ -52,6 +62,8 @@ impl NodeProcess {
                 std::env::var("NODE_LOG_FILTER")
                     .unwrap_or_else(|_| "info,sqlx=warn,chitchat=warn".into()),
             )
+            // The caller's settings last: they win over the test defaults above.
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .kill_on_drop(true)
@@ -108,6 +120,18 @@ impl NodeProcess {
             child,
             _state_dir: state_dir,
         }
+    }
+
+    /// This node's `/metrics` text.
+    pub async fn metrics(&self) -> String {
+        reqwest::Client::new()
+            .get(format!("{}/metrics", self.base_url))
+            .send()
+            .await
+            .expect("metrics request")
+            .text()
+            .await
+            .expect("metrics body")
     }
 
     /// The WebSocket endpoint.

@@ -6,6 +6,7 @@
 //! cluster under `target/converger-test-postgres` is started (or reused) instead.
 #![allow(dead_code)]
 
+pub mod browser;
 pub mod cluster;
 pub mod schemas;
 pub mod ws;
@@ -331,6 +332,30 @@ impl TestNode {
             channel_id: channel.id,
             secret: channel.secret,
         }
+    }
+
+    /// A channel-scope (agent) token of the fixture's channel.
+    pub async fn agent_token(&self, fixture: &TenantFixture) -> String {
+        self.client
+            .generate_token(&fixture.secret, &TokenRequest::channel_scope())
+            .await
+            .expect("agent token")
+            .token
+    }
+
+    /// An agent connection that said hello (in `group`, or as an observer): (client, welcome).
+    pub async fn agent(
+        &self,
+        token: &str,
+        group: Option<&str>,
+    ) -> (ws::WsClient, serde_json::Value) {
+        let mut client = ws::WsClient::connect(&self.ws_url("")).await;
+        let extra = match group {
+            Some(group) => serde_json::json!({"group": group}),
+            None => serde_json::json!({}),
+        };
+        let welcome = client.hello(token, extra).await;
+        (client, welcome)
     }
 
     /// A conversation of a user in the fixture's channel: (conversation id, bound token).

@@ -151,6 +151,14 @@ impl WsClient {
             .expect("send frame");
     }
 
+    /// Sends a WebSocket ping control frame.
+    pub async fn send_ping(&mut self) -> bool {
+        self.stream
+            .send(Message::Ping(Vec::new().into()))
+            .await
+            .is_ok()
+    }
+
     /// Sends a binary message.
     pub async fn send_binary(&mut self, bytes: Vec<u8>) {
         self.stream

@@ -80,6 +80,15 @@ impl Gateway {
             // `turns` reads `/metrics` without a token.
             .env_remove("CONVERGER_METRICS_TOKEN")
             .env("CONVERGER_GOSSIP_ADDR", "127.0.0.1:0")
+            // Every benchmark client comes from one address and opens users by the thousand:
+            // the node's connection caps and creation rates are lifted (the data path is what
+            // is measured).
+            .env("CONVERGER_HTTP__MAX_CONNECTIONS", "0")
+            .env("CONVERGER_HTTP__MAX_CONNECTIONS_PER_ADDRESS", "0")
+            .env("CONVERGER_RATES__CONVERSATIONS_PER_MINUTE_PER_CHANNEL", "0")
+            .env("CONVERGER_RATES__CONVERSATIONS_PER_MINUTE_PER_TENANT", "0")
+            .env("CONVERGER_RATES__TOKENS_PER_MINUTE_PER_CHANNEL", "0")
+            .env("CONVERGER_RATES__TOKENS_PER_MINUTE_PER_TENANT", "0")
             .env(
                 "CONVERGER_STATE_DIR",
                 std::env::temp_dir().join(format!("{database}-{}", uuid::Uuid::new_v4().simple())),

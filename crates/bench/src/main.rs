@@ -4,6 +4,7 @@
 #![forbid(unsafe_code)]
 
 mod cluster;
+mod flood;
 mod gateway;
 mod gateway_metrics;
 mod half_load;
@@ -34,6 +35,9 @@ enum Command {
     Turns(turns::TurnsArgs),
     /// The latency goal in one run: the maximum turns/s, then p99 at half of it, paced.
     HalfLoad(half_load::HalfLoadArgs),
+    /// What hostile clients cost honest ones: poisoned frames (ack latency without and with
+    /// them) and slow-consumer floods (RSS before, during and after).
+    Flood(flood::FloodArgs),
     /// Three nodes: membership propagation and node-death takeover times.
     Cluster(cluster::ClusterArgs),
     /// The `turns` round trip over Redis Streams and JetStream, converger's store alone, and the
@@ -53,6 +57,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Idle(args) => idle::run(args).await,
         Command::Turns(args) => turns::run(args).await,
         Command::HalfLoad(args) => half_load::run(args).await,
+        Command::Flood(args) => flood::run(args).await,
         Command::Cluster(args) => cluster::run(args).await,
         Command::Peers(args) => peers::run(args).await,
         Command::Plot(args) => plot::run(args),

@@ -3,15 +3,17 @@
 //! other nodes' gossip state into membership events (joined, left, node up, node down).
 //!
 //! The pure part (`members`) parses gossip key-values and diffs successive live views; the shell
-//! (`node`) owns the chitchat server.
+//! (`node`) owns the chitchat server; `sealed` seals every datagram under the cluster key.
 
 #![forbid(unsafe_code)]
 
 pub mod members;
 mod node;
+mod sealed;
 
 pub use members::{AgentRecord, LeaveReason, MembershipEvent, NodeKey};
 pub use node::{Cluster, ClusterConfig, ClusterStatus, MemberStatus, NodeStatus};
+pub use sealed::{GossipKey, GossipKeys, MAX_SKEW};
 
 /// Errors of the cluster node.
 #[derive(Debug, thiserror::Error)]

@@ -5,7 +5,6 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use chitchat::transport::UdpTransport;
 use chitchat::{ChitchatConfig, ChitchatHandle, ChitchatId, FailureDetectorConfig, NodeState};
 use serde::Serialize;
 use tokio::sync::{mpsc, oneshot, watch};
@@ -13,6 +12,7 @@ use uuid::Uuid;
 
 use crate::ClusterError;
 use crate::members::{self, AgentRecord, HTTP_KEY, LiveView, MembershipEvent, NodeKey, agent_key};
+use crate::sealed::{GossipKeys, GossipTransport};
 
 /// How long tombstones of withdrawn keys are kept, so a peer that missed a deletion still sees it.
 const TOMBSTONE_GRACE: Duration = Duration::from_secs(600);
@@ -38,6 +38,8 @@ pub struct ClusterConfig {
     pub dead_node_grace: Duration,
     /// This node's HTTP address, published for operators.
     pub http_addr: SocketAddr,
+    /// The cluster keys; `None` gossips in the clear (a private, loopback-only cluster).
+    pub keys: Option<GossipKeys>,
 }
 
 /// One node as `GET /api/v1/admin/cluster` shows it.
@@ -135,10 +137,10 @@ impl Cluster {
             marked_for_deletion_grace_period: TOMBSTONE_GRACE,
             catchup_callback: None,
             extra_liveness_predicate: None,
-            protocol_version: chitchat::ProtocolVersion::V0,
         };
         let initial = vec![(HTTP_KEY.to_owned(), config.http_addr.to_string())];
-        let handle = chitchat::spawn_chitchat(chitchat_config, initial, &UdpTransport)
+        let transport = GossipTransport::new(config.keys.as_ref(), &config.cluster_id);
+        let handle = chitchat::spawn_chitchat(chitchat_config, initial, &transport)
             .await
             .map_err(|error| ClusterError::Bind {
                 addr: listen_addr,
@@ -151,7 +153,7 @@ impl Cluster {
             node_id: config.node_id.clone(),
             generation,
         };
-        tracing::info!(node_id = %config.node_id, gossip_addr = %advertise_addr, seeds = ?config.seeds, "gossip started");
+        tracing::info!(node_id = %config.node_id, gossip_addr = %advertise_addr, seeds = ?config.seeds, sealed = config.keys.is_some(), "gossip started");
         let task = MembershipTask {
             handle,
             self_id,

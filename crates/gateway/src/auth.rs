@@ -1,7 +1,9 @@
 //! Request credentials: the admin token, tenant API keys, channel secrets and converger tokens,
 //! as axum extractors that answer the documented 401/403 when they do not hold.
 
-use axum::extract::FromRequestParts;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+
+use axum::extract::{ConnectInfo, FromRequestParts};
 use axum::http::StatusCode;
 use axum::http::request::Parts;
 use converger_protocol::ErrorCode;
@@ -29,6 +31,40 @@ pub(crate) fn secrets_match(given: &str, expected: &str) -> bool {
     hash_secret(given) == hash_secret(expected)
 }
 
+/// The client address of a request (the TCP peer; a proxy in front is the client).
+pub(crate) fn client_address(parts: &Parts) -> IpAddr {
+    parts
+        .extensions
+        .get::<ConnectInfo<SocketAddr>>()
+        .map_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED), |info| info.0.ip())
+}
+
+/// Checks an admin credential from `address`: 429 while the address is throttled for earlier
+/// failures, 401 (counted and logged) when `given` is not the admin token.
+pub(crate) fn check_admin(
+    state: &AppState,
+    address: IpAddr,
+    given: Option<&str>,
+) -> Result<(), ApiError> {
+    if let Some(wait) = state.throttles.admin_throttled(address) {
+        return Err(ApiError::rate_limited(
+            "too many failed admin authentications from this address",
+            wait,
+        ));
+    }
+    match given {
+        Some(given) if secrets_match(given, &state.admin_token) => Ok(()),
+        Some(_) => {
+            state.throttles.admin_failed(address, "invalid admin token");
+            Err(ApiError::unauthorized("invalid admin token"))
+        }
+        None => {
+            state.throttles.admin_failed(address, "no admin token");
+            Err(ApiError::unauthorized("admin token required"))
+        }
+    }
+}
+
 /// A request authenticated with the admin token.
 #[derive(Debug)]
 pub struct AdminAuth;
@@ -40,12 +76,8 @@ impl FromRequestParts<AppState> for AdminAuth {
         parts: &mut Parts,
         state: &AppState,
     ) -> Result<Self, Self::Rejection> {
-        let given =
-            bearer(&parts.headers).ok_or_else(|| ApiError::unauthorized("admin token required"))?;
-        if secrets_match(given, &state.admin_token) {
-            return Ok(AdminAuth);
-        }
-        Err(ApiError::unauthorized("invalid admin token"))
+        check_admin(state, client_address(parts), bearer(&parts.headers))?;
+        Ok(AdminAuth)
     }
 }
 

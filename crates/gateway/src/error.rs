@@ -7,6 +7,19 @@ use converger_protocol::ErrorCode;
 use converger_store::StoreError;
 use serde_json::json;
 
+/// The wire code of a failed write: what the client can act on. A write the database refused
+/// for what it holds is the client's (`invalid_message`, not retryable); a timeout is
+/// `unavailable`; only what remains is `internal`.
+pub fn write_error_code(error: &StoreError) -> ErrorCode {
+    match error {
+        StoreError::ConversationClosed => ErrorCode::ConversationClosed,
+        StoreError::ConversationNotFound => ErrorCode::ConversationNotFound,
+        StoreError::Timeout { .. } => ErrorCode::Unavailable,
+        refused if refused.is_refused_input() => ErrorCode::InvalidMessage,
+        _ => ErrorCode::Internal,
+    }
+}
+
 /// An error answered over HTTP.
 #[derive(Debug, thiserror::Error)]
 #[error("{code}: {message}")]
@@ -18,15 +31,39 @@ pub struct ApiError {
     pub code: &'static str,
     /// Human-readable reason.
     pub message: String,
+    /// `Retry-After`, in seconds, for 429 and 503 answers.
+    pub retry_after_secs: Option<u64>,
 }
 
 impl ApiError {
     /// An error with a protocol code.
     pub fn new(status: StatusCode, code: ErrorCode, message: impl Into<String>) -> ApiError {
+        ApiError::with_code(status, code.as_str(), message)
+    }
+
+    /// An error with a code of its own (`not_found`, `method_not_allowed`, `upgrade_required`).
+    pub fn with_code(
+        status: StatusCode,
+        code: &'static str,
+        message: impl Into<String>,
+    ) -> ApiError {
         ApiError {
             status,
-            code: code.as_str(),
+            code,
             message: message.into(),
+            retry_after_secs: None,
+        }
+    }
+
+    /// 429 `rate_limited` with `Retry-After`.
+    pub fn rate_limited(message: impl Into<String>, retry_after: std::time::Duration) -> ApiError {
+        ApiError {
+            retry_after_secs: Some(retry_after.as_secs_f64().ceil().max(1.0) as u64),
+            ..ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                ErrorCode::RateLimited,
+                message,
+            )
         }
     }
 
@@ -42,11 +79,11 @@ impl ApiError {
 
     /// 404 `not_found` for a resource that is missing or belongs to someone else.
     pub fn not_found(what: &str) -> ApiError {
-        ApiError {
-            status: StatusCode::NOT_FOUND,
-            code: "not_found",
-            message: format!("{what} not found"),
-        }
+        ApiError::with_code(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!("{what} not found"),
+        )
     }
 
     /// 404 `conversation_not_found`.
@@ -80,7 +117,13 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = json!({"error": {"code": self.code, "message": self.message}});
-        (self.status, Json(body)).into_response()
+        let mut response = (self.status, Json(body)).into_response();
+        if let Some(seconds) = self.retry_after_secs {
+            response
+                .headers_mut()
+                .insert(axum::http::header::RETRY_AFTER, seconds.into());
+        }
+        response
     }
 }
 
@@ -95,6 +138,14 @@ impl From<StoreError> for ApiError {
             ),
             StoreError::ChannelNotFound => ApiError::not_found("channel"),
             StoreError::TenantNotFound => ApiError::not_found("tenant"),
+            refused if refused.is_refused_input() => {
+                tracing::warn!(error = %refused, "write refused by the database");
+                ApiError::new(
+                    StatusCode::BAD_REQUEST,
+                    ErrorCode::InvalidMessage,
+                    "the database cannot store this frame",
+                )
+            }
             StoreError::Timeout { operation } => {
                 tracing::warn!(operation, "database timeout");
                 ApiError::new(

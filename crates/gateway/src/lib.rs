@@ -8,18 +8,20 @@ mod bus_bridge;
 pub mod config;
 pub mod error;
 pub mod hub;
+mod listener;
 pub mod metrics;
 mod publish;
 mod routes;
 pub mod server;
 pub mod state;
 mod status_rates;
+mod throttle;
 pub mod tokens;
 mod wire;
 mod ws;
 
 pub use config::{Config, DatabaseConfig, DrainConfig, LogFormat};
-pub use routes::router;
+
 pub use routes::tokens::{TokenGrant, issue_for_channel};
 pub use server::{Credentials, GatewayError, Server, ServerHandle};
 pub use state::AppState;

@@ -5,7 +5,6 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
-use axum::serve::ListenerExt;
 use converger_store::Store;
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
@@ -74,6 +73,11 @@ impl Server {
         let (cluster, membership) =
             converger_cluster::Cluster::start(config.cluster_config(&node_id, http_addr)).await?;
         let actors = Arc::new(crate::actors::Actors::default());
+        let (config_rates, config_admin, config_http) = (
+            config.rates.clone(),
+            config.admin.clone(),
+            config.http.clone(),
+        );
         spawn_membership_dispatch(Arc::clone(&actors), membership);
         let state = AppState {
             tokens,
@@ -86,6 +90,11 @@ impl Server {
             actors,
             cluster,
             status_rates: Arc::default(),
+            throttles: Arc::new(crate::throttle::Throttles::new(
+                &config_rates,
+                &config_admin,
+            )),
+            admission: crate::listener::Admission::new(&config_http),
         };
         Ok(Server { state, listener })
     }
@@ -130,16 +139,14 @@ impl Server {
             drain_sessions(&draining_state).await;
             tracing::info!("shutting down: finishing in-flight requests");
         };
-        // Frames are small and latency-bound: without TCP_NODELAY a second small write waits
-        // for the peer's delayed ACK (about 40 ms on Linux).
-        let listener = self.listener.tap_io(|stream| {
-            if let Err(error) = stream.set_nodelay(true) {
-                tracing::debug!(%error, "TCP_NODELAY not set");
-            }
-        });
-        let served = axum::serve(listener, app)
-            .with_graceful_shutdown(shutdown)
-            .await;
+        let served = crate::listener::serve(
+            self.listener,
+            app,
+            self.state.admission.clone(),
+            self.state.config.http.clone(),
+            shutdown,
+        )
+        .await;
         pruner.abort();
         served?;
         Ok(())

@@ -9,7 +9,9 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use crate::actors::Actors;
 use crate::config::Config;
 use crate::hub::Hub;
+use crate::listener::Admission;
 use crate::status_rates::RateSampler;
+use crate::throttle::Throttles;
 use crate::tokens::TokenKeys;
 
 /// Everything a handler needs; cheap to clone.
@@ -35,6 +37,10 @@ pub struct AppState {
     pub cluster: converger_cluster::Cluster,
     /// Counters sampled by the status page, for its rates.
     pub(crate) status_rates: Arc<RateSampler>,
+    /// Creation rates and failed admin authentications, per key.
+    pub(crate) throttles: Arc<Throttles>,
+    /// The connection caps of the listener.
+    pub(crate) admission: Admission,
 }
 
 impl AppState {

@@ -50,6 +50,42 @@ impl Claims {
     pub fn scope(&self) -> Scope {
         self.scope.unwrap_or_default()
     }
+
+    /// The identity rule of conversation-scope tokens (ADR 0013): whether this token may join,
+    /// read and write the conversation of `conversation_id`, whose user is `conversation_user`.
+    /// A token bound to a conversation uses that one; a token naming a user uses that user's;
+    /// a token naming nobody uses only an anonymous conversation, and only when the client
+    /// presents its anonymous user id (`presented_user`, 122 random bits the server gave it).
+    /// No token ever acts as a user it does not name.
+    pub fn may_use(
+        &self,
+        conversation_id: Uuid,
+        conversation_user: &str,
+        presented_user: Option<&str>,
+    ) -> bool {
+        match (self.conversation_id, self.user_id.as_deref()) {
+            (Some(bound), user) => {
+                bound == conversation_id && user.is_none_or(|user| user == conversation_user)
+            }
+            (None, Some(user)) => user == conversation_user,
+            (None, None) => {
+                is_anonymous_user(conversation_user) && presented_user == Some(conversation_user)
+            }
+        }
+    }
+}
+
+/// Prefix of the user ids the server gives end users whose token names none.
+const ANONYMOUS_PREFIX: &str = "anon-";
+
+/// A fresh anonymous user id: `anon-` and 32 hex digits of a random UUID.
+pub fn anonymous_user_id() -> String {
+    format!("{ANONYMOUS_PREFIX}{}", Uuid::new_v4().simple())
+}
+
+/// True for a user id the server gave an anonymous end user.
+pub fn is_anonymous_user(user_id: &str) -> bool {
+    user_id.starts_with(ANONYMOUS_PREFIX)
 }
 
 /// Why a token was refused.

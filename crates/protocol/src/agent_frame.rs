@@ -48,6 +48,8 @@ pub enum AgentFrame {
 /// What an envelope carries.
 #[derive(Debug, Clone, PartialEq)]
 pub enum EnvelopedFrame {
+    /// Refused whatever its type: it holds something storage cannot keep (a NUL character).
+    Refused(Refusal),
     /// `turnResult`: the answer to a delivered turn.
     TurnResult(Result<Box<TurnResult>, Refusal>),
     /// `typing {isTyping}`, relayed to the conversation's end users.
@@ -128,6 +130,9 @@ pub fn parse_agent_text(
 }
 
 fn parse_bare(object: &Map<String, Value>) -> Result<AgentFrame, Refusal> {
+    if map_contains_nul(object) {
+        return Err(plain(ErrorCode::InvalidMessage, crate::NUL_REFUSED));
+    }
     let kind = object
         .get("type")
         .and_then(Value::as_str)
@@ -171,6 +176,17 @@ fn parse_enveloped(
         .get("type")
         .and_then(Value::as_str)
         .unwrap_or_default();
+    if map_contains_nul(frame) {
+        return EnvelopedFrame::Refused(Refusal {
+            error: FrameError {
+                code: ErrorCode::InvalidMessage,
+                message: crate::NUL_REFUSED.to_owned(),
+            },
+            client_id: valid_client_id(frame),
+            frame_type: (!kind.is_empty() && !kind.contains('\0'))
+                .then(|| kind.chars().take(64).collect()),
+        });
+    }
     let data_or_empty = || {
         frame
             .get("data")
@@ -309,6 +325,13 @@ fn valid_client_id(frame: &Map<String, Value>) -> Option<String> {
         .map(str::to_owned)
 }
 
+/// True when a key or a value of the object holds a NUL character.
+fn map_contains_nul(object: &Map<String, Value>) -> bool {
+    object
+        .iter()
+        .any(|(key, value)| key.contains('\0') || crate::contains_nul(value))
+}
+
 /// A refusal that echoes nothing of the frame.
 fn plain(code: ErrorCode, message: &str) -> Refusal {
     Refusal {
@@ -443,6 +466,22 @@ mod tests {
             panic!("refused");
         };
         assert_eq!(refused.client_id.as_deref(), Some("p-1"));
+    }
+
+    #[test]
+    fn nul_characters_are_refused_anywhere() {
+        let refused = parse(json!({"type": "ping\u{0}"})).unwrap_err();
+        assert_eq!(refused.error.code, ErrorCode::InvalidMessage);
+        for frame in [
+            json!({"type": "turnResult", "clientId": "r-1", "turn": {"seq": 1}, "frames": [{"type": "text", "data": {"text": "a\u{0}"}}]}),
+            json!({"type": "typing", "isTyping": true, "x\u{0}": 1}),
+            json!({"type": "text", "data": {"text": "ok"}, "extra": "\u{0}"}),
+        ] {
+            let EnvelopedFrame::Refused(refused) = enveloped(frame.clone()) else {
+                panic!("not refused: {frame}");
+            };
+            assert_eq!(refused.error.code, ErrorCode::InvalidMessage);
+        }
     }
 
     proptest! {

@@ -147,6 +147,7 @@ fn refuse(
     let frame_type = object
         .and_then(|object| object.get("type"))
         .and_then(Value::as_str)
+        .filter(|kind| !kind.contains('\0'))
         .map(|kind| kind.chars().take(64).collect());
     Refusal {
         error: FrameError {
@@ -179,6 +180,15 @@ pub fn parse_client_frame(value: &Value, limits: &Limits) -> Result<ClientFrame,
             None,
         ));
     };
+    if crate::contains_nul(value) {
+        // A hello that cannot be stored is a bad handshake (closed 4400), anything else a bad
+        // frame of an open session.
+        let code = match object.get("type").and_then(Value::as_str) {
+            Some("hello") => ErrorCode::BadRequest,
+            _ => ErrorCode::InvalidMessage,
+        };
+        return Err(refuse(code, crate::NUL_REFUSED, Some(object)));
+    }
     let kind = match object.get("type") {
         Some(Value::String(kind)) if !kind.is_empty() => kind.as_str(),
         Some(_) => {
@@ -443,6 +453,29 @@ mod tests {
         assert_eq!(client_id.as_deref(), Some("e-1"));
         assert!(parse(json!({"type": "edit", "seq": 0, "data": {}})).is_err());
         assert!(parse(json!({"type": "edit", "seq": 2})).is_err());
+    }
+
+    #[test]
+    fn nul_characters_are_refused_anywhere() {
+        for frame in [
+            json!({"type": "text", "data": {"text": "a\u{0}b"}}),
+            json!({"type": "text", "data": {"k\u{0}": "v"}}),
+            json!({"type": "text", "data": {"text": "x"}, "extra": ["\u{0}"]}),
+            json!({"type": "te\u{0}xt", "data": {}}),
+            json!({"type": "typing", "isTyping": true, "x": "\u{0}"}),
+        ] {
+            let refused = parse(frame.clone()).expect_err(&frame.to_string());
+            assert_eq!(refused.error.code, ErrorCode::InvalidMessage, "{frame}");
+            assert!(
+                refused
+                    .frame_type
+                    .as_deref()
+                    .is_none_or(|kind| !kind.contains('\0'))
+            );
+        }
+        let hello = parse(json!({"type": "hello", "userId": "al\u{0}ice"})).unwrap_err();
+        assert_eq!(hello.error.code, ErrorCode::BadRequest);
+        assert_eq!(hello.frame_type.as_deref(), Some("hello"));
     }
 
     proptest! {

@@ -104,7 +104,7 @@ impl MessageFrame {
 
 /// Checks a message frame against the contract and the limits.
 ///
-/// `data` must be an object; a `text` frame needs `data.text` as a string within
+/// Nothing in it may hold a NUL character; `data` must be an object; a `text` frame needs `data.text` as a string within
 /// `max_text_bytes`; `metadata`, when present, must be an object within `max_metadata_bytes`;
 /// `clientId`, when present, must have the clientId shape.
 pub fn validate_message_frame(frame: &Value, limits: &Limits) -> Result<MessageFrame, FrameError> {
@@ -114,6 +114,12 @@ pub fn validate_message_frame(frame: &Value, limits: &Limits) -> Result<MessageF
             "a frame must be a JSON object",
         ));
     };
+    if crate::contains_nul(frame) {
+        return Err(FrameError::new(
+            ErrorCode::InvalidMessage,
+            crate::NUL_REFUSED,
+        ));
+    }
     let kind = match object.get("type") {
         Some(Value::String(kind)) if !kind.is_empty() => kind.clone(),
         Some(_) => {

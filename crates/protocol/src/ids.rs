@@ -11,9 +11,9 @@ pub fn is_valid_client_id(candidate: &str) -> bool {
 /// Longest accepted user id, in bytes (tokens, `hello.userId`, REST).
 pub const MAX_USER_ID_BYTES: usize = 128;
 
-/// A user id is 1–128 bytes.
+/// A user id is 1–128 bytes, without a NUL character.
 pub fn is_valid_user_id(candidate: &str) -> bool {
-    (1..=MAX_USER_ID_BYTES).contains(&candidate.len())
+    (1..=MAX_USER_ID_BYTES).contains(&candidate.len()) && !candidate.contains('\0')
 }
 
 /// A group name is 1–64 characters of `A-Za-z0-9._:-`.

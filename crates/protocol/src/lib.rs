@@ -13,6 +13,7 @@ mod limits;
 mod persistent;
 mod profile;
 mod server_frame;
+mod storable;
 mod welcome;
 
 pub use agent_frame::{AgentFrame, EnvelopedFrame, ResultRuntime, TurnResult, parse_agent_text};
@@ -32,6 +33,7 @@ pub use server_frame::{
     Ack, Catalog, ErrorFrame, Heartbeat, TurnNumber, presence, read_receipt, relayed_error,
     replay_truncated, retry_close_reason, run_status, token_refreshed, typing,
 };
+pub use storable::{NUL_REFUSED, contains_nul};
 pub use welcome::{ChannelWelcome, ConversationWelcome, PendingInterrupt};
 
 /// Protocol identifier a client sends in `hello.protocol` to select the converger profile.

@@ -21,6 +21,9 @@ pub struct Limits {
     pub heartbeat_interval_ms: u64,
     /// No inbound data for this long closes the connection with 4408.
     pub idle_timeout_ms: u64,
+    /// `hello` must arrive within this of the upgrade, or the connection closes with 4408 (not
+    /// announced: the welcome comes after it).
+    pub hello_timeout_ms: u64,
     /// Frames per replay batch.
     pub replay_batch: usize,
     /// Frames replayed at most before `replayTruncated` (converger profile).
@@ -48,6 +51,7 @@ impl Default for Limits {
             max_in_flight: 32,
             heartbeat_interval_ms: 25_000,
             idle_timeout_ms: 60_000,
+            hello_timeout_ms: 10_000,
             replay_batch: 200,
             replay_max: 1_000,
             max_conversations: 10_000,
@@ -98,6 +102,9 @@ impl Limits {
                 "limits.heartbeat_interval_ms must be positive and at most limits.idle_timeout_ms / 2"
                     .into(),
             );
+        }
+        if self.hello_timeout_ms == 0 {
+            return Err("limits.hello_timeout_ms must be greater than 0".into());
         }
         if self.replay_batch == 0 || self.replay_max == 0 {
             return Err("limits.replay_batch and limits.replay_max must be greater than 0".into());

@@ -141,6 +141,27 @@ impl NewActivity {
         self.extra.as_ref().and_then(stored_extra)
     }
 
+    /// True when storage can hold every part of the frame (no NUL character anywhere).
+    pub(crate) fn is_storable(&self) -> bool {
+        let texts = [
+            Some(self.kind.as_str()),
+            self.id.as_deref(),
+            Some(self.sender.id.as_str()),
+            self.client_id.as_deref(),
+        ];
+        !texts.into_iter().flatten().any(|text| text.contains('\0'))
+            && !converger_protocol::contains_nul(&self.data)
+            && !self
+                .metadata
+                .as_ref()
+                .is_some_and(converger_protocol::contains_nul)
+            && !self.extra.as_ref().is_some_and(|extra| {
+                extra.iter().any(|(key, value)| {
+                    key.contains('\0') || converger_protocol::contains_nul(value)
+                })
+            })
+    }
+
     /// True when the frame opens a turn (the end user wrote it).
     pub(crate) fn is_turn(&self) -> bool {
         self.sender.role == SenderRole::User
@@ -154,6 +175,11 @@ impl Store {
     pub async fn commit_activity(&self, new: &NewActivity) -> Result<CommitOutcome, StoreError> {
         if crate::faults::injected(crate::faults::BEFORE_COMMIT) {
             return Err(StoreError::Injected(crate::faults::BEFORE_COMMIT));
+        }
+        // A frame Postgres cannot parse would fail the whole batch's argument, before any
+        // isolation could help: it is refused here, alone.
+        if !new.is_storable() {
+            return Err(StoreError::unstorable());
         }
         match self.group_commit.activity(new.clone()).await {
             Ok(Some(outcome)) => return Ok(outcome),

@@ -14,8 +14,9 @@
 //!
 //! Architecture invariant: a batch's writes run in conversation order (stable for writes of one
 //! conversation), so two batches lock conversations in the same order and cannot deadlock; and a
-//! batch that fails with a database error is retried write by write, each as its own statement,
-//! so one bad write never fails another session's.
+//! batch that fails with a database error runs once more with each write in a subtransaction of
+//! its own (`converger_commit_batch_isolated`), so one bad write never fails another session's
+//! and costs its batch one statement, not one per write.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -58,13 +59,13 @@ const QUEUE: usize = 4_096;
 enum Write {
     Activity {
         new: NewActivity,
-        outcome: Option<Option<CommitOutcome>>,
+        outcome: Option<Result<Option<CommitOutcome>, StoreError>>,
         done: oneshot::Sender<Result<Option<CommitOutcome>, StoreError>>,
     },
     Answer {
         answer: TurnAnswer,
         fingerprint: String,
-        outcome: Option<AnswerOutcome>,
+        outcome: Option<Result<AnswerOutcome, StoreError>>,
         done: oneshot::Sender<Result<AnswerOutcome, StoreError>>,
     },
 }
@@ -122,20 +123,32 @@ impl Write {
         }
     }
 
-    /// Keeps the write's element of `converger_commit_batch`'s result until the commit.
+    /// Keeps the write's element of the batch function's result until the commit: its outcome,
+    /// or (isolated batches only) the database's refusal of this write alone.
     fn keep_batch_outcome(&mut self, element: Value) -> Result<(), sqlx::Error> {
+        let refused = refusal(&element);
         match self {
             Write::Activity { outcome, .. } => {
-                let row: Option<ActivityWithFlag> = serde_json::from_value(element)
-                    .map_err(|error| sqlx::Error::Decode(Box::new(error)))?;
-                *outcome = Some(row.map(ActivityWithFlag::into_outcome));
+                *outcome = Some(match refused {
+                    Some(error) => Err(error),
+                    None => {
+                        let row: Option<ActivityWithFlag> = serde_json::from_value(element)
+                            .map_err(|error| sqlx::Error::Decode(Box::new(error)))?;
+                        Ok(row.map(ActivityWithFlag::into_outcome))
+                    }
+                });
             }
             Write::Answer {
                 answer, outcome, ..
             } => {
-                let row: AnswerRow = serde_json::from_value(element)
-                    .map_err(|error| sqlx::Error::Decode(Box::new(error)))?;
-                *outcome = Some(answer_outcome(answer, row)?);
+                *outcome = Some(match refused {
+                    Some(error) => Err(error),
+                    None => {
+                        let row: AnswerRow = serde_json::from_value(element)
+                            .map_err(|error| sqlx::Error::Decode(Box::new(error)))?;
+                        Ok(answer_outcome(answer, row)?)
+                    }
+                });
             }
         }
         Ok(())
@@ -145,10 +158,10 @@ impl Write {
     fn committed(self) {
         match self {
             Write::Activity { outcome, done, .. } => {
-                let _ = done.send(outcome.ok_or_else(never_ran));
+                let _ = done.send(outcome.unwrap_or_else(|| Err(never_ran())));
             }
             Write::Answer { outcome, done, .. } => {
-                let _ = done.send(outcome.ok_or_else(never_ran));
+                let _ = done.send(outcome.unwrap_or_else(|| Err(never_ran())));
             }
         }
     }
@@ -164,6 +177,15 @@ impl Write {
             }
         }
     }
+}
+
+/// The refusal an isolated batch reports for one write: `{"failed": {"sqlstate", "message"}}`.
+fn refusal(element: &Value) -> Option<StoreError> {
+    let failed = element.get("failed")?;
+    Some(StoreError::Refused {
+        sqlstate: failed["sqlstate"].as_str().unwrap_or_default().to_owned(),
+        message: failed["message"].as_str().unwrap_or_default().to_owned(),
+    })
 }
 
 /// A committed write always ran its statements first; this error would name the bug.
@@ -291,12 +313,10 @@ async fn commit_batch(pool: &PgPool, mut batch: Vec<Write>, deadline: Duration) 
     match attempt {
         Some(Ok(())) => batch.into_iter().for_each(Write::committed),
         // A statement failed (a racing idempotency key, say): nothing of the batch is stored,
-        // so each write is tried again alone and gets its own outcome.
+        // so the batch runs once more with each write isolated, and each gets its own outcome.
         Some(Err(BatchError::Statement(error))) => {
-            tracing::debug!(%error, writes = batch.len(), "batch refused; committing its writes one by one");
-            for write in batch {
-                commit_alone(pool, write, deadline).await;
-            }
+            tracing::debug!(%error, writes = batch.len(), "batch refused; committing it again with each write isolated");
+            commit_isolated(pool, batch, deadline).await;
         }
         // Whether the batch landed is unknown, so every writer hears the error and resends
         // with its idempotency key.
@@ -307,6 +327,41 @@ async fn commit_batch(pool: &PgPool, mut batch: Vec<Write>, deadline: Duration) 
             }
         }
         // The server stopped answering: the fate is unknown too.
+        None => batch
+            .into_iter()
+            .for_each(|write| write.failed(timed_out())),
+    }
+}
+
+/// Commits a refused batch again with each write in a subtransaction of its own: the writes the
+/// database accepts commit together, each refused one gets its own error.
+async fn commit_isolated(pool: &PgPool, mut batch: Vec<Write>, deadline: Duration) {
+    metrics::counter!("converger_group_commit_isolated_total").increment(1);
+    let mut connection = match connection(pool, deadline).await {
+        Ok(connection) => connection,
+        Err(error) => {
+            let message = error.to_string();
+            for write in batch {
+                write.failed(StoreError::GroupCommit(message.clone()));
+            }
+            return;
+        }
+    };
+    let attempt = within_deadline(
+        deadline,
+        OPERATION,
+        run_batch(&mut connection, &mut batch, ISOLATED_BATCH),
+    )
+    .await;
+    drop(connection);
+    match attempt {
+        Some(Ok(())) => batch.into_iter().for_each(Write::committed),
+        Some(Err(BatchError::Statement(error) | BatchError::Commit(error))) => {
+            let message = error.to_string();
+            for write in batch {
+                write.failed(StoreError::GroupCommit(message.clone()));
+            }
+        }
         None => batch
             .into_iter()
             .for_each(|write| write.failed(timed_out())),
@@ -423,13 +478,28 @@ impl BatchError {
     }
 }
 
+/// The batch statement.
+const BATCH: &str = "SELECT converger_commit_batch($1)";
+
+/// The batch statement with each write in a subtransaction of its own (after `BATCH` failed).
+const ISOLATED_BATCH: &str = "SELECT converger_commit_batch_isolated($1)";
+
 /// Runs the whole batch as one statement and keeps each write's outcome.
 async fn run_together(
     connection: &mut PgConnection,
     batch: &mut [Write],
 ) -> Result<(), BatchError> {
+    run_batch(connection, batch, BATCH).await
+}
+
+/// Runs `statement` over the batch and keeps each write's outcome.
+async fn run_batch(
+    connection: &mut PgConnection,
+    batch: &mut [Write],
+    statement: &'static str,
+) -> Result<(), BatchError> {
     let entries: Vec<BatchEntry<'_>> = batch.iter().map(Write::batch_entry).collect();
-    let Json(outcomes): Json<Vec<Value>> = sqlx::query_scalar("SELECT converger_commit_batch($1)")
+    let Json(outcomes): Json<Vec<Value>> = sqlx::query_scalar(statement)
         .bind(Json(&entries))
         .fetch_one(&mut *connection)
         .await

@@ -21,7 +21,7 @@ const MAX_NAME_CHARS: usize = 200;
 /// Trims a display name and checks its length.
 pub(crate) fn checked_name(name: &str) -> Result<&str, ApiError> {
     let name = name.trim();
-    if name.is_empty() || name.chars().count() > MAX_NAME_CHARS {
+    if name.is_empty() || name.chars().count() > MAX_NAME_CHARS || name.contains('\0') {
         return Err(ApiError::bad_request(format!(
             "name must be 1-{MAX_NAME_CHARS} characters"
         )));

@@ -14,12 +14,12 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use uuid::Uuid;
 
-use super::body::parse_json;
+use super::body::{parse_json, parse_value};
 use super::tokens::{checked_user_id, token_json};
 use crate::auth::TokenAuth;
 use crate::error::ApiError;
 use crate::state::AppState;
-use crate::tokens::{Claims, Scope};
+use crate::tokens::{Claims, Scope, anonymous_user_id};
 
 /// Largest page of `GET …/activities`.
 pub const MAX_PAGE: i64 = 1000;
@@ -55,11 +55,29 @@ pub(crate) async fn create(
         Scope::Conversation => claims.user_id.clone(),
         Scope::Channel => None,
     };
-    let user_id = match (verified_user, request.user_id) {
-        (Some(verified), _) => verified,
-        (None, Some(asserted)) => checked_user_id(&asserted)?,
-        (None, None) => format!("anon-{}", Uuid::new_v4().simple()),
+    // The identity rule (ADR 0013): an end user's token never creates a conversation for a user
+    // it does not name; a channel-scope token (a trusted backend) may name any user.
+    let user_id = match (verified_user, request.user_id, claims.scope()) {
+        (Some(verified), _, _) => verified,
+        (None, Some(asserted), Scope::Channel) => checked_user_id(&asserted)?,
+        (None, Some(_), Scope::Conversation) => {
+            return Err(ApiError::new(
+                StatusCode::FORBIDDEN,
+                ErrorCode::Forbidden,
+                "this token names no user; it cannot create a conversation for one",
+            ));
+        }
+        (None, None, _) => anonymous_user_id(),
     };
+    state
+        .throttles
+        .conversation(claims.tenant_id, claims.channel_id)
+        .map_err(|over| {
+            ApiError::rate_limited(
+                format!("too many conversations created for this {}", over.scope),
+                over.retry_after,
+            )
+        })?;
     let conversation = state
         .store
         .create_conversation(claims.channel_id, &user_id)
@@ -94,11 +112,9 @@ async fn authorized_conversation(
     }
     let allowed = match claims.scope() {
         Scope::Channel => true,
-        Scope::Conversation => {
-            claims.conversation_id == Some(conversation.id)
-                || (claims.conversation_id.is_none()
-                    && claims.user_id.as_deref() == Some(conversation.user_id.as_str()))
-        }
+        // Over REST no anonymous user id is presented: an anonymous conversation is reached with
+        // the bound token its creation answered.
+        Scope::Conversation => claims.may_use(conversation.id, &conversation.user_id, None),
     };
     if !allowed {
         return Err(ApiError::conversation_not_found());
@@ -178,7 +194,7 @@ pub(crate) async fn post_activity(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
     let conversation = authorized_conversation(&state, &claims, &id).await?;
-    let frame: Value = parse_json(body, false)?;
+    let frame = parse_value(body, false)?;
     let message = validate_message_frame(&frame, &state.config.limits).map_err(frame_error)?;
     let idempotency_key = match headers.get("x-idempotency-key") {
         None => None,

@@ -61,9 +61,9 @@ pub(crate) async fn not_found() -> ApiError {
 
 /// A known path with a method it does not serve.
 pub(crate) async fn method_not_allowed() -> ApiError {
-    ApiError {
-        status: StatusCode::METHOD_NOT_ALLOWED,
-        code: "method_not_allowed",
-        message: "method not allowed".into(),
-    }
+    ApiError::with_code(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        "method not allowed",
+    )
 }

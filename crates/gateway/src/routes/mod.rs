@@ -11,14 +11,16 @@ pub(crate) mod tokens;
 use axum::Router;
 use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, patch, post};
+use std::time::Duration;
+use tower_http::timeout::RequestBodyTimeoutLayer;
 
 use crate::state::AppState;
 
 /// The REST surface, with body limit and request metrics applied.
-pub fn router(state: AppState) -> Router {
+pub(crate) fn router(state: AppState) -> Router {
     let body_limit = state.config.limits.max_frame_bytes;
     Router::new()
-        .route("/", get(status::page))
+        .route("/", get(status::page).post(status::log_in))
         .route("/api/v1/admin/tenants", post(admin::create_tenant))
         .route("/api/v1/admin/cluster", get(admin::cluster))
         .route(
@@ -43,6 +45,9 @@ pub fn router(state: AppState) -> Router {
         .fallback(health::not_found)
         .method_not_allowed_fallback(health::method_not_allowed)
         .layer(DefaultBodyLimit::max(body_limit))
+        .layer(RequestBodyTimeoutLayer::new(Duration::from_millis(
+            state.config.http.body_read_timeout_ms,
+        )))
         .layer(axum::middleware::from_fn(crate::metrics::track_http))
         .with_state(state)
 }

@@ -2,21 +2,26 @@
 //! nodes, channels with their groups and members, this node's connections and rates. It
 //! refreshes itself every few seconds.
 //!
-//! A browser cannot send a bearer header on a plain navigation, so `/?token=<admin token>` sets an
-//! HttpOnly, same-site cookie and redirects to `/`; the page then reads the cookie. A bearer
-//! header works too (curl).
+//! A browser cannot send a bearer header on a plain navigation, so the login form posts the admin
+//! token to `POST /`, which sets an HttpOnly, same-site cookie and redirects to `/`; the page then
+//! reads the cookie. A bearer header works too (curl). Failed attempts count against the client
+//! address's admin throttle; every page forbids scripts, framing and referrers.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-use axum::extract::{Query, State};
+use std::net::SocketAddr;
+
+use axum::Form;
+use axum::extract::rejection::FormRejection;
+use axum::extract::{ConnectInfo, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use converger_cluster::{ClusterStatus, MemberStatus};
 use serde::Deserialize;
 use uuid::Uuid;
 
-use crate::auth::{bearer, secrets_match};
+use crate::auth::{bearer, check_admin};
 use crate::state::AppState;
 use crate::status_rates::Counters;
 
@@ -25,47 +30,111 @@ const REFRESH_SECS: u64 = 5;
 /// Name of the cookie that carries the admin token.
 const COOKIE: &str = "converger_admin";
 
+/// The login form's body.
 #[derive(Deserialize)]
-pub(crate) struct TokenQuery {
-    token: Option<String>,
+pub(crate) struct LoginForm {
+    token: String,
 }
 
-/// `GET /`.
+/// Headers every status page response carries: no script, no framing, no referrer, no cache.
+fn page_headers() -> [(header::HeaderName, &'static str); 6] {
+    [
+        (header::CONTENT_TYPE, "text/html; charset=utf-8"),
+        (header::CACHE_CONTROL, "no-store"),
+        (
+            header::CONTENT_SECURITY_POLICY,
+            "default-src 'none'; style-src 'unsafe-inline'; form-action 'self'; \
+             frame-ancestors 'none'; base-uri 'none'",
+        ),
+        (header::X_FRAME_OPTIONS, "DENY"),
+        (header::REFERRER_POLICY, "no-referrer"),
+        (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+    ]
+}
+
+/// `GET /`: the page, for the admin token as a bearer header or the cookie; else the login form.
 pub(crate) async fn page(
     State(state): State<AppState>,
-    Query(query): Query<TokenQuery>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
     headers: HeaderMap,
 ) -> Response {
-    if let Some(token) = query.token {
-        if !secrets_match(&token, &state.admin_token) {
-            return login(StatusCode::UNAUTHORIZED, "That is not the admin token.");
-        }
-        let cookie = format!("{COOKIE}={token}; HttpOnly; SameSite=Strict; Path=/");
-        return (
-            StatusCode::SEE_OTHER,
-            [
-                (header::LOCATION, "/".to_owned()),
-                (header::SET_COOKIE, cookie),
-            ],
-        )
-            .into_response();
-    }
     let given = bearer(&headers).or_else(|| cookie_value(&headers, COOKIE));
-    if !given.is_some_and(|given| secrets_match(given, &state.admin_token)) {
+    if given.is_none() {
         return login(
             StatusCode::UNAUTHORIZED,
             "The status page needs the admin token.",
         );
     }
+    match check_admin(&state, peer.ip(), given) {
+        Ok(()) => {}
+        Err(error) if error.status == StatusCode::TOO_MANY_REQUESTS => {
+            return throttled(error);
+        }
+        Err(_) => {
+            return login(
+                StatusCode::UNAUTHORIZED,
+                "The status page needs the admin token.",
+            );
+        }
+    }
     let html = render(&state).await;
+    (page_headers(), html).into_response()
+}
+
+/// `POST /` (the login form): the token becomes an HttpOnly, same-site cookie (`Secure` over
+/// TLS), then a redirect to the page. The token never travels in a URL.
+pub(crate) async fn log_in(
+    State(state): State<AppState>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    form: Result<Form<LoginForm>, FormRejection>,
+) -> Response {
+    let Ok(Form(form)) = form else {
+        return login(StatusCode::BAD_REQUEST, "Send the admin token in the form.");
+    };
+    match check_admin(&state, peer.ip(), Some(&form.token)) {
+        Ok(()) => {}
+        Err(error) if error.status == StatusCode::TOO_MANY_REQUESTS => {
+            return throttled(error);
+        }
+        Err(_) => return login(StatusCode::UNAUTHORIZED, "That is not the admin token."),
+    }
+    let over_tls = headers
+        .get("x-forwarded-proto")
+        .and_then(|value| value.to_str().ok())
+        .is_some_and(|proto| proto.eq_ignore_ascii_case("https"));
+    let secure = if state.config.admin.secure_cookie || over_tls {
+        "; Secure"
+    } else {
+        ""
+    };
+    let cookie = format!(
+        "{COOKIE}={}; HttpOnly; SameSite=Strict; Path=/{secure}",
+        form.token
+    );
     (
+        StatusCode::SEE_OTHER,
         [
-            (header::CONTENT_TYPE, "text/html; charset=utf-8"),
-            (header::CACHE_CONTROL, "no-store"),
+            (header::LOCATION, "/".to_owned()),
+            (header::SET_COOKIE, cookie),
+            (header::CACHE_CONTROL, "no-store".to_owned()),
         ],
-        html,
     )
         .into_response()
+}
+
+/// The 429 of a throttled address, as a page.
+fn throttled(error: crate::error::ApiError) -> Response {
+    let mut response = login(
+        StatusCode::TOO_MANY_REQUESTS,
+        "Too many failed attempts from this address; try again later.",
+    );
+    if let Some(seconds) = error.retry_after_secs {
+        response
+            .headers_mut()
+            .insert(header::RETRY_AFTER, seconds.into());
+    }
+    response
 }
 
 fn cookie_value<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
@@ -82,17 +151,12 @@ fn cookie_value<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
 fn login(status: StatusCode, message: &str) -> Response {
     let body = format!(
         "<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>converger</title>{STYLE}</head>\
-         <body><h1>converger</h1><p>{}</p><form method=\"get\" action=\"/\">\
+         <body><h1>converger</h1><p>{}</p><form method=\"post\" action=\"/\">\
          <label>Admin token <input type=\"password\" name=\"token\" autocomplete=\"off\"></label> \
          <button type=\"submit\">Open</button></form></body></html>",
         escape(message)
     );
-    (
-        status,
-        [(header::CONTENT_TYPE, "text/html; charset=utf-8")],
-        body,
-    )
-        .into_response()
+    (status, page_headers(), body).into_response()
 }
 
 async fn render(state: &AppState) -> String {
@@ -117,8 +181,10 @@ async fn render(state: &AppState) -> String {
     html.push_str("<section><h2>This node</h2><table><tbody>");
     let _ = write!(
         html,
-        "<tr><th>Open WebSocket sessions</th><td id=\"sessions\">{}</td></tr>",
-        state.hub.session_count()
+        "<tr><th>Open WebSocket sessions</th><td id=\"sessions\">{}</td></tr>\
+         <tr><th>Open connections</th><td id=\"connections\">{}</td></tr>",
+        state.hub.session_count(),
+        state.admission.held()
     );
     let rate = |value: Option<f64>| value.map_or("–".to_owned(), |value| format!("{value:.1}/s"));
     let _ = write!(

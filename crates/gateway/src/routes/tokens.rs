@@ -43,6 +43,19 @@ pub(crate) fn checked_user_id(user_id: &str) -> Result<String, ApiError> {
     Ok(user_id.to_owned())
 }
 
+/// Counts a token about to be issued against the channel's and the tenant's rates.
+fn count_token(state: &AppState, tenant_id: Uuid, channel_id: Uuid) -> Result<(), ApiError> {
+    state
+        .throttles
+        .token(tenant_id, channel_id)
+        .map_err(|over| {
+            ApiError::rate_limited(
+                format!("too many tokens issued for this {}", over.scope),
+                over.retry_after,
+            )
+        })
+}
+
 /// The `{token, expires_in}` answer.
 pub(crate) fn token_json(state: &AppState, token: String) -> Value {
     json!({"token": token, "expires_in": state.tokens.ttl_secs()})
@@ -55,6 +68,7 @@ pub(crate) async fn generate(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, ApiError> {
     let request: GenerateRequest = parse_json(body, true)?;
+    count_token(&state, channel.tenant_id, channel.id)?;
     let grant = TokenGrant {
         user_id: request.user.map(|user| user.id),
         scope: request.scope,
@@ -135,6 +149,7 @@ pub(crate) async fn refresh(
     State(state): State<AppState>,
     TokenAuth(claims): TokenAuth,
 ) -> Result<Json<Value>, ApiError> {
+    count_token(&state, claims.tenant_id, claims.channel_id)?;
     let token = state.tokens.issue(
         claims.tenant_id,
         claims.channel_id,

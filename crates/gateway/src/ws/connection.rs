@@ -36,9 +36,10 @@ pub(crate) async fn serve(socket: WebSocket, state: AppState, request: UpgradeRe
             Err(refused) => {
                 push_error(&outbound, &refused.error);
                 let close = refused.close.unwrap_or(CloseCode::Protocol);
-                let reason = match refused.close {
-                    Some(_) => refused.error.code.as_str().to_owned(),
-                    None => String::new(),
+                let reason = match (refused.reason, refused.close) {
+                    (Some(reason), _) => reason,
+                    (None, Some(_)) => refused.error.code.as_str().to_owned(),
+                    (None, None) => String::new(),
                 };
                 Ending::Close {
                     code: close.number(),
@@ -77,17 +78,26 @@ pub(crate) async fn serve(socket: WebSocket, state: AppState, request: UpgradeRe
     let _ = tokio::time::timeout(Duration::from_secs(2), closing_handshake).await;
 }
 
-/// Reads frames until `hello`; anything else before it is answered with `no_session`.
+/// Reads frames until `hello`; anything else before it is answered with `no_session`. The
+/// `hello` must arrive within `limits.hello_timeout_ms` of the upgrade, whatever comes before it
+/// (pings included): an unauthenticated connection never lives longer.
 async fn await_hello(
     state: &AppState,
     stream: &mut SplitStream<WebSocket>,
     outbound: &Outbound,
 ) -> Result<Box<Hello>, Ending> {
     let limits = &state.config.limits;
-    let idle = Duration::from_millis(limits.idle_timeout_ms);
+    let deadline = tokio::time::Instant::now() + Duration::from_millis(limits.hello_timeout_ms);
     loop {
-        let message = match tokio::time::timeout(idle, stream.next()).await {
-            Err(_) => return Err(Ending::idle()),
+        let message = match tokio::time::timeout_at(deadline, stream.next()).await {
+            Err(_) => {
+                metrics::counter!("converger_ws_hello_timeouts_total").increment(1);
+                push_error(
+                    outbound,
+                    &ErrorFrame::new(ErrorCode::NoSession, "no hello in time"),
+                );
+                return Err(Ending::idle());
+            }
             Ok(None) => return Err(Ending::Gone),
             Ok(Some(Err(error))) => return Err(read_failure(&error)),
             Ok(Some(Ok(message))) => message,
@@ -111,6 +121,14 @@ async fn await_hello(
                 outbound,
                 &ErrorFrame::new(ErrorCode::NoSession, "send hello first"),
             ),
+            // A hello refused as such (say, with a NUL character) ends the handshake.
+            Err(refusal) if refusal.frame_type.as_deref() == Some("hello") => {
+                push_error(outbound, &refusal_frame(&refusal));
+                return Err(Ending::Close {
+                    code: CloseCode::Protocol.number(),
+                    reason: refusal.error.code.as_str().to_owned(),
+                });
+            }
             Err(refusal) => push_error(outbound, &refusal_frame(&refusal)),
         }
     }

@@ -8,7 +8,7 @@ use uuid::Uuid;
 
 use super::UpgradeRequest;
 use crate::state::AppState;
-use crate::tokens::{Claims, Scope, TokenRejection};
+use crate::tokens::{Claims, Scope, TokenRejection, anonymous_user_id};
 
 /// What a hello establishes.
 #[derive(Debug)]
@@ -47,6 +47,8 @@ pub(crate) struct Established {
 pub(crate) struct Refused {
     pub error: ErrorFrame,
     pub close: Option<CloseCode>,
+    /// The close reason, when not the error's code.
+    pub reason: Option<String>,
 }
 
 impl Refused {
@@ -54,6 +56,7 @@ impl Refused {
         Refused {
             error: ErrorFrame::new(code, message),
             close: code.close_code(),
+            reason: None,
         }
     }
 
@@ -61,6 +64,7 @@ impl Refused {
         Refused {
             error: ErrorFrame::new(code, message),
             close: Some(close),
+            reason: None,
         }
     }
 }
@@ -200,7 +204,14 @@ pub(crate) async fn establish(
         }));
     }
 
-    if let Some(adopted) = adoptable(state, &claims, asserted_conversation.as_deref()).await? {
+    let adopted = adoptable(
+        state,
+        &claims,
+        asserted_conversation.as_deref(),
+        asserted_user.as_deref(),
+    )
+    .await?;
+    if let Some(adopted) = adopted {
         let user_id = adopted.user_id.clone();
         return Ok(Setup::Conversation(Established {
             profile,
@@ -212,12 +223,32 @@ pub(crate) async fn establish(
         }));
     }
 
-    // A verified user wins over an asserted one; with neither, the user is anonymous.
-    let user_id = claims
-        .user_id
-        .clone()
-        .or(asserted_user)
-        .unwrap_or_else(|| format!("anon-{}", Uuid::new_v4().simple()));
+    // The token's user, else a new anonymous one: an asserted userId never names the user
+    // (a mekik widget sends the one it was configured with; it cannot read a refusal).
+    let user_id = claims.user_id.clone().unwrap_or_else(anonymous_user_id);
+    if let Err(over) = state
+        .throttles
+        .conversation(claims.tenant_id, claims.channel_id)
+    {
+        // Not the client's fault: it may come back after the hint (1012, like a drain).
+        let retry_after_ms = u64::try_from(over.retry_after.as_millis())
+            .unwrap_or(u64::MAX)
+            .max(1);
+        return Err(Refused {
+            error: ErrorFrame {
+                retry_after_ms: Some(retry_after_ms),
+                ..ErrorFrame::new(
+                    ErrorCode::RateLimited,
+                    format!("too many conversations created for this {}", over.scope),
+                )
+            },
+            close: Some(CloseCode::Draining),
+            reason: Some(converger_protocol::retry_close_reason(
+                ErrorCode::RateLimited,
+                retry_after_ms,
+            )),
+        });
+    }
     let conversation = state
         .store
         .create_conversation(claims.channel_id, &user_id)
@@ -234,11 +265,13 @@ pub(crate) async fn establish(
     }))
 }
 
-/// The asserted conversation, when it belongs to the token's channel (and user, when verified).
+/// The asserted conversation, when it belongs to the token's channel and the identity rule lets
+/// the token use it ([`Claims::may_use`]).
 async fn adoptable(
     state: &AppState,
     claims: &Claims,
     asserted: Option<&str>,
+    presented_user: Option<&str>,
 ) -> Result<Option<Conversation>, Refused> {
     let Some(id) = asserted.and_then(|raw| Uuid::parse_str(raw).ok()) else {
         return Ok(None);
@@ -249,10 +282,7 @@ async fn adoptable(
         .await
         .map_err(internal)?;
     Ok(conversation.filter(|conversation| {
-        claims
-            .user_id
-            .as_ref()
-            .is_none_or(|user| *user == conversation.user_id)
+        claims.may_use(conversation.id, &conversation.user_id, presented_user)
     }))
 }
 

@@ -20,12 +20,13 @@ mod writer;
 use std::collections::HashMap;
 
 use axum::extract::ws::{WebSocketUpgrade, rejection::WebSocketUpgradeRejection};
-use axum::extract::{Query, State};
+use axum::extract::{Extension, Query, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use converger_protocol::{ErrorCode, SUBPROTOCOL};
 
 use crate::error::ApiError;
+use crate::listener::ConnectionSlot;
 use crate::state::AppState;
 
 /// Initial read buffer of a socket.
@@ -49,6 +50,7 @@ pub(crate) struct UpgradeRequest {
 /// `GET /socket/converger/v1`.
 pub(crate) async fn upgrade(
     State(state): State<AppState>,
+    slot: Option<Extension<ConnectionSlot>>,
     headers: HeaderMap,
     Query(query): Query<HashMap<String, String>>,
     upgrade: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
@@ -103,7 +105,11 @@ pub(crate) async fn upgrade(
         .write_buffer_size(0)
         .max_message_size(limits.hard_frame_bytes)
         .max_frame_size(limits.hard_frame_bytes)
-        .on_upgrade(move |socket| connection::serve(socket, state, request))
+        .on_upgrade(move |socket| async move {
+            // The socket keeps its place under the connection caps until the session ends.
+            let _slot = slot;
+            connection::serve(socket, state, request).await;
+        })
 }
 
 fn refuse_upgrade(rejection: WebSocketUpgradeRejection) -> Response {
@@ -111,11 +117,11 @@ fn refuse_upgrade(rejection: WebSocketUpgradeRejection) -> Response {
         WebSocketUpgradeRejection::InvalidConnectionHeader(_)
         | WebSocketUpgradeRejection::InvalidUpgradeHeader(_)
         | WebSocketUpgradeRejection::ConnectionNotUpgradable(_) => {
-            let mut response = ApiError {
-                status: StatusCode::UPGRADE_REQUIRED,
-                code: "upgrade_required",
-                message: "this endpoint speaks WebSocket only".into(),
-            }
+            let mut response = ApiError::with_code(
+                StatusCode::UPGRADE_REQUIRED,
+                "upgrade_required",
+                "this endpoint speaks WebSocket only",
+            )
             .into_response();
             response
                 .headers_mut()

@@ -58,6 +58,27 @@ pub struct TurnAnswer {
 }
 
 impl TurnAnswer {
+    /// True when storage can hold every part of the answer (no NUL character anywhere).
+    fn is_storable(&self) -> bool {
+        use converger_protocol::contains_nul;
+        let frame_storable = |frame: &AnswerFrame| {
+            !frame.kind.contains('\0')
+                && !frame.id.as_deref().is_some_and(|id| id.contains('\0'))
+                && !contains_nul(&frame.data)
+                && !frame.metadata.as_ref().is_some_and(contains_nul)
+                && !frame
+                    .extra
+                    .iter()
+                    .any(|(key, value)| key.contains('\0') || contains_nul(value))
+        };
+        !self.sender.id.contains('\0')
+            && self.frames.iter().all(frame_storable)
+            && !self
+                .runtime
+                .as_ref()
+                .is_some_and(|runtime| contains_nul(&runtime.state))
+    }
+
     /// A stable digest of what the answer says (frames and runtime), so a resend is recognised
     /// and a different answer is a conflict.
     pub fn fingerprint(&self) -> String {
@@ -123,6 +144,9 @@ impl Store {
     /// Commits an answer to a turn in one transaction (see the module comment).
     /// Its statements share a transaction with other sessions' writes (see `group_commit`).
     pub async fn commit_answer(&self, answer: &TurnAnswer) -> Result<AnswerOutcome, StoreError> {
+        if !answer.is_storable() {
+            return Err(StoreError::unstorable());
+        }
         // Hashed here, before the write joins a transaction that holds other writes' locks.
         let fingerprint = answer.fingerprint();
         self.group_commit.answer(answer.clone(), fingerprint).await

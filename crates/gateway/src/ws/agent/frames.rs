@@ -42,7 +42,8 @@ impl AgentSession<'_> {
             EnvelopedFrame::TurnResult(Ok(result)) => {
                 self.on_turn_result(conversation_id, *result).await
             }
-            EnvelopedFrame::TurnResult(Err(refusal))
+            EnvelopedFrame::Refused(refusal)
+            | EnvelopedFrame::TurnResult(Err(refusal))
             | EnvelopedFrame::Sync(Err(refusal))
             | EnvelopedFrame::Message(Err(refusal)) => {
                 self.enveloped_error(conversation_id, refusal_frame(&refusal))
@@ -254,9 +255,10 @@ impl AgentSession<'_> {
                 Ok(committed) => committed,
                 Err(error) => {
                     tracing::warn!(%error, "agent frame not stored");
+                    let code = crate::error::write_error_code(&error);
                     let error = ErrorFrame {
                         client_id: message.client_id,
-                        ..ErrorFrame::new(ErrorCode::Internal, "the frame was not stored")
+                        ..ErrorFrame::new(code, "the frame was not stored")
                     };
                     return self.enveloped_error(conversation_id, error);
                 }

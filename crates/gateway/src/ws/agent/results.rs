@@ -107,12 +107,14 @@ fn reply_to(
         Ok(outcome) => outcome,
         Err(error) => {
             tracing::error!(%error, %conversation_id, "turn result not stored");
+            let code = crate::error::write_error_code(&error);
+            let message = match code {
+                ErrorCode::InvalidMessage => "the result cannot be stored",
+                _ => "the result could not be confirmed; retry",
+            };
             return ErrorFrame {
                 client_id,
-                ..ErrorFrame::new(
-                    ErrorCode::Internal,
-                    "the result could not be confirmed; retry",
-                )
+                ..ErrorFrame::new(code, message)
             }
             .to_json();
         }

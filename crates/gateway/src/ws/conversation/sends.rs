@@ -84,11 +84,7 @@ impl Session<'_> {
         let outcome = match result {
             Ok(outcome) => outcome,
             Err(error) => {
-                let code = match error {
-                    StoreError::ConversationClosed => ErrorCode::ConversationClosed,
-                    StoreError::ConversationNotFound => ErrorCode::ConversationNotFound,
-                    _ => ErrorCode::Internal,
-                };
+                let code = crate::error::write_error_code(&error);
                 if code == ErrorCode::Internal {
                     tracing::error!(%error, conversation_id = %self.conversation_id, "send failed");
                 }

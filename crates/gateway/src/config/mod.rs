@@ -1,12 +1,19 @@
 //! The node's configuration: one struct, deserialized from `config/*.toml` and `CONVERGER_*`
-//! environment variables by the binary, validated before anything starts.
+//! environment variables by the binary, validated before anything starts. The sections are in
+//! `sections.rs`.
+
+mod sections;
+
+pub use sections::{
+    AdminConfig, DatabaseConfig, DrainConfig, GossipConfig, HttpConfig, LogFormat, RatesConfig,
+};
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use std::time::Duration;
 
-use converger_cluster::ClusterConfig;
+use converger_cluster::{ClusterConfig, GossipKey, GossipKeys};
 use converger_protocol::Limits;
 use serde::{Deserialize, Deserializer, Serialize};
 
@@ -57,92 +64,12 @@ pub struct Config {
     /// Lease mode: how long a claim on a turn lasts without renewal, in milliseconds (a
     /// connected member's node renews it every third of this).
     pub lease_ms: u64,
-}
-
-/// Gossip (cluster membership) tuning; the defaults suit nodes on one LAN.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct GossipConfig {
-    /// Address other nodes use to reach this node's gossip port; empty: `gossip_addr`.
-    pub advertise_addr: String,
-    /// One gossip round per interval, in milliseconds.
-    pub interval_ms: u64,
-    /// Phi accrual threshold above which a silent node is declared dead.
-    pub phi_threshold: f64,
-    /// A dead node's state is forgotten after this many seconds.
-    pub dead_node_grace_secs: u64,
-}
-
-impl Default for GossipConfig {
-    fn default() -> Self {
-        GossipConfig {
-            advertise_addr: String::new(),
-            interval_ms: 100,
-            phi_threshold: 8.0,
-            dead_node_grace_secs: 600,
-        }
-    }
-}
-
-/// Draining: sockets are closed in batches with 1012 and a jittered retry hint.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct DrainConfig {
-    /// Sockets closed per batch.
-    pub batch_size: usize,
-    /// Pause between batches, in milliseconds.
-    pub batch_interval_ms: u64,
-    /// Base `retryAfterMs` told to clients (jittered up to twice this); also `Retry-After`.
-    pub retry_after_ms: u64,
-    /// Longest wait for sessions to finish their in-flight sends and close, in milliseconds.
-    pub timeout_ms: u64,
-    /// After withdrawing its group members from gossip, the node waits this long (for the
-    /// other nodes to see it) before it closes sockets, in milliseconds.
-    pub withdraw_wait_ms: u64,
-}
-
-impl Default for DrainConfig {
-    fn default() -> Self {
-        DrainConfig {
-            batch_size: 100,
-            batch_interval_ms: 100,
-            retry_after_ms: 2_000,
-            timeout_ms: 10_000,
-            withdraw_wait_ms: 500,
-        }
-    }
-}
-
-/// Log output format.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum LogFormat {
-    /// Human-readable lines.
-    Human,
-    /// One JSON object per line.
-    Json,
-}
-
-/// Database pool settings.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct DatabaseConfig {
-    /// Upper bound of pooled connections.
-    pub max_connections: u32,
-    /// Longest wait for a pooled connection, in milliseconds.
-    pub acquire_timeout_ms: u64,
-    /// Server-side statement timeout and client-side query deadline, in milliseconds.
-    pub statement_timeout_ms: u64,
-}
-
-impl Default for DatabaseConfig {
-    fn default() -> Self {
-        DatabaseConfig {
-            max_connections: 16,
-            acquire_timeout_ms: 5_000,
-            statement_timeout_ms: 5_000,
-        }
-    }
+    /// The HTTP listener's deadlines and connection caps.
+    pub http: HttpConfig,
+    /// The admin surface.
+    pub admin: AdminConfig,
+    /// Creation rates per channel and tenant.
+    pub rates: RatesConfig,
 }
 
 impl Default for Config {
@@ -168,6 +95,9 @@ impl Default for Config {
             outbox_retention_secs: 600,
             gossip: GossipConfig::default(),
             lease_ms: 10_000,
+            http: HttpConfig::default(),
+            admin: AdminConfig::default(),
+            rates: RatesConfig::default(),
         }
     }
 }
@@ -188,7 +118,25 @@ impl Config {
             phi_threshold: self.gossip.phi_threshold,
             dead_node_grace: Duration::from_secs(self.gossip.dead_node_grace_secs),
             http_addr,
+            keys: self.gossip_keys().ok().flatten(),
         }
+    }
+
+    /// The cluster keys, when a key is configured (`validate` has checked their form).
+    pub fn gossip_keys(&self) -> Result<Option<GossipKeys>, String> {
+        if self.gossip.key.is_empty() {
+            return Ok(None);
+        }
+        let seal = GossipKey::from_hex(&self.gossip.key)
+            .map_err(|error| format!("gossip.key: {error}"))?;
+        let accept = match self.gossip.accept_key.as_str() {
+            "" => None,
+            hex_digits => Some(
+                GossipKey::from_hex(hex_digits)
+                    .map_err(|error| format!("gossip.accept_key: {error}"))?,
+            ),
+        };
+        Ok(Some(GossipKeys { seal, accept }))
     }
 
     /// Checks values that deserialize but make no sense; the message names the key.
@@ -239,11 +187,37 @@ impl Config {
         if self.gossip.phi_threshold.is_nan() || self.gossip.phi_threshold <= 0.0 {
             return Err("gossip.phi_threshold must be greater than 0".into());
         }
+        self.gossip_keys()?;
+        if self.gossip.key.is_empty() && !self.gossip.accept_key.is_empty() {
+            return Err("gossip.accept_key needs gossip.key".into());
+        }
+        if self.gossip.key.is_empty()
+            && !self.gossip.allow_unauthenticated
+            && !self.gossip_addr.ip().is_loopback()
+        {
+            return Err(
+                "gossip.key is required when gossip_addr is not a loopback address (anyone who \
+                 can send it UDP would join the cluster); set gossip.allow_unauthenticated = true \
+                 only on a network where nobody else can"
+                    .into(),
+            );
+        }
         if self.lease_ms < 300 {
             return Err("lease_ms must be at least 300".into());
         }
         if self.outbox_retention_secs < 60 {
             return Err("outbox_retention_secs must be at least 60".into());
+        }
+        if self.http.header_read_timeout_ms == 0 || self.http.body_read_timeout_ms == 0 {
+            return Err(
+                "http.header_read_timeout_ms and http.body_read_timeout_ms must be greater than 0"
+                    .into(),
+            );
+        }
+        if self.admin.failures_burst == 0 || self.admin.failures_per_minute == 0 {
+            return Err(
+                "admin.failures_burst and admin.failures_per_minute must be greater than 0".into(),
+            );
         }
         self.limits.validate()
     }

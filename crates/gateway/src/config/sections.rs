@@ -1,0 +1,181 @@
+//! The sections of the node's configuration (`[database]`, `[drain]`, `[gossip]`, `[http]`,
+//! `[admin]`, `[rates]`), each with its defaults.
+
+use serde::{Deserialize, Serialize};
+
+/// Gossip (cluster membership) tuning; the defaults suit nodes on one LAN.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GossipConfig {
+    /// Address other nodes use to reach this node's gossip port; empty: `gossip_addr`.
+    pub advertise_addr: String,
+    /// One gossip round per interval, in milliseconds.
+    pub interval_ms: u64,
+    /// Phi accrual threshold above which a silent node is declared dead.
+    pub phi_threshold: f64,
+    /// A dead node's state is forgotten after this many seconds.
+    pub dead_node_grace_secs: u64,
+    /// The cluster key (64 hexadecimal digits): every datagram is sealed with it; a node
+    /// without it cannot join, publish or read membership. Empty: gossip in the clear, which is
+    /// allowed only on loopback (or with `allow_unauthenticated`).
+    pub key: String,
+    /// Another key also accepted (not used to seal), while the cluster rotates keys.
+    pub accept_key: String,
+    /// Gossip in the clear on a non-loopback address (a network where only the nodes can send
+    /// UDP to the gossip port).
+    pub allow_unauthenticated: bool,
+}
+
+impl Default for GossipConfig {
+    fn default() -> Self {
+        GossipConfig {
+            advertise_addr: String::new(),
+            interval_ms: 100,
+            phi_threshold: 8.0,
+            dead_node_grace_secs: 600,
+            key: String::new(),
+            accept_key: String::new(),
+            allow_unauthenticated: false,
+        }
+    }
+}
+
+/// Draining: sockets are closed in batches with 1012 and a jittered retry hint.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DrainConfig {
+    /// Sockets closed per batch.
+    pub batch_size: usize,
+    /// Pause between batches, in milliseconds.
+    pub batch_interval_ms: u64,
+    /// Base `retryAfterMs` told to clients (jittered up to twice this); also `Retry-After`.
+    pub retry_after_ms: u64,
+    /// Longest wait for sessions to finish their in-flight sends and close, in milliseconds.
+    pub timeout_ms: u64,
+    /// After withdrawing its group members from gossip, the node waits this long (for the
+    /// other nodes to see it) before it closes sockets, in milliseconds.
+    pub withdraw_wait_ms: u64,
+}
+
+impl Default for DrainConfig {
+    fn default() -> Self {
+        DrainConfig {
+            batch_size: 100,
+            batch_interval_ms: 100,
+            retry_after_ms: 2_000,
+            timeout_ms: 10_000,
+            withdraw_wait_ms: 500,
+        }
+    }
+}
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Human,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Database pool settings.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DatabaseConfig {
+    /// Upper bound of pooled connections.
+    pub max_connections: u32,
+    /// Longest wait for a pooled connection, in milliseconds.
+    pub acquire_timeout_ms: u64,
+    /// Server-side statement timeout and client-side query deadline, in milliseconds.
+    pub statement_timeout_ms: u64,
+}
+
+impl Default for DatabaseConfig {
+    fn default() -> Self {
+        DatabaseConfig {
+            max_connections: 16,
+            acquire_timeout_ms: 5_000,
+            statement_timeout_ms: 5_000,
+        }
+    }
+}
+
+/// The HTTP listener's deadlines and connection caps (0: no cap).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HttpConfig {
+    /// A request's headers must arrive within this (also an idle keep-alive connection's life),
+    /// in milliseconds.
+    pub header_read_timeout_ms: u64,
+    /// A request's body must arrive within this, in milliseconds.
+    pub body_read_timeout_ms: u64,
+    /// Connections a node holds at once, WebSocket sessions included.
+    pub max_connections: usize,
+    /// Connections a node holds at once from one client address.
+    pub max_connections_per_address: usize,
+    /// `Retry-After` of a connection refused over a cap, in seconds.
+    pub retry_after_secs: u64,
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        HttpConfig {
+            header_read_timeout_ms: 10_000,
+            body_read_timeout_ms: 30_000,
+            max_connections: 50_000,
+            max_connections_per_address: 1_000,
+            retry_after_secs: 5,
+        }
+    }
+}
+
+/// The admin surface: throttling of failed authentications, the status page's cookie.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AdminConfig {
+    /// Failed admin authentications one client address may make in a burst; beyond them its
+    /// admin requests get 429 until the bucket refills.
+    pub failures_burst: u32,
+    /// Failed admin authentications per minute one client address regains.
+    pub failures_per_minute: u32,
+    /// Mark the status page's cookie `Secure` (set it when a TLS proxy is in front; a request
+    /// with `X-Forwarded-Proto: https` gets it anyway).
+    pub secure_cookie: bool,
+}
+
+impl Default for AdminConfig {
+    fn default() -> Self {
+        AdminConfig {
+            failures_burst: 10,
+            failures_per_minute: 6,
+            secure_cookie: false,
+        }
+    }
+}
+
+/// Creation rates per channel and per tenant on one node (bursts of a minute's worth; 0: no
+/// limit). Over a rate: 429 with `Retry-After`, or `rate_limited` at hello.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RatesConfig {
+    /// Conversations created per minute per channel.
+    pub conversations_per_minute_per_channel: u32,
+    /// Conversations created per minute per tenant.
+    pub conversations_per_minute_per_tenant: u32,
+    /// Tokens issued (generate, refresh) per minute per channel.
+    pub tokens_per_minute_per_channel: u32,
+    /// Tokens issued (generate, refresh) per minute per tenant.
+    pub tokens_per_minute_per_tenant: u32,
+}
+
+impl Default for RatesConfig {
+    fn default() -> Self {
+        RatesConfig {
+            conversations_per_minute_per_channel: 600,
+            conversations_per_minute_per_tenant: 1_200,
+            tokens_per_minute_per_channel: 1_200,
+            tokens_per_minute_per_tenant: 2_400,
+        }
+    }
+}
