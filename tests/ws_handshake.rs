@@ -424,10 +424,13 @@ async fn welcome_announces_the_head_limits_and_expiry_then_replays_after_the_wat
         Some(limits.max_frame_bytes as u64)
     );
     assert_eq!(data["limits"]["replayMax"], 1000);
+    assert_eq!(data["limits"]["helloTimeoutMs"], 10_000);
     assert!(data["limits"].get("maxConversations").is_none());
-    for capability in ["acks", "typing", "receipts", "presence"] {
+    for capability in ["acks", "typing", "receipts"] {
         assert_eq!(data["capabilities"][capability], true, "{capability}");
     }
+    // Nothing sends a conversation's one user presence yet (tests/mekik.rs).
+    assert_eq!(data["capabilities"]["presence"], false);
     let replayed = client.barrier().await;
     assert_eq!(seqs(&replayed), vec![3, 4, 5]);
     assert!(replayed.iter().all(|frame| frame["from"] == "user"));

@@ -113,11 +113,13 @@ async fn measure(args: &FloodArgs, gateway: &Gateway) -> anyhow::Result<()> {
         if ratio <= 1.5 { "met" } else { "not met" }
     );
     println!(
-        "RSS                  idle {} KiB, peak {} KiB during the flood ({} slow consumers, {} closed 4503), {} KiB {} s after",
+        "RSS                  idle {} KiB, peak {} KiB during the flood ({} slow consumers, {} closed 4503, {} of {} frames read each), {} KiB {} s after",
         memory.idle_kib,
         memory.peak_kib,
         args.slow_consumers,
         memory.closed_slow,
+        memory.frames_per_consumer,
+        args.flood_frames,
         memory.after_kib,
         args.settle_secs
     );
@@ -143,6 +145,7 @@ async fn measure(args: &FloodArgs, gateway: &Gateway) -> anyhow::Result<()> {
         "rss_after_over_idle": memory_ratio,
         "slow_consumers": args.slow_consumers,
         "closed_slow_consumer": memory.closed_slow,
+        "frames_per_slow_consumer": memory.frames_per_consumer,
         "machine": machine::describe(),
     });
     println!("{result}");
@@ -324,6 +327,8 @@ struct Memory {
     after_kib: u64,
     samples: Vec<u64>,
     closed_slow: usize,
+    /// Frames a slow consumer read on average before its close (or the end).
+    frames_per_consumer: u64,
 }
 
 async fn memory_round(args: &FloodArgs, gateway: &Gateway, token: &str) -> anyhow::Result<Memory> {
@@ -368,19 +373,27 @@ async fn memory_round(args: &FloodArgs, gateway: &Gateway, token: &str) -> anyho
     peak_kib = peak_kib.max(rss()?);
     // Now read what each slow consumer was sent: the node has closed those it gave up on.
     let mut closed_slow = 0;
+    let mut received_frames = 0u64;
     for mut socket in slow {
-        let closed = tokio::time::timeout(Duration::from_secs(2), async {
+        let outcome = tokio::time::timeout(Duration::from_secs(5), async {
+            let mut frames = 0u64;
             while let Some(Ok(message)) = socket.next().await {
-                if let Message::Close(Some(frame)) = message {
-                    return u16::from(frame.code) == 4503;
+                match message {
+                    Message::Close(Some(frame)) => return (frames, u16::from(frame.code) == 4503),
+                    Message::Text(_) => frames += 1,
+                    _ => {}
                 }
             }
-            false
+            (frames, false)
         })
         .await
-        .unwrap_or(false);
-        closed_slow += usize::from(closed);
+        .unwrap_or((0, false));
+        received_frames += outcome.0;
+        closed_slow += usize::from(outcome.1);
     }
+    // Between every frame (all closed) and every frame read (none closed): how far behind the
+    // node let a consumer fall before giving up on it.
+    let frames_per_consumer = received_frames / args.slow_consumers.max(1) as u64;
     let _ = writer.close(None).await;
     drop(writer);
     let mut samples = Vec::new();
@@ -396,5 +409,6 @@ async fn memory_round(args: &FloodArgs, gateway: &Gateway, token: &str) -> anyho
         after_kib,
         samples,
         closed_slow,
+        frames_per_consumer,
     })
 }

@@ -5,3 +5,4 @@
 pub mod channel;
 pub mod groups;
 pub mod replay;
+pub mod transcript;

@@ -58,18 +58,9 @@ async fn dispatch(store: &Store, hub: &Hub, event: BusEvent) {
                     }
                 }
             };
-            let mut events: Vec<HubEvent> = frames
-                .into_iter()
-                .map(|activity| HubEvent::Committed {
-                    seq: activity.seq,
-                    activity: Some(activity),
-                })
-                .collect();
+            let mut events: Vec<HubEvent> = frames.into_iter().map(HubEvent::committed).collect();
             if events.is_empty() {
-                events.push(HubEvent::Committed {
-                    seq,
-                    activity: None,
-                });
+                events.push(HubEvent::committed_seq(seq));
             }
             for event in events {
                 match channel_id {

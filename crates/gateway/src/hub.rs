@@ -6,9 +6,10 @@
 //! have, so the hub never has to de-duplicate for correctness.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
-use converger_protocol::ErrorFrame;
+use axum::extract::ws::Utf8Bytes;
+use converger_protocol::{ErrorFrame, Viewer};
 use converger_store::Activity;
 use converger_store::bus::Origin;
 use serde_json::Value;
@@ -28,6 +29,8 @@ pub enum HubEvent {
         seq: i64,
         /// The frame, when known.
         activity: Option<Arc<Activity>>,
+        /// Its renderings for end users, shared by every session of this node.
+        views: Arc<EndUserViews>,
     },
     /// A new revision of a turn that stores nothing (regenerate), for the agents.
     Regenerated {
@@ -43,6 +46,56 @@ pub enum HubEvent {
         /// Its author, when any.
         origin: Option<Arc<Origin>>,
     },
+}
+
+impl HubEvent {
+    /// A committed frame this node has at hand.
+    pub fn committed(activity: Arc<Activity>) -> HubEvent {
+        HubEvent::Committed {
+            seq: activity.seq,
+            activity: Some(activity),
+            views: Arc::default(),
+        }
+    }
+
+    /// A committed seq whose frame its receivers read themselves.
+    pub fn committed_seq(seq: i64) -> HubEvent {
+        HubEvent::Committed {
+            seq,
+            activity: None,
+            views: Arc::default(),
+        }
+    }
+}
+
+/// The renderings of one committed frame for end users, made once for all the sessions of this
+/// node that show it: a frame fanned out to many connections costs one serialization, and one
+/// buffer that every outbound queue shares, instead of one of each per connection (after a
+/// flood to slow consumers, that is the difference between megabytes and gigabytes held).
+#[derive(Debug, Default)]
+pub struct EndUserViews {
+    for_author: OnceLock<Utf8Bytes>,
+    for_others: OnceLock<Utf8Bytes>,
+}
+
+impl EndUserViews {
+    /// `activity` as the end user `user_id` sees it.
+    pub fn render(&self, activity: &Activity, user_id: &str) -> Utf8Bytes {
+        // An end user's view depends only on whether the viewer is the frame's sender: that
+        // decides `from` (with the sender's role) and whether `clientId` is shown.
+        let cell = if activity.sender_id == user_id {
+            &self.for_author
+        } else {
+            &self.for_others
+        };
+        cell.get_or_init(|| {
+            crate::wire::persistent(activity)
+                .view(Viewer::EndUser { user_id })
+                .encode()
+                .into()
+        })
+        .clone()
+    }
 }
 
 /// An order to a session from outside its connection.

@@ -24,11 +24,7 @@ pub(crate) fn committed(
     activities: impl IntoIterator<Item = Arc<Activity>>,
 ) {
     for activity in activities {
-        let event = HubEvent::Committed {
-            seq: activity.seq,
-            activity: Some(activity),
-        };
-        hub.publish_to_all(channel_id, conversation_id, event);
+        hub.publish_to_all(channel_id, conversation_id, HubEvent::committed(activity));
     }
 }
 

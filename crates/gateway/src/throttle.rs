@@ -112,6 +112,10 @@ pub(crate) struct Throttles {
     admin_logged: Mutex<HashMap<IpAddr, Instant>>,
 }
 
+fn count_limited(rate: &'static str) {
+    metrics::counter!("converger_rate_limited_total", "rate" => rate).increment(1);
+}
+
 /// Failed admin authentications from one address are logged at most once per this.
 const ADMIN_LOG_EVERY: Duration = Duration::from_secs(60);
 
@@ -140,6 +144,7 @@ impl Throttles {
             &self.conversations_per_tenant,
             tenant_id,
         )
+        .inspect_err(|_| count_limited("conversations"))
     }
 
     /// Counts a token about to be issued for a channel of a tenant.
@@ -150,6 +155,7 @@ impl Throttles {
             &self.tokens_per_tenant,
             tenant_id,
         )
+        .inspect_err(|_| count_limited("tokens"))
     }
 
     /// When this address may try an admin credential again, when it may not now.

@@ -2,8 +2,9 @@
 //! see them: the one place that maps a stored frame's columns onto both.
 
 use converger_core::channel::{FrameFacts, PendingFacts};
+use converger_core::transcript::{ChatView, Revision};
 use converger_protocol::{Participant, PersistentFrame};
-use converger_store::{Activity, ChannelPendingTurn};
+use converger_store::{Activity, ChannelPendingTurn, RevisionRecord};
 use serde_json::Value;
 
 /// A stored frame as clients see it (rendered for a viewer by the caller).
@@ -20,6 +21,33 @@ pub(crate) fn persistent(activity: &Activity) -> PersistentFrame<'_> {
         client_id: activity.client_id.as_deref(),
         timestamp_ms: activity.timestamp_ms(),
     }
+}
+
+/// The chat view (ADR 0018) of a conversation's revised turns.
+pub(crate) fn chat_view(records: Vec<RevisionRecord>) -> ChatView {
+    ChatView::new(records.into_iter().map(|record| Revision {
+        seq: record.seq,
+        revision: record.revision,
+        edit_seq: record.edit_seq,
+        answer_seqs: record.answer_seqs,
+        turn_id: record.turn_id,
+    }))
+}
+
+/// A stored frame as the chat view shows it: `None` when left out, else under the id the view
+/// gives it.
+pub(crate) fn in_chat_view<'a>(
+    activity: &'a Activity,
+    view: &'a ChatView,
+) -> Option<PersistentFrame<'a>> {
+    if view.hides(activity.seq) {
+        return None;
+    }
+    let mut frame = persistent(activity);
+    if let Some(id) = view.shown_as(activity.seq) {
+        frame.id = id;
+    }
+    Some(frame)
 }
 
 /// The frame's author as `{id, role}`.

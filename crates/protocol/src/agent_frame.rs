@@ -8,7 +8,7 @@
 use serde_json::{Map, Value};
 use uuid::Uuid;
 
-use crate::frame::{FrameError, MessageFrame, validate_message_frame};
+use crate::frame::{FrameError, MessageFrame, validate_agent_message_frame};
 use crate::server_frame::Catalog;
 use crate::{ErrorCode, Limits, Refusal};
 
@@ -218,7 +218,7 @@ fn parse_enveloped(
             },
         )),
         _ => EnvelopedFrame::Message(
-            validate_message_frame(&Value::Object(frame.clone()), limits)
+            validate_agent_message_frame(&Value::Object(frame.clone()), limits)
                 .map(Box::new)
                 .map_err(|error| Refusal {
                     error,
@@ -279,7 +279,7 @@ fn parse_turn_result(
         .ok_or_else(|| invalid("frames must be an array"))?;
     let mut frames = Vec::with_capacity(listed.len());
     for answer_frame in listed {
-        let message = validate_message_frame(answer_frame, limits)
+        let message = validate_agent_message_frame(answer_frame, limits)
             .map_err(|error| refuse(error.code, format!("frames: {}", error.message)))?;
         frames.push(message);
     }
@@ -466,6 +466,53 @@ mod tests {
             panic!("refused");
         };
         assert_eq!(refused.client_id.as_deref(), Some("p-1"));
+    }
+
+    #[test]
+    fn agent_frames_need_data_only_where_the_type_does() {
+        let chunk = json!({"type": "genui", "streamId": "s-14",
+                           "chunk": {"type": "text", "content": "he"}, "done": false});
+        let EnvelopedFrame::Message(Ok(message)) = enveloped(chunk) else {
+            panic!("a mekik-shaped genui chunk is a message");
+        };
+        assert_eq!(message.data, json!({}));
+        assert_eq!(message.extra["streamId"], "s-14");
+        assert_eq!(message.extra["done"], false);
+        for kind in [
+            "tool_call",
+            "interrupt",
+            "interrupt_resolved",
+            "skill",
+            "card",
+        ] {
+            assert!(
+                matches!(
+                    enveloped(json!({"type": kind, "id": "x"})),
+                    EnvelopedFrame::Message(Ok(_))
+                ),
+                "{kind} without data"
+            );
+        }
+        // A text still needs its text, and data given must still be an object.
+        assert!(matches!(
+            enveloped(json!({"type": "text"})),
+            EnvelopedFrame::Message(Err(_))
+        ));
+        assert!(matches!(
+            enveloped(json!({"type": "genui", "data": "s"})),
+            EnvelopedFrame::Message(Err(_))
+        ));
+        let result = parse(json!({"conversationId": CONVERSATION, "frame": {
+            "type": "turnResult", "turn": {"seq": 2},
+            "frames": [{"type": "genui", "streamId": "s", "chunk": {}, "done": true}]}}));
+        let Ok(AgentFrame::Enveloped {
+            frame: EnvelopedFrame::TurnResult(Ok(result)),
+            ..
+        }) = result
+        else {
+            panic!("a turnResult of mekik-shaped frames is accepted");
+        };
+        assert_eq!(result.frames[0].data, json!({}));
     }
 
     #[test]

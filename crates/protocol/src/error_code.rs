@@ -31,6 +31,7 @@ pub enum ErrorCode {
     NotInterrupted,
     IncompleteResume,
     BotUnavailable,
+    AnswerRefused,
     Internal,
     Unavailable,
 }
@@ -68,7 +69,7 @@ impl CloseCode {
 
 impl ErrorCode {
     /// All codes, in table order.
-    pub const ALL: [ErrorCode; 27] = [
+    pub const ALL: [ErrorCode; 28] = [
         ErrorCode::BadRequest,
         ErrorCode::NoSession,
         ErrorCode::UnsupportedProtocol,
@@ -94,6 +95,7 @@ impl ErrorCode {
         ErrorCode::NotInterrupted,
         ErrorCode::IncompleteResume,
         ErrorCode::BotUnavailable,
+        ErrorCode::AnswerRefused,
         ErrorCode::Internal,
         ErrorCode::Unavailable,
     ];
@@ -126,6 +128,7 @@ impl ErrorCode {
             ErrorCode::NotInterrupted => "not_interrupted",
             ErrorCode::IncompleteResume => "incomplete_resume",
             ErrorCode::BotUnavailable => "bot_unavailable",
+            ErrorCode::AnswerRefused => "answer_refused",
             ErrorCode::Internal => "internal",
             ErrorCode::Unavailable => "unavailable",
         }
@@ -159,6 +162,7 @@ impl ErrorCode {
             ErrorCode::NotInterrupted => 5002,
             ErrorCode::IncompleteResume => 5003,
             ErrorCode::BotUnavailable => 5004,
+            ErrorCode::AnswerRefused => 5005,
             ErrorCode::Internal => 9000,
             ErrorCode::Unavailable => 9001,
         }

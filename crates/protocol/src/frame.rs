@@ -233,6 +233,27 @@ pub fn validate_message_frame(frame: &Value, limits: &Limits) -> Result<MessageF
     })
 }
 
+/// Checks a message frame an agent sends (over its socket, in a `turnResult`, or over REST with
+/// a channel-scope token) by the mekik frame rules: `data` is required only where the type needs
+/// it (`text`); any other type without `data` (a `genui` chunk with `streamId`, `chunk` and
+/// `done` at the top level, a `tool_call`, an `interrupt`, …) is stored as given, with
+/// `data: {}`. Everything else is as [`validate_message_frame`].
+pub fn validate_agent_message_frame(
+    frame: &Value,
+    limits: &Limits,
+) -> Result<MessageFrame, FrameError> {
+    let data_absent = frame
+        .as_object()
+        .is_some_and(|object| matches!(object.get("data"), None | Some(Value::Null)));
+    let is_text = frame.get("type").and_then(Value::as_str) == Some("text");
+    if !data_absent || is_text {
+        return validate_message_frame(frame, limits);
+    }
+    let mut with_data = frame.clone();
+    with_data["data"] = Value::Object(Map::new());
+    validate_message_frame(&with_data, limits)
+}
+
 fn optional_object(object: &Map<String, Value>, field: &str) -> Result<Option<Value>, FrameError> {
     match object.get(field) {
         None | Some(Value::Null) => Ok(None),

@@ -23,15 +23,16 @@ pub use client_frame::{
 pub use delivery::{ChannelRef, Envelope, RuntimeRef, TurnMeta, TurnRef, delivered_turn, turn_key};
 pub use error_code::{CloseCode, ErrorCode};
 pub use frame::{
-    CONTROL_TYPES, FrameError, MessageFrame, SERVER_ONLY_TYPES, validate_message_frame,
+    CONTROL_TYPES, FrameError, MessageFrame, SERVER_ONLY_TYPES, validate_agent_message_frame,
+    validate_message_frame,
 };
 pub use ids::{MAX_USER_ID_BYTES, is_valid_client_id, is_valid_group, is_valid_user_id};
 pub use limits::Limits;
 pub use persistent::{Participant, PersistentFrame, RenderedFrame, USER_ROLE, Viewer};
 pub use profile::{MEKIK_PROTOCOL_NAME, Profile};
 pub use server_frame::{
-    Ack, Catalog, ErrorFrame, Heartbeat, TurnNumber, presence, read_receipt, relayed_error,
-    replay_truncated, retry_close_reason, run_status, token_refreshed, typing,
+    Ack, Catalog, ErrorFrame, Heartbeat, TurnNumber, answer_refused, presence, read_receipt,
+    relayed_error, replay_truncated, retry_close_reason, run_status, token_refreshed, typing,
 };
 pub use storable::{NUL_REFUSED, contains_nul};
 pub use welcome::{ChannelWelcome, ConversationWelcome, PendingInterrupt};

@@ -73,6 +73,7 @@ impl Limits {
             "maxInFlight": self.max_in_flight,
             "heartbeatIntervalMs": self.heartbeat_interval_ms,
             "idleTimeoutMs": self.idle_timeout_ms,
+            "helloTimeoutMs": self.hello_timeout_ms,
             "replayBatch": self.replay_batch,
             "replayMax": self.replay_max,
         });

@@ -306,6 +306,25 @@ pub fn run_status(data: &Value) -> Value {
     })
 }
 
+/// What end users are told when the gateway refused what an agent sent while answering: the
+/// `answer_refused` error, with the refusal's code as `details.reason`, the refused frame's type
+/// and, when known, the turn. Without it a user would wait on a turn whose answer never comes.
+pub fn answer_refused(reason: ErrorCode, frame_type: &str, turn: Option<TurnNumber>) -> Value {
+    let mut details = serde_json::json!({"reason": reason.as_str()});
+    if let Some(turn) = turn {
+        details["turn"] = serde_json::json!({"seq": turn.seq, "revision": turn.revision});
+    }
+    ErrorFrame {
+        frame_type: Some(frame_type.to_owned()),
+        details: Some(details),
+        ..ErrorFrame::new(
+            ErrorCode::AnswerRefused,
+            "the agent's answer could not be accepted",
+        )
+    }
+    .to_json()
+}
+
 /// An agent's `error`, relayed to end users with its `data`.
 pub fn relayed_error(data: &Value) -> Value {
     crate::to_value(&Typed {

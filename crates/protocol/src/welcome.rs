@@ -46,6 +46,23 @@ struct ConversationCapabilities {
     regenerate: bool,
 }
 
+impl ConversationCapabilities {
+    /// What a session of `profile` really gets: derived from the same rules that filter its
+    /// frames, so the welcome never promises a frame the profile is not sent.
+    fn of(profile: Profile) -> ConversationCapabilities {
+        ConversationCapabilities {
+            acks: profile.is_converger(),
+            typing: profile.receives_transient("typing"),
+            receipts: profile.receives_transient("deliveryStatus"),
+            // Presence frames come only from end users' sessions and never reach the same
+            // user, and a conversation has one: no end user is sent one yet.
+            presence: false,
+            edit: true,
+            regenerate: true,
+        }
+    }
+}
+
 impl ConversationWelcome<'_> {
     /// The frame as JSON text.
     pub fn encode(&self) -> String {
@@ -76,14 +93,7 @@ impl ConversationWelcome<'_> {
                 watermark: self.watermark,
                 pending: &self.pending,
                 expires_at: self.expires_at_ms,
-                capabilities: ConversationCapabilities {
-                    acks: true,
-                    typing: true,
-                    receipts: true,
-                    presence: true,
-                    edit: true,
-                    regenerate: true,
-                },
+                capabilities: ConversationCapabilities::of(self.profile),
                 limits: self.limits.to_wire(false),
             },
         })
@@ -200,5 +210,32 @@ mod tests {
         assert!(frame["data"].get("claim").is_none());
         assert!(frame["data"].get("group").is_none());
         assert_eq!(frame["data"]["capabilities"]["turnResults"], json!(true));
+    }
+
+    #[test]
+    fn a_mekik_welcome_promises_only_what_the_profile_is_sent() {
+        let limits = Limits::default();
+        let welcome = |profile| ConversationWelcome {
+            profile,
+            conversation_id: "c",
+            user_id: "u",
+            connection_id: "cn",
+            watermark: 0,
+            pending: Vec::new(),
+            expires_at_ms: 1,
+            limits: &limits,
+        };
+        let mekik: Value = serde_json::from_str(&welcome(Profile::Mekik).encode()).unwrap();
+        assert_eq!(
+            mekik["data"]["capabilities"],
+            json!({"acks": false, "typing": true, "receipts": false, "presence": false,
+                   "edit": true, "regenerate": true})
+        );
+        let converger: Value = serde_json::from_str(&welcome(Profile::Converger).encode()).unwrap();
+        assert_eq!(
+            converger["data"]["capabilities"],
+            json!({"acks": true, "typing": true, "receipts": true, "presence": false,
+                   "edit": true, "regenerate": true})
+        );
     }
 }

@@ -26,8 +26,8 @@ pub use error::StoreError;
 pub use secrets::{generate_secret, hash_secret};
 pub use tenants::Tenant;
 pub use turns::{
-    AnswerFrame, AnswerOutcome, ChannelPendingTurn, Claim, PendingTurn, Revision, RuntimeWrite,
-    TurnAnswer, initial_runtime,
+    AnswerFrame, AnswerOutcome, ChannelPendingTurn, Claim, PendingTurn, Revision, RevisionRecord,
+    RuntimeWrite, TurnAnswer, initial_runtime,
 };
 
 /// Postgres channel every commit notifies; payloads are small JSON ids, never bodies.

@@ -140,7 +140,7 @@ impl ChannelActor {
         } = event;
         let conversation = conversation_id.to_string();
         match event {
-            HubEvent::Committed { seq, activity } => {
+            HubEvent::Committed { seq, activity, .. } => {
                 let plan = self
                     .decider
                     .plan_committed(&conversation, seq, activity.is_some());
@@ -164,10 +164,7 @@ impl ChannelActor {
                                 tracing::warn!(%error, %conversation_id, seq, "agents: frames unreadable; retrying");
                                 let event = ChannelEvent {
                                     conversation_id,
-                                    event: HubEvent::Committed {
-                                        seq,
-                                        activity: None,
-                                    },
+                                    event: HubEvent::committed_seq(seq),
                                 };
                                 self.retry_after(event, FRAMES_RETRY);
                                 return;

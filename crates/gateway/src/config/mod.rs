@@ -6,6 +6,7 @@ mod sections;
 
 pub use sections::{
     AdminConfig, DatabaseConfig, DrainConfig, GossipConfig, HttpConfig, LogFormat, RatesConfig,
+    StatusConfig,
 };
 
 use std::net::SocketAddr;
@@ -68,6 +69,8 @@ pub struct Config {
     pub http: HttpConfig,
     /// The admin surface.
     pub admin: AdminConfig,
+    /// The status page.
+    pub status: StatusConfig,
     /// Creation rates per channel and tenant.
     pub rates: RatesConfig,
 }
@@ -97,6 +100,7 @@ impl Default for Config {
             lease_ms: 10_000,
             http: HttpConfig::default(),
             admin: AdminConfig::default(),
+            status: StatusConfig::default(),
             rates: RatesConfig::default(),
         }
     }

@@ -1,5 +1,5 @@
 //! The sections of the node's configuration (`[database]`, `[drain]`, `[gossip]`, `[http]`,
-//! `[admin]`, `[rates]`), each with its defaults.
+//! `[admin]`, `[status]`, `[rates]`), each with its defaults.
 
 use serde::{Deserialize, Serialize};
 
@@ -130,7 +130,7 @@ impl Default for HttpConfig {
     }
 }
 
-/// The admin surface: throttling of failed authentications, the status page's cookie.
+/// The admin surface: throttling of failed authentications.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AdminConfig {
@@ -139,9 +139,6 @@ pub struct AdminConfig {
     pub failures_burst: u32,
     /// Failed admin authentications per minute one client address regains.
     pub failures_per_minute: u32,
-    /// Mark the status page's cookie `Secure` (set it when a TLS proxy is in front; a request
-    /// with `X-Forwarded-Proto: https` gets it anyway).
-    pub secure_cookie: bool,
 }
 
 impl Default for AdminConfig {
@@ -149,9 +146,17 @@ impl Default for AdminConfig {
         AdminConfig {
             failures_burst: 10,
             failures_per_minute: 6,
-            secure_cookie: false,
         }
     }
+}
+
+/// The status page.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct StatusConfig {
+    /// Mark the login cookie `Secure` (set it when a TLS proxy is in front; a request with
+    /// `X-Forwarded-Proto: https` gets it anyway).
+    pub secure_cookie: bool,
 }
 
 /// Creation rates per channel and per tenant on one node (bursts of a minute's worth; 0: no

@@ -8,7 +8,9 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use converger_protocol::Viewer;
-use converger_protocol::{ErrorCode, FrameError, is_valid_client_id, validate_message_frame};
+use converger_protocol::{
+    ErrorCode, FrameError, is_valid_client_id, validate_agent_message_frame, validate_message_frame,
+};
 use converger_store::{Conversation, NewActivity, Sender, SenderRole};
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -153,6 +155,18 @@ pub(crate) async fn list_activities(
             "limit must be between 1 and {MAX_PAGE}"
         )));
     }
+    // `view=chat`: the chat view of ADR 0018 (superseded questions and answers left out).
+    let chat_view = match query.get("view").map(String::as_str) {
+        None | Some("") | Some("transcript") => None,
+        Some("chat") => Some(crate::wire::chat_view(
+            state.store.revised_turns(conversation.id).await?,
+        )),
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "view must be transcript (the default) or chat",
+            ));
+        }
+    };
     // One extra row tells whether another page follows.
     let mut activities = state
         .store
@@ -167,9 +181,14 @@ pub(crate) async fn list_activities(
         },
     };
     let next_watermark = activities.last().map_or(watermark, |activity| activity.seq);
+    // The page's watermark is the last frame read, shown or not, so pages never overlap.
     let frames: Vec<Value> = activities
         .iter()
-        .map(|activity| crate::wire::persistent(activity).view(viewer).to_value())
+        .filter_map(|activity| match &chat_view {
+            Some(view) => crate::wire::in_chat_view(activity, view),
+            None => Some(crate::wire::persistent(activity)),
+        })
+        .map(|frame| frame.view(viewer).to_value())
         .collect();
     Ok(Json(
         json!({"activities": frames, "watermark": next_watermark, "hasMore": has_more}),
@@ -195,7 +214,12 @@ pub(crate) async fn post_activity(
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
     let conversation = authorized_conversation(&state, &claims, &id).await?;
     let frame = parse_value(body, false)?;
-    let message = validate_message_frame(&frame, &state.config.limits).map_err(frame_error)?;
+    let limits = &state.config.limits;
+    let message = match claims.scope() {
+        Scope::Channel => validate_agent_message_frame(&frame, limits),
+        Scope::Conversation => validate_message_frame(&frame, limits),
+    }
+    .map_err(frame_error)?;
     let idempotency_key = match headers.get("x-idempotency-key") {
         None => None,
         Some(value) => {

@@ -103,7 +103,7 @@ pub(crate) async fn log_in(
         .get("x-forwarded-proto")
         .and_then(|value| value.to_str().ok())
         .is_some_and(|proto| proto.eq_ignore_ascii_case("https"));
-    let secure = if state.config.admin.secure_cookie || over_tls {
+    let secure = if state.config.status.secure_cookie || over_tls {
         "; Secure"
     } else {
         ""

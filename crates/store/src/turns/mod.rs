@@ -15,4 +15,4 @@ pub use answers::{AnswerFrame, AnswerOutcome, RuntimeWrite, TurnAnswer, initial_
 pub(crate) use answers::{AnswerRow, answer_outcome};
 pub use leases::Claim;
 pub use pending::{ChannelPendingTurn, PendingTurn};
-pub use revisions::Revision;
+pub use revisions::{Revision, RevisionRecord};

@@ -19,7 +19,48 @@ pub struct Revision {
     pub duplicate: bool,
 }
 
+/// One revision of a turn that was revised (edited or regenerated), as the chat view reads it.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct RevisionRecord {
+    /// The turn's seq.
+    pub seq: i64,
+    /// The revision.
+    pub revision: i32,
+    /// For an edit, the seq of its frame.
+    pub edit_seq: Option<i64>,
+    /// The seqs of the revision's committed answer.
+    pub answer_seqs: Vec<i64>,
+    /// The `id` of the turn's original frame.
+    pub turn_id: String,
+}
+
 impl Store {
+    /// Every revision of every turn of the conversation that has more than one, by seq and
+    /// revision (turns never revised are not listed).
+    pub async fn revised_turns(
+        &self,
+        conversation_id: Uuid,
+    ) -> Result<Vec<RevisionRecord>, StoreError> {
+        self.timed("revised_turns", async {
+            sqlx::query_as::<_, RevisionRecord>(
+                "SELECT t.seq, t.revision,
+                        CASE WHEN t.reason = 'edit' THEN t.source_seq END AS edit_seq,
+                        coalesce(t.result_seqs, '{}') AS answer_seqs, a.id AS turn_id
+                 FROM turns t
+                 JOIN activities a ON a.conversation_id = t.conversation_id AND a.seq = t.seq
+                 WHERE t.conversation_id = $1
+                   AND EXISTS (SELECT 1 FROM turns later
+                               WHERE later.conversation_id = t.conversation_id
+                                 AND later.seq = t.seq AND later.revision > 0)
+                 ORDER BY t.seq, t.revision",
+            )
+            .bind(conversation_id)
+            .fetch_all(&self.pool)
+            .await
+        })
+        .await
+    }
+
     /// The user turn an `edit` or `regenerate` targets: `seq` if given; else `message_id`
     /// matched against a frame id, then against the user's clientIds; else the latest turn.
     /// Only the user's own turns (revision-0 rows of the registry) qualify.

@@ -4,7 +4,7 @@
 
 use converger_protocol::{
     AgentFrame, Catalog, Envelope, EnvelopedFrame, ErrorCode, ErrorFrame, Heartbeat, MessageFrame,
-    TurnResult, relayed_error, run_status, token_refreshed, typing,
+    TurnResult, answer_refused, relayed_error, run_status, token_refreshed, typing,
 };
 use converger_store::bus::Origin;
 use converger_store::{AnswerFrame, NewActivity, RuntimeWrite, Sender, SenderRole, TurnAnswer};
@@ -42,10 +42,18 @@ impl AgentSession<'_> {
             EnvelopedFrame::TurnResult(Ok(result)) => {
                 self.on_turn_result(conversation_id, *result).await
             }
-            EnvelopedFrame::Refused(refusal)
-            | EnvelopedFrame::TurnResult(Err(refusal))
-            | EnvelopedFrame::Sync(Err(refusal))
-            | EnvelopedFrame::Message(Err(refusal)) => {
+            // A refused answer or frame: the agent is told, and so are the end users, who
+            // would otherwise wait on a turn whose answer never comes.
+            EnvelopedFrame::TurnResult(Err(refusal)) | EnvelopedFrame::Message(Err(refusal)) => {
+                let frame_type = refusal.frame_type.as_deref().unwrap_or("message");
+                self.relay(
+                    conversation_id,
+                    answer_refused(refusal.error.code, frame_type, None),
+                )
+                .await;
+                self.enveloped_error(conversation_id, refusal_frame(&refusal))
+            }
+            EnvelopedFrame::Refused(refusal) | EnvelopedFrame::Sync(Err(refusal)) => {
                 self.enveloped_error(conversation_id, refusal_frame(&refusal))
             }
             EnvelopedFrame::Typing { is_typing } => {
@@ -197,15 +205,20 @@ impl AgentSession<'_> {
             channel_id: self.channel_id,
             conversation_id,
             frame,
-            origin: Origin {
-                id: self.sender_id.clone(),
-                role: AGENT_ROLE.into(),
-                connection: self.connection_id.to_string(),
-            },
+            origin: self.origin(),
             audience: Audience::EndUsers,
         }
         .publish(self.state)
         .await;
+    }
+
+    /// This connection as the author of transient frames.
+    fn origin(&self) -> Origin {
+        Origin {
+            id: self.sender_id.clone(),
+            role: AGENT_ROLE.into(),
+            connection: self.connection_id.to_string(),
+        }
     }
 
     /// Asks the actor to replay what this connection owns of a conversation after `watermark`.
@@ -256,6 +269,10 @@ impl AgentSession<'_> {
                 Err(error) => {
                     tracing::warn!(%error, "agent frame not stored");
                     let code = crate::error::write_error_code(&error);
+                    if code == ErrorCode::InvalidMessage {
+                        let notice = answer_refused(code, &message.kind, None);
+                        self.relay(conversation_id, notice).await;
+                    }
                     let error = ErrorFrame {
                         client_id: message.client_id,
                         ..ErrorFrame::new(code, "the frame was not stored")
@@ -287,8 +304,13 @@ impl AgentSession<'_> {
         }
         let client_id = result.client_id.clone();
         let answer = self.answer(conversation_id, result);
-        self.results
-            .start(self.state, self.channel_id, client_id, answer);
+        self.results.start(
+            self.state,
+            self.channel_id,
+            client_id,
+            answer,
+            self.origin(),
+        );
         Ok(())
     }
 

@@ -13,13 +13,14 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use converger_protocol::{Ack, ErrorCode, ErrorFrame, TurnNumber};
+use converger_protocol::{Ack, ErrorCode, ErrorFrame, TurnNumber, answer_refused};
+use converger_store::bus::Origin;
 use converger_store::{AnswerOutcome, StoreError, TurnAnswer};
 use serde_json::{Value, json};
 use tokio::task::{Id, JoinSet};
 use uuid::Uuid;
 
-use crate::publish;
+use crate::publish::{self, Audience, Transient};
 use crate::state::AppState;
 
 /// Results committing at once on one connection; the next one waits for a slot.
@@ -53,12 +54,30 @@ impl ResultsInFlight {
         channel_id: Uuid,
         client_id: Option<String>,
         answer: TurnAnswer,
+        origin: Origin,
     ) {
         let conversation_id = answer.conversation_id;
         let state = state.clone();
         let handle = self.tasks.spawn(async move {
             let outcome = state.store.commit_answer(&answer).await;
+            let refused_input = matches!(&outcome, Err(error) if error.is_refused_input());
             let reply = reply_to(&state, channel_id, &answer, client_id, outcome);
+            if refused_input {
+                // No valid answer follows a refused one by itself: the end users are told.
+                let turn = TurnNumber {
+                    seq: answer.seq,
+                    revision: answer.revision,
+                };
+                Transient {
+                    channel_id,
+                    conversation_id,
+                    frame: answer_refused(ErrorCode::InvalidMessage, "turnResult", Some(turn)),
+                    origin,
+                    audience: Audience::EndUsers,
+                }
+                .publish(&state)
+                .await;
+            }
             (answer.conversation_id, reply)
         });
         self.conversations.insert(handle.id(), conversation_id);

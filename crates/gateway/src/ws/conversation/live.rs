@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use converger_core::replay::{LiveDecision, ReplayPlan};
+use converger_core::transcript::ChatView;
 use converger_protocol::{ErrorCode, ErrorFrame, USER_ROLE, replay_truncated};
 use converger_store::Activity;
 use converger_store::bus::Origin;
@@ -14,23 +15,46 @@ use tokio::sync::broadcast;
 use tokio::time::Instant;
 
 use super::Session;
-use crate::hub::HubEvent;
+use crate::hub::{EndUserViews, HubEvent};
 use crate::wire;
 use crate::ws::session::{Ending, internal_close};
 
 impl Session<'_> {
     /// Replays a plan from the database in batches, then `replayTruncated` when it was cut.
     pub(super) async fn replay(&mut self, plan: ReplayPlan) -> Result<(), Ending> {
-        self.push_range(plan.after, plan.upto, false).await?;
+        self.push_replay(plan.after, plan.upto).await?;
         if plan.truncated && self.is_converger() {
             self.push(replay_truncated(plan.upto, plan.head), false)?;
         }
         Ok(())
     }
 
+    /// A replay the client asked for (welcome, `sync`): the chat view for a mekik client, which
+    /// cannot collapse revisions (ADR 0018), the whole transcript for the converger profile.
+    async fn push_replay(&mut self, after: u64, upto: u64) -> Result<(), Ending> {
+        if after >= upto || self.is_converger() {
+            return self.push_range(after, upto, false, None).await;
+        }
+        let view = match self.state.store.revised_turns(self.conversation_id).await {
+            Ok(records) => wire::chat_view(records),
+            Err(error) => {
+                tracing::error!(%error, conversation_id = %self.conversation_id, "replay read failed");
+                return Err(internal_close(self.outbound));
+            }
+        };
+        self.push_range(after, upto, false, Some(&view)).await
+    }
+
     /// Pushes the stored frames `after + 1 ..= upto`, skipping this connection's own sends when
-    /// `skip_own`. Waits for queue space instead of failing: a replay is a known, finite backlog.
-    async fn push_range(&mut self, after: u64, upto: u64, skip_own: bool) -> Result<(), Ending> {
+    /// `skip_own`, and showing them as `view` shows them when given. Waits for queue space
+    /// instead of failing: a replay is a known, finite backlog.
+    async fn push_range(
+        &mut self,
+        after: u64,
+        upto: u64,
+        skip_own: bool,
+        view: Option<&ChatView>,
+    ) -> Result<(), Ending> {
         let batch = self.state.config.limits.replay_batch as i64;
         let mut next_after = after as i64;
         let upto = upto as i64;
@@ -53,7 +77,14 @@ impl Session<'_> {
                 if skip_own && self.own_seqs.contains(&row.seq) {
                     continue;
                 }
-                let text = wire::persistent(&row).view(self.viewer()).encode();
+                let frame = match view {
+                    Some(view) => match wire::in_chat_view(&row, view) {
+                        Some(frame) => frame,
+                        None => continue,
+                    },
+                    None => wire::persistent(&row),
+                };
+                let text = frame.view(self.viewer()).encode();
                 match self.outbound.push_text_waiting(text, write_timeout).await {
                     Ok(()) => self.last_outbound = Instant::now(),
                     Err(error) => return Err(self.push_failed(error)),
@@ -69,7 +100,11 @@ impl Session<'_> {
         event: Result<HubEvent, broadcast::error::RecvError>,
     ) -> Result<(), Ending> {
         match event {
-            Ok(HubEvent::Committed { seq, activity }) => self.on_committed(seq, activity).await,
+            Ok(HubEvent::Committed {
+                seq,
+                activity,
+                views,
+            }) => self.on_committed(seq, activity, &views).await,
             Ok(HubEvent::Regenerated { .. }) => Ok(()),
             Ok(HubEvent::Transient { frame, origin }) => {
                 self.on_transient(&frame, origin.as_deref())
@@ -80,7 +115,8 @@ impl Session<'_> {
                     Ok(Some(conversation)) => conversation.last_seq,
                     _ => return Ok(()),
                 };
-                self.on_committed(head, None).await
+                self.on_committed(head, None, &EndUserViews::default())
+                    .await
             }
             Err(broadcast::error::RecvError::Closed) => Err(Ending::Gone),
         }
@@ -90,6 +126,7 @@ impl Session<'_> {
         &mut self,
         seq: i64,
         activity: Option<Arc<Activity>>,
+        views: &EndUserViews,
     ) -> Result<(), Ending> {
         let Ok(seq_u) = u64::try_from(seq) else {
             return Ok(());
@@ -100,16 +137,16 @@ impl Session<'_> {
                 if !self.own_seqs.contains(&seq) {
                     match activity {
                         Some(activity) => {
-                            let text = wire::persistent(&activity).view(self.viewer()).encode();
+                            let text = views.render(&activity, &self.user_id);
                             self.push(text, false)?;
                         }
-                        None => self.push_range(seq_u - 1, seq_u, true).await?,
+                        None => self.push_range(seq_u - 1, seq_u, true, None).await?,
                     }
                 }
                 self.cursor.advance_to(seq_u);
             }
             LiveDecision::FillGap { after, upto } => {
-                self.push_range(after, upto, true).await?;
+                self.push_range(after, upto, true, None).await?;
                 self.cursor.advance_to(upto);
             }
         }
@@ -161,7 +198,7 @@ impl Session<'_> {
         }
         let cap = super::replay_cap(self.state, self.profile);
         let plan = self.cursor.plan_sync(watermark, head, cap);
-        self.push_range(plan.after, plan.upto, false).await?;
+        self.push_replay(plan.after, plan.upto).await?;
         self.cursor.advance_to(plan.upto);
         if plan.truncated && self.is_converger() {
             self.push(replay_truncated(plan.upto, plan.head), false)?;

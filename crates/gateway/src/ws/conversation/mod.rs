@@ -129,6 +129,9 @@ pub(super) async fn run(
     // Boxed, and the hello and conversation dropped, so the idle session's future and heap keep
     // only what the session loop needs (memory per idle connection, docs/benchmarks.md).
     if let Err(ending) = Box::pin(session.welcome(head, &hello, invalid_watermark, plan)).await {
+        // A client that sent a frame and left while its replay was written: the frame is in
+        // the socket, and a mekik client never sends it again.
+        session.finish(&ending, stream, None).await;
         return ending;
     }
     drop(hello);
@@ -257,19 +260,100 @@ impl Session<'_> {
         self.replay(plan).await
     }
 
-    /// The main loop.
+    /// The main loop, then the sends it read and did not commit yet.
     async fn run(
         &mut self,
         stream: &mut SplitStream<WebSocket>,
         live: &mut broadcast::Receiver<HubEvent>,
         controls: &mut mpsc::Receiver<SessionControl>,
     ) -> Ending {
+        let mut in_flight: Option<CommitFuture> = None;
+        let ending = self.serve(stream, live, controls, &mut in_flight).await;
+        self.finish(&ending, stream, in_flight).await;
+        ending
+    }
+
+    /// What a session does once something ended it: when the client left, the frames it sent
+    /// before leaving are still in the socket and are read; then every send read commits.
+    async fn finish(
+        &mut self,
+        ending: &Ending,
+        stream: &mut SplitStream<WebSocket>,
+        in_flight: Option<CommitFuture>,
+    ) {
+        if matches!(ending, Ending::Gone) {
+            self.read_what_is_left(stream).await;
+        }
+        self.finish_sends(in_flight).await;
+    }
+
+    /// Reads the messages a departed client sent before its close, queueing its message
+    /// frames (anything else needs an answer nobody will read). Bounded by
+    /// `limits.write_timeout_ms`.
+    async fn read_what_is_left(&mut self, stream: &mut SplitStream<WebSocket>) {
+        let limits = &self.state.config.limits;
+        let deadline = Instant::now() + Duration::from_millis(limits.write_timeout_ms);
+        while let Ok(Some(Ok(message))) = tokio::time::timeout_at(deadline, stream.next()).await {
+            let Message::Text(text) = message else {
+                if matches!(message, Message::Close(_)) {
+                    break;
+                }
+                continue;
+            };
+            if text.len() > limits.max_frame_bytes {
+                continue;
+            }
+            if let Ok(ClientFrame::Message(frame)) = parse_client_text(text.as_str(), limits) {
+                self.sends.push_back(PendingSend { frame: *frame });
+            }
+        }
+    }
+
+    /// Commits every send this session read, whatever ended it (a tab closed right after Enter,
+    /// a cut socket, a slow-consumer close): the node received those frames, and a mekik client
+    /// never resends. Acks go out while the socket still takes them. Bounded by
+    /// `limits.write_timeout_ms`; only a node crash loses what was read.
+    async fn finish_sends(&mut self, in_flight: Option<CommitFuture>) {
+        if in_flight.is_none() && self.sends.is_empty() {
+            return;
+        }
+        let within = Duration::from_millis(self.state.config.limits.write_timeout_ms);
+        let finishing = async {
+            let mut next = in_flight;
+            loop {
+                let commit = match next.take() {
+                    Some(commit) => commit,
+                    None => match self.sends.pop_front() {
+                        Some(send) => self.start_commit(send),
+                        None => break,
+                    },
+                };
+                // The connection may be gone: a refused ack or error changes nothing stored.
+                let _ = self.on_commit(commit.await);
+            }
+        };
+        if tokio::time::timeout(within, finishing).await.is_err() {
+            tracing::warn!(
+                connection_id = %self.connection_id,
+                unsent = self.sends.len(),
+                "session ended before the sends it read could commit"
+            );
+        }
+    }
+
+    /// Serves the connection until something ends it; a commit may still be in flight then.
+    async fn serve(
+        &mut self,
+        stream: &mut SplitStream<WebSocket>,
+        live: &mut broadcast::Receiver<HubEvent>,
+        controls: &mut mpsc::Receiver<SessionControl>,
+        in_flight: &mut Option<CommitFuture>,
+    ) -> Ending {
         let limits = self.state.config.limits.clone();
         let heartbeat_every = Duration::from_millis(limits.heartbeat_interval_ms);
         let idle_after = Duration::from_millis(limits.idle_timeout_ms);
         let mut heartbeat =
             tokio::time::interval_at(Instant::now() + heartbeat_every, heartbeat_every);
-        let mut in_flight: Option<CommitFuture> = None;
         loop {
             // Live frames already waiting go first, so a client that keeps sending still sees
             // the conversation.
@@ -277,7 +361,7 @@ impl Session<'_> {
                 && live.is_empty()
                 && let Some(next) = self.sends.pop_front()
             {
-                in_flight = Some(self.start_commit(next));
+                *in_flight = Some(self.start_commit(next));
                 self.in_flight = true;
             }
             if in_flight.is_none()
@@ -306,7 +390,7 @@ impl Session<'_> {
                 event = live.recv(), if in_flight.is_none() => self.on_live(event).await,
                 control = controls.recv() => self.on_control(control),
                 done = async { match in_flight.as_mut() { Some(commit) => commit.await, None => std::future::pending().await } } => {
-                    in_flight = None;
+                    *in_flight = None;
                     self.in_flight = false;
                     self.on_commit(done)
                 }

@@ -5,7 +5,9 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
-use converger_protocol::{Ack, ErrorCode, ErrorFrame, MessageFrame, TurnNumber, TurnTarget};
+use converger_protocol::{
+    Ack, ErrorCode, ErrorFrame, MessageFrame, Profile, TurnNumber, TurnTarget,
+};
 use converger_store::faults;
 use converger_store::{CommitOutcome, NewActivity, Sender, SenderRole, StoreError};
 use serde_json::Value;
@@ -19,7 +21,7 @@ pub(super) type CommitFuture = Pin<Box<dyn Future<Output = CommitDone> + Send>>;
 
 /// A send waiting for its commit.
 pub(super) struct PendingSend {
-    frame: MessageFrame,
+    pub(super) frame: MessageFrame,
 }
 
 /// A finished commit.
@@ -50,10 +52,16 @@ impl Session<'_> {
         let store = self.state.store.clone();
         let frame = send.frame;
         let client_id = frame.user_idempotency_key().map(str::to_owned);
+        // A mekik client knows its frames only by the `id` it chose and de-duplicates by it, so
+        // that id is the stored one; the converger profile keys frames by `clientId` and gets
+        // a server id (ADR 0017).
+        let id = match self.profile {
+            Profile::Mekik => frame.id.clone(),
+            Profile::Converger => None,
+        };
         let new = NewActivity {
             conversation_id: self.conversation_id,
-            // A user's `id` is its idempotency key (mekik), never the stored frame id.
-            id: None,
+            id,
             kind: frame.kind.clone(),
             sender: Sender {
                 id: self.user_id.clone(),
