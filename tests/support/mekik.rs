@@ -174,6 +174,9 @@ impl Widget {
             && let Some(stream) = frame["streamId"].as_str()
         {
             let content = frame["chunk"]["content"].as_str().unwrap_or_default();
+            // The stream's bubble carries the stream's id, so the stored answer that takes the
+            // same id is the same bubble, not a second one.
+            self.seen_ids.insert(stream.to_owned());
             match self.bubbles.iter_mut().find(|bubble| bubble.id == stream) {
                 Some(bubble) => bubble.text.push_str(content),
                 None => self.bubbles.push(Bubble {

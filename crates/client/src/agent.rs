@@ -286,6 +286,21 @@ impl Agent {
         }
     }
 
+    /// Sends one enveloped frame as it is, with no resend (stream chunks and aborts); fails
+    /// with [`ClientError::Closed`] when the connection is down.
+    pub async fn send_enveloped(
+        &mut self,
+        conversation_id: Uuid,
+        frame: Value,
+    ) -> Result<(), ClientError> {
+        let envelope = serde_json::json!({"conversationId": conversation_id, "frame": frame});
+        if self.link.write(envelope.to_string()).await {
+            Ok(())
+        } else {
+            Err(ClientError::NotConnected)
+        }
+    }
+
     /// Closes the connection (close 1000), so the member leaves its group at once.
     pub async fn close(mut self) {
         self.link.close().await;

@@ -55,6 +55,9 @@ pub enum ClientError {
     /// A clientId outside the contract's shape (1–128 characters of `A-Za-z0-9._:~-`).
     #[error("invalid clientId {0:?}: expected 1-128 characters of A-Za-z0-9._:~-")]
     InvalidClientId(String),
+    /// The connection is down: a frame sent without resend (a stream chunk) did not go out.
+    #[error("not connected: the frame was not sent")]
+    NotConnected,
     /// A frame the client refuses to send (not a JSON object).
     #[error("invalid frame: {0}")]
     InvalidFrame(String),

@@ -257,6 +257,10 @@ pub enum ServerFrame {
     },
     /// A channel catalog.
     Catalog(Catalog),
+    /// A chunk of a streamed answer (transient).
+    StreamChunk(crate::streams::StreamChunk),
+    /// The end of a streamed answer.
+    StreamEnd(crate::streams::StreamEnd),
     /// A frame of a type this client does not know, or one missing required fields.
     Unknown(Value),
 }
@@ -321,6 +325,8 @@ impl ServerFrame {
                 status: data["status"].as_str()?.to_owned(),
                 connections: data["connections"].as_i64().unwrap_or(0),
             }),
+            "streamChunk" => ServerFrame::StreamChunk(crate::streams::parse_chunk(frame)?),
+            "streamEnd" => ServerFrame::StreamEnd(crate::streams::parse_end(frame)?),
             "tokenRefreshed" => ServerFrame::TokenRefreshed {
                 expires_at: data["expiresAt"].as_i64()?,
             },

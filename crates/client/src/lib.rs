@@ -17,6 +17,7 @@ mod outbox;
 pub mod outgoing;
 mod rest;
 mod session;
+pub mod streams;
 mod tracking;
 
 pub use backoff::Backoff;
@@ -28,3 +29,4 @@ pub use rest::{
     RestClient, TokenRequest, TokenResponse,
 };
 pub use session::SessionOptions;
+pub use streams::{AnswerStream, StreamAssembly};

@@ -5,4 +5,5 @@
 pub mod channel;
 pub mod groups;
 pub mod replay;
+pub mod streams;
 pub mod transcript;

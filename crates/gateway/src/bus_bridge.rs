@@ -8,11 +8,21 @@ use converger_store::bus::BusEvent;
 use tokio::sync::mpsc;
 
 use crate::hub::{Hub, HubEvent, SessionControl};
+use crate::streams::LiveStreams;
 
 /// Consumes bus events until the bus closes.
-pub fn spawn(store: Store, hub: Arc<Hub>, mut events: mpsc::UnboundedReceiver<BusEvent>) {
+pub fn spawn(
+    store: Store,
+    hub: Arc<Hub>,
+    streams: Arc<LiveStreams>,
+    mut events: mpsc::UnboundedReceiver<BusEvent>,
+) {
     tokio::spawn(async move {
         while let Some(event) = events.recv().await {
+            if let BusEvent::Streams { node, events } = event {
+                streams.apply_remote(&hub, &node, events);
+                continue;
+            }
             dispatch(&store, &hub, event).await;
         }
     });
@@ -20,6 +30,8 @@ pub fn spawn(store: Store, hub: Arc<Hub>, mut events: mpsc::UnboundedReceiver<Bu
 
 async fn dispatch(store: &Store, hub: &Hub, event: BusEvent) {
     match event {
+        // Handled by the caller, which holds the streams.
+        BusEvent::Streams { .. } => {}
         BusEvent::Committed {
             conversation_id,
             seq,

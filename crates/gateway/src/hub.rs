@@ -39,6 +39,8 @@ pub enum HubEvent {
         /// The new revision.
         revision: i32,
     },
+    /// A chunk or the end of a streamed answer, for end users.
+    Stream(Arc<crate::streams::StreamEvent>),
     /// A transient frame for end users.
     Transient {
         /// The frame.
@@ -162,7 +164,7 @@ impl std::fmt::Debug for Hub {
 }
 
 /// Recovers the data of a poisoned lock: every critical section here leaves maps consistent.
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())

@@ -15,6 +15,7 @@ mod routes;
 pub mod server;
 pub mod state;
 mod status_rates;
+pub mod streams;
 mod throttle;
 pub mod tokens;
 mod wire;

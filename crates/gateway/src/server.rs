@@ -78,7 +78,22 @@ impl Server {
             config.admin.clone(),
             config.http.clone(),
         );
-        spawn_membership_dispatch(Arc::clone(&actors), membership);
+        let hub = Arc::new(Hub::new(node_id.clone()));
+        let streams = crate::streams::LiveStreams::start(
+            &node_id,
+            store.clone(),
+            converger_core::streams::StreamLimits {
+                max_stream_bytes: config.limits.max_stream_bytes,
+                max_streams_per_owner: config.limits.max_streams_per_connection,
+            },
+            std::time::Duration::from_millis(config.streams.relay_window_ms),
+        );
+        spawn_membership_dispatch(
+            Arc::clone(&actors),
+            Arc::clone(&hub),
+            Arc::clone(&streams),
+            membership,
+        );
         let state = AppState {
             tokens,
             admin_token: Arc::from(credentials.admin_token.as_str()),
@@ -86,7 +101,8 @@ impl Server {
             config: Arc::new(config),
             metrics: crate::metrics::install_recorder(),
             draining: Arc::new(AtomicBool::new(false)),
-            hub: Arc::new(Hub::new(node_id)),
+            hub,
+            streams,
             actors,
             cluster,
             status_rates: Arc::default(),
@@ -129,6 +145,7 @@ impl Server {
         crate::bus_bridge::spawn(
             self.state.store.clone(),
             Arc::clone(&self.state.hub),
+            Arc::clone(&self.state.streams),
             events,
         );
         let pruner = spawn_outbox_pruner(self.state.clone());
@@ -172,10 +189,19 @@ impl Server {
 /// Hands the other nodes' membership changes to the channel actors.
 fn spawn_membership_dispatch(
     actors: Arc<crate::actors::Actors>,
+    hub: Arc<Hub>,
+    streams: Arc<crate::streams::LiveStreams>,
     mut membership: tokio::sync::mpsc::UnboundedReceiver<converger_cluster::MembershipEvent>,
 ) {
+    use converger_cluster::MembershipEvent;
     tokio::spawn(async move {
         while let Some(event) = membership.recv().await {
+            match &event {
+                MembershipEvent::NodeDown(node) => streams.node_down(&hub, &node.node_id),
+                MembershipEvent::NodeUp(_)
+                | MembershipEvent::Joined(..)
+                | MembershipEvent::Left(..) => {}
+            }
             actors.on_membership(&event);
         }
     });

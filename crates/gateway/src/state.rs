@@ -11,6 +11,7 @@ use crate::config::Config;
 use crate::hub::Hub;
 use crate::listener::Admission;
 use crate::status_rates::RateSampler;
+use crate::streams::LiveStreams;
 use crate::throttle::Throttles;
 use crate::tokens::TokenKeys;
 
@@ -31,6 +32,8 @@ pub struct AppState {
     pub draining: Arc<AtomicBool>,
     /// Live frames and open sessions of this node.
     pub hub: Arc<Hub>,
+    /// Streamed answers open on this node and replicated from the others.
+    pub streams: Arc<LiveStreams>,
     /// The channel actors of this node (agent groups).
     pub actors: Arc<Actors>,
     /// This node's gossip membership.

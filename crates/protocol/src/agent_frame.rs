@@ -10,6 +10,7 @@ use uuid::Uuid;
 
 use crate::frame::{FrameError, MessageFrame, validate_agent_message_frame};
 use crate::server_frame::Catalog;
+use crate::streams::{StreamAbort, StreamChunk, StreamTurnRef};
 use crate::{ErrorCode, Limits, Refusal};
 
 /// One parsed agent message.
@@ -69,6 +70,10 @@ pub enum EnvelopedFrame {
     },
     /// `sync {watermark}`: replay what this connection owns after the watermark.
     Sync(Result<u64, Refusal>),
+    /// `streamChunk`: one chunk of a streamed answer (not stored).
+    StreamChunk(Result<Box<StreamChunk>, Refusal>),
+    /// `streamAbort`: the agent ends a stream without a result.
+    StreamAbort(Result<StreamAbort, Refusal>),
     /// Any other type: a proactive frame to store.
     Message(Result<Box<MessageFrame>, Refusal>),
 }
@@ -209,6 +214,10 @@ fn parse_enveloped(
         "error" => EnvelopedFrame::Error {
             data: data_or_empty(),
         },
+        "streamChunk" => EnvelopedFrame::StreamChunk(
+            crate::streams::parse_stream_chunk(frame, limits).map(Box::new),
+        ),
+        "streamAbort" => EnvelopedFrame::StreamAbort(crate::streams::parse_stream_abort(frame)),
         "sync" => EnvelopedFrame::Sync(frame.get("watermark").and_then(Value::as_u64).ok_or_else(
             || {
                 plain(
@@ -245,28 +254,11 @@ fn parse_turn_result(
         .get("turn")
         .and_then(Value::as_object)
         .ok_or_else(|| invalid("turn must be an object"))?;
-    let seq = turn
-        .get("seq")
-        .and_then(Value::as_i64)
-        .filter(|seq| *seq > 0)
-        .ok_or_else(|| invalid("turn.seq must be a positive integer"))?;
-    let revision = match turn.get("revision") {
-        None | Some(Value::Null) => 0,
-        Some(value) => value
-            .as_i64()
-            .and_then(|revision| i32::try_from(revision).ok())
-            .filter(|revision| *revision >= 0)
-            .ok_or_else(|| invalid("turn.revision must be a non-negative integer"))?,
-    };
-    let fence = match turn.get("fence") {
-        None | Some(Value::Null) => None,
-        Some(value) => Some(
-            value
-                .as_i64()
-                .filter(|fence| *fence >= 0)
-                .ok_or_else(|| invalid("turn.fence must be a non-negative integer"))?,
-        ),
-    };
+    let StreamTurnRef {
+        seq,
+        revision,
+        fence,
+    } = crate::streams::parse_turn(turn).map_err(invalid)?;
     if fence_required && fence.is_none() {
         return Err(refuse(
             ErrorCode::BadRequest,

@@ -17,6 +17,9 @@ pub const SERVER_ONLY_TYPES: &[&str] = &[
     "presence",
     "tokenRefreshed",
     "conversationUpdate",
+    "streamChunk",
+    "streamEnd",
+    "streamAbort",
 ];
 
 /// Control frame types that are never stored as messages.

@@ -14,6 +14,7 @@ mod persistent;
 mod profile;
 mod server_frame;
 mod storable;
+mod streams;
 mod welcome;
 
 pub use agent_frame::{AgentFrame, EnvelopedFrame, ResultRuntime, TurnResult, parse_agent_text};
@@ -35,6 +36,9 @@ pub use server_frame::{
     relayed_error, replay_truncated, retry_close_reason, run_status, token_refreshed, typing,
 };
 pub use storable::{NUL_REFUSED, contains_nul};
+pub use streams::{
+    StreamAbort, StreamChunk, StreamContent, StreamTurnRef, end_user_chunk, end_user_stream_end,
+};
 pub use welcome::{ChannelWelcome, ConversationWelcome, PendingInterrupt};
 
 /// Protocol identifier a client sends in `hello.protocol` to select the converger profile.

@@ -39,6 +39,10 @@ pub struct Limits {
     /// Typing frames of one connection are relayed at most once per this interval unless the
     /// state changes (not announced).
     pub typing_throttle_ms: u64,
+    /// Bytes of chunks one streamed answer may hold before it is aborted.
+    pub max_stream_bytes: usize,
+    /// Streams one agent connection may have open at once.
+    pub max_streams_per_connection: usize,
 }
 
 impl Default for Limits {
@@ -59,6 +63,8 @@ impl Default for Limits {
             outbound_queue_frames: 512,
             write_timeout_ms: 10_000,
             typing_throttle_ms: 1_000,
+            max_stream_bytes: 256 * 1024,
+            max_streams_per_connection: 64,
         }
     }
 }
@@ -76,9 +82,12 @@ impl Limits {
             "helloTimeoutMs": self.hello_timeout_ms,
             "replayBatch": self.replay_batch,
             "replayMax": self.replay_max,
+            "maxStreamBytes": self.max_stream_bytes,
         });
         if channel_scope {
             wire["maxConversations"] = serde_json::Value::from(self.max_conversations);
+            wire["maxStreamsPerConnection"] =
+                serde_json::Value::from(self.max_streams_per_connection);
         }
         wire
     }
@@ -101,6 +110,12 @@ impl Limits {
         {
             return Err(
                 "limits.heartbeat_interval_ms must be positive and at most limits.idle_timeout_ms / 2"
+                    .into(),
+            );
+        }
+        if self.max_stream_bytes == 0 || self.max_streams_per_connection == 0 {
+            return Err(
+                "limits.max_stream_bytes and limits.max_streams_per_connection must be greater than 0"
                     .into(),
             );
         }

@@ -44,6 +44,8 @@ struct ConversationCapabilities {
     presence: bool,
     edit: bool,
     regenerate: bool,
+    /// Streamed answers: `streamChunk`/`streamEnd`, or `genui` chunks in the mekik profile.
+    streams: bool,
 }
 
 impl ConversationCapabilities {
@@ -59,6 +61,7 @@ impl ConversationCapabilities {
             presence: false,
             edit: true,
             regenerate: true,
+            streams: true,
         }
     }
 }
@@ -126,6 +129,8 @@ struct ChannelCapabilities {
     typing: bool,
     groups: bool,
     turn_results: bool,
+    /// `streamChunk` and `streamAbort` are accepted.
+    streams: bool,
 }
 
 impl ChannelWelcome<'_> {
@@ -163,6 +168,7 @@ impl ChannelWelcome<'_> {
                     typing: true,
                     groups: true,
                     turn_results: true,
+                    streams: true,
                 },
                 limits: self.limits.to_wire(true),
                 group: self.group,
@@ -229,13 +235,13 @@ mod tests {
         assert_eq!(
             mekik["data"]["capabilities"],
             json!({"acks": false, "typing": true, "receipts": false, "presence": false,
-                   "edit": true, "regenerate": true})
+                   "edit": true, "regenerate": true, "streams": true})
         );
         let converger: Value = serde_json::from_str(&welcome(Profile::Converger).encode()).unwrap();
         assert_eq!(
             converger["data"]["capabilities"],
             json!({"acks": true, "typing": true, "receipts": true, "presence": false,
-                   "edit": true, "regenerate": true})
+                   "edit": true, "regenerate": true, "streams": true})
         );
     }
 }

@@ -59,6 +59,13 @@ pub struct TransientFrame {
 /// One event on the bus, as receivers see it.
 #[derive(Debug, Clone, PartialEq)]
 pub enum BusEvent {
+    /// Stream events (chunks, ends) of streamed answers, opaque to the store, from one node.
+    Streams {
+        /// Node that published them (it dispatched locally already).
+        node: String,
+        /// The events, in order.
+        events: Vec<Value>,
+    },
     /// `seq` of a conversation was committed.
     Committed {
         /// Conversation.
@@ -133,6 +140,14 @@ enum Payload {
         #[serde(rename = "e")]
         outbox_id: i64,
     },
+    /// Stream events of one node, in the order it accepted them (ADR 0019).
+    #[serde(rename = "st")]
+    Streams {
+        #[serde(rename = "n")]
+        node: String,
+        #[serde(rename = "e")]
+        events: Vec<Value>,
+    },
     #[serde(rename = "ch")]
     ChannelStatus {
         #[serde(rename = "n")]
@@ -185,6 +200,75 @@ impl Store {
                  SELECT pg_notify('{NOTIFY_CHANNEL}', json_build_object('k', 'tr', 'e', id)::text)::text FROM event"
             )))
             .bind(conversation_id)
+            .bind(stored)
+            .execute(&self.pool)
+            .await
+        })
+        .await?;
+        Ok(())
+    }
+
+    /// Publishes stream events to every node (this one included; it skips its own) with one
+    /// statement: the events are packed into as few notifications as their size allows, all
+    /// sent by one `pg_notify` over an array, so a flush costs one transaction however many
+    /// chunks it carries. An event too large for a notification travels through the outbox.
+    pub async fn publish_streams(&self, node: &str, events: &[Value]) -> Result<(), StoreError> {
+        let encode = |events: &[Value]| {
+            serde_json::to_string(&Payload::Streams {
+                node: node.to_owned(),
+                events: events.to_vec(),
+            })
+            .map_err(|error| StoreError::Config(error.to_string()))
+        };
+        let mut inline: Vec<String> = Vec::new();
+        let mut start = 0;
+        while start < events.len() {
+            // The longest run from `start` that fits in one notification.
+            let mut end = start + 1;
+            let mut text = encode(&events[start..end])?;
+            if text.len() > INLINE_PAYLOAD_LIMIT {
+                self.notify_all(std::mem::take(&mut inline)).await?;
+                self.publish_through_outbox(&text).await?;
+                start = end;
+                continue;
+            }
+            while end < events.len() {
+                let longer = encode(&events[start..end + 1])?;
+                if longer.len() > INLINE_PAYLOAD_LIMIT {
+                    break;
+                }
+                text = longer;
+                end += 1;
+            }
+            inline.push(text);
+            start = end;
+        }
+        self.notify_all(inline).await
+    }
+
+    async fn notify_all(&self, payloads: Vec<String>) -> Result<(), StoreError> {
+        if payloads.is_empty() {
+            return Ok(());
+        }
+        self.timed("notify_streams", async {
+            sqlx::query("SELECT count(pg_notify($1, payload)) FROM unnest($2::text[]) AS payload")
+                .bind(NOTIFY_CHANNEL)
+                .bind(payloads)
+                .execute(&self.pool)
+                .await
+        })
+        .await?;
+        Ok(())
+    }
+
+    async fn publish_through_outbox(&self, text: &str) -> Result<(), StoreError> {
+        let stored: Value =
+            serde_json::from_str(text).map_err(|error| StoreError::Config(error.to_string()))?;
+        self.timed("publish_streams_ref", async {
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "WITH event AS (INSERT INTO outbox (payload) VALUES ($1) RETURNING id)
+                 SELECT pg_notify('{NOTIFY_CHANNEL}', json_build_object('k', 'tr', 'e', id)::text)::text FROM event"
+            )))
             .bind(stored)
             .execute(&self.pool)
             .await
@@ -357,6 +441,7 @@ fn to_event(payload: Payload) -> Option<BusEvent> {
             channel_id,
             status,
         }),
+        Payload::Streams { node, events } => Some(BusEvent::Streams { node, events }),
         Payload::TransientRef { .. } => None,
     }
 }

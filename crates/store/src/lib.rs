@@ -27,7 +27,7 @@ pub use secrets::{generate_secret, hash_secret};
 pub use tenants::Tenant;
 pub use turns::{
     AnswerFrame, AnswerOutcome, ChannelPendingTurn, Claim, PendingTurn, Revision, RevisionRecord,
-    RuntimeWrite, TurnAnswer, initial_runtime,
+    RuntimeWrite, StreamableTurn, TurnAnswer, initial_runtime,
 };
 
 /// Postgres channel every commit notifies; payloads are small JSON ids, never bodies.

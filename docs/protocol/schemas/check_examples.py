@@ -48,7 +48,7 @@ OVERRIDES: dict[tuple[str, str], list[str]] = {
 FORWARDED = {"resume", "abort", "genui_event", "client_tools", "client_skills", "survey"}
 CLIENT_CONVERSATION_TYPES = {"hello", "sync", "ping", "read", "auth", "edit", "regenerate"} | FORWARDED
 SERVER_TYPES = {"welcome", "ack", "error", "heartbeat", "replayTruncated", "deliveryStatus",
-                "presence", "tokenRefreshed", "conversationUpdate", "run"}
+                "presence", "tokenRefreshed", "conversationUpdate", "run", "streamEnd"}
 
 
 # ------------------------------------------------------------------------------------ schemas
@@ -327,6 +327,10 @@ def targets_for(example: Example) -> list[str] | str:
         return [SC]  # without sender: the shape relayed from agents to end users
     if kind in SERVER_TYPES:
         return [SC]  # bare run/error in section 4 are the relayed shapes end users get
+    if kind == "streamChunk" and "from" in obj:
+        return [SC]  # a stream chunk as end users receive it (4.9)
+    if kind == "genui" and "done" in obj and "seq" not in obj:
+        return [SC, f"{CH}#envelopedFrame"]  # mekik agents send it, mekik end users get it
     if kind in CLIENT_CONVERSATION_TYPES:
         return [CC, f"{SH}#envelopedFrame"] if kind in FORWARDED and channel else [CC]
     if "seq" in obj:

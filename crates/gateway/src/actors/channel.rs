@@ -199,6 +199,8 @@ impl ChannelActor {
                     self.deliver_turn(&owner, &frame, turn).await;
                 }
             }
+            // Streams go to end users only; agents never publish to the channel feed anyway.
+            HubEvent::Stream(_) => {}
             HubEvent::Transient { frame, .. } => {
                 // Forwarded client frames, typing, receipts and presence: to every observer and
                 // to the current owner of each group.

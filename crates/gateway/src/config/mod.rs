@@ -6,7 +6,7 @@ mod sections;
 
 pub use sections::{
     AdminConfig, DatabaseConfig, DrainConfig, GossipConfig, HttpConfig, LogFormat, RatesConfig,
-    StatusConfig,
+    StatusConfig, StreamsConfig,
 };
 
 use std::net::SocketAddr;
@@ -73,6 +73,8 @@ pub struct Config {
     pub status: StatusConfig,
     /// Creation rates per channel and tenant.
     pub rates: RatesConfig,
+    /// Streamed answers.
+    pub streams: StreamsConfig,
 }
 
 impl Default for Config {
@@ -102,6 +104,7 @@ impl Default for Config {
             admin: AdminConfig::default(),
             status: StatusConfig::default(),
             rates: RatesConfig::default(),
+            streams: StreamsConfig::default(),
         }
     }
 }
@@ -155,6 +158,9 @@ impl Config {
         }
         if self.cluster_id.is_empty() {
             return Err("cluster_id must not be empty".into());
+        }
+        if self.streams.relay_window_ms > 1_000 {
+            return Err("streams.relay_window_ms must be at most 1000".into());
         }
         if self.token_ttl_secs == 0 || self.token_ttl_secs > 30 * 24 * 3600 {
             return Err("token_ttl_secs must be between 1 and 2592000".into());

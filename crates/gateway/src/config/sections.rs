@@ -184,3 +184,18 @@ impl Default for RatesConfig {
         }
     }
 }
+
+/// Streamed answers (ADR 0019).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct StreamsConfig {
+    /// Stream events are relayed to the other nodes in one notification statement per window
+    /// at most (ms): the cross-node cost is one transaction per window, not per chunk.
+    pub relay_window_ms: u64,
+}
+
+impl Default for StreamsConfig {
+    fn default() -> Self {
+        StreamsConfig { relay_window_ms: 5 }
+    }
+}

@@ -123,3 +123,47 @@ impl Store {
         Ok(result.rows_affected())
     }
 }
+
+/// A turn's revision as a stream opening checks it (ADR 0019).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StreamableTurn {
+    /// True while the revision waits for its result.
+    pub pending: bool,
+    /// The revision's current lease fence.
+    pub fence: i64,
+    /// The latest revision of the turn (above the asked one when it was superseded).
+    pub latest_revision: i32,
+}
+
+impl Store {
+    /// The state of a turn's revision, read once when a stream for it opens; `None` when the
+    /// conversation has no such turn revision.
+    pub async fn streamable_turn(
+        &self,
+        conversation_id: Uuid,
+        seq: i64,
+        revision: i32,
+    ) -> Result<Option<StreamableTurn>, StoreError> {
+        let row: Option<(bool, i64, i32)> = self
+            .timed("streamable_turn", async {
+                sqlx::query_as(
+                    "SELECT t.status = 'pending', t.fence,
+                            (SELECT max(revision) FROM turns later
+                             WHERE later.conversation_id = $1 AND later.seq = $2)
+                     FROM turns t
+                     WHERE t.conversation_id = $1 AND t.seq = $2 AND t.revision = $3",
+                )
+                .bind(conversation_id)
+                .bind(seq)
+                .bind(revision)
+                .fetch_optional(&self.pool)
+                .await
+            })
+            .await?;
+        Ok(row.map(|(pending, fence, latest_revision)| StreamableTurn {
+            pending,
+            fence,
+            latest_revision,
+        }))
+    }
+}

@@ -13,6 +13,6 @@ mod revisions;
 
 pub use answers::{AnswerFrame, AnswerOutcome, RuntimeWrite, TurnAnswer, initial_runtime};
 pub(crate) use answers::{AnswerRow, answer_outcome};
-pub use leases::Claim;
+pub use leases::{Claim, StreamableTurn};
 pub use pending::{ChannelPendingTurn, PendingTurn};
 pub use revisions::{Revision, RevisionRecord};

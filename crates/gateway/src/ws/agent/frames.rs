@@ -35,7 +35,12 @@ impl AgentSession<'_> {
         if !self.may_address(conversation_id).await? {
             return Ok(());
         }
-        if !matches!(frame, EnvelopedFrame::TurnResult(_)) {
+        // A result commits before the agent's next frame of any kind is handled, except chunks:
+        // they are not stored, and waiting would stall every stream behind one commit.
+        if !matches!(
+            frame,
+            EnvelopedFrame::TurnResult(_) | EnvelopedFrame::StreamChunk(_)
+        ) {
             self.finish_results().await?;
         }
         match frame {
@@ -53,7 +58,14 @@ impl AgentSession<'_> {
                 .await;
                 self.enveloped_error(conversation_id, refusal_frame(&refusal))
             }
-            EnvelopedFrame::Refused(refusal) | EnvelopedFrame::Sync(Err(refusal)) => {
+            EnvelopedFrame::StreamChunk(Ok(chunk)) => {
+                self.on_stream_chunk(conversation_id, *chunk).await
+            }
+            EnvelopedFrame::StreamAbort(Ok(abort)) => self.on_stream_abort(conversation_id, &abort),
+            EnvelopedFrame::Refused(refusal)
+            | EnvelopedFrame::Sync(Err(refusal))
+            | EnvelopedFrame::StreamChunk(Err(refusal))
+            | EnvelopedFrame::StreamAbort(Err(refusal)) => {
                 self.enveloped_error(conversation_id, refusal_frame(&refusal))
             }
             EnvelopedFrame::Typing { is_typing } => {
@@ -146,7 +158,11 @@ impl AgentSession<'_> {
         self.push(text)
     }
 
-    fn enveloped_error(&mut self, conversation_id: Uuid, error: ErrorFrame) -> Result<(), Ending> {
+    pub(super) fn enveloped_error(
+        &mut self,
+        conversation_id: Uuid,
+        error: ErrorFrame,
+    ) -> Result<(), Ending> {
         self.push_enveloped(conversation_id, &error)
     }
 
@@ -241,6 +257,10 @@ impl AgentSession<'_> {
         Ok(())
     }
 
+    pub(super) fn sender_ref(&self) -> Value {
+        serde_json::json!({"id": self.sender_id, "role": AGENT_ROLE})
+    }
+
     fn sender(&self) -> Sender {
         Sender {
             id: self.sender_id.clone(),
@@ -325,7 +345,16 @@ impl AgentSession<'_> {
                 .frames
                 .into_iter()
                 .map(|frame| AnswerFrame {
-                    id: frame.id,
+                    // A frame that names the stream it completes takes the stream's id, so a
+                    // client that keyed the streamed bubble by it replaces that bubble.
+                    id: frame.id.or_else(|| {
+                        frame
+                            .extra
+                            .get("streamId")
+                            .and_then(Value::as_str)
+                            .filter(|id| converger_protocol::is_valid_client_id(id))
+                            .map(str::to_owned)
+                    }),
                     kind: frame.kind,
                     data: frame.data,
                     metadata: frame.metadata,

@@ -7,12 +7,14 @@
 //! - `frames.rs`: what the agent sends, as `converger_protocol::AgentFrame` parses it;
 //! - `deliveries.rs`: what the channel actor hands the connection, serialized as it is sent;
 //! - `results.rs`: turn results committing concurrently, one per conversation at a time;
+//! - `streams.rs`: streamed answers (`streamChunk`, `streamAbort`);
 //! - `membership.rs`: the gossip announcement and, in lease mode, lease renewal and release.
 
 mod deliveries;
 mod frames;
 mod membership;
 mod results;
+mod streams;
 
 use std::collections::HashSet;
 use std::time::Duration;
@@ -162,6 +164,8 @@ pub(super) async fn run(
         Some(ending) => ending,
         None => session.run(stream, &mut deliveries, &mut controls).await,
     };
+    // The streams this connection was writing end with it (the takeover streams afresh).
+    state.streams.abort_owner(&state.hub, &connection);
     if lease.is_some() {
         release_leases(state, &connection).await;
     }

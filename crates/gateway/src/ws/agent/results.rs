@@ -13,6 +13,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use converger_core::streams::StreamTurn;
 use converger_protocol::{Ack, ErrorCode, ErrorFrame, TurnNumber, answer_refused};
 use converger_store::bus::Origin;
 use converger_store::{AnswerOutcome, StoreError, TurnAnswer};
@@ -59,9 +60,24 @@ impl ResultsInFlight {
         let conversation_id = answer.conversation_id;
         let state = state.clone();
         let handle = self.tasks.spawn(async move {
+            let streamed = StreamTurn {
+                seq: answer.seq,
+                revision: answer.revision,
+            };
+            let streaming = state.streams.turn_is_streaming(conversation_id, streamed);
+            if streaming {
+                // Every node sees the chunks before the commit that ends them.
+                state.streams.flush().await;
+            }
             let outcome = state.store.commit_answer(&answer).await;
             let refused_input = matches!(&outcome, Err(error) if error.is_refused_input());
+            let settled = stream_settlement(&outcome);
             let reply = reply_to(&state, channel_id, &answer, client_id, outcome);
+            if streaming && let Some(aborted) = settled {
+                state
+                    .streams
+                    .settle_turn(&state.hub, conversation_id, streamed, aborted);
+            }
             if refused_input {
                 // No valid answer follows a refused one by itself: the end users are told.
                 let turn = TurnNumber {
@@ -105,6 +121,21 @@ impl ResultsInFlight {
     pub(super) fn detach(&mut self) {
         self.tasks.detach_all();
         self.conversations.clear();
+    }
+}
+
+/// How a result's outcome ends the turn's open streams: `Some(None)` committed, `Some(reason)`
+/// aborted, `None` left open (the agent may retry: a stale runtime, an unconfirmed commit).
+fn stream_settlement(outcome: &Result<AnswerOutcome, StoreError>) -> Option<Option<&'static str>> {
+    match outcome {
+        Ok(AnswerOutcome::Committed { .. } | AnswerOutcome::Duplicate { .. }) => Some(None),
+        Ok(AnswerOutcome::Conflict { .. }) => Some(Some("conflict")),
+        Ok(AnswerOutcome::Superseded { .. }) => Some(Some("superseded")),
+        Ok(AnswerOutcome::LeaseLost { .. }) => Some(Some("lease_lost")),
+        Ok(AnswerOutcome::NoSuchTurn) => Some(Some("no_such_turn")),
+        Ok(AnswerOutcome::StaleRuntime { .. }) => None,
+        Err(error) if error.is_refused_input() => Some(Some("refused")),
+        Err(_) => None,
     }
 }
 

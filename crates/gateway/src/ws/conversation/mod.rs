@@ -8,7 +8,8 @@
 //!   replay) and its main loop;
 //! - `sends.rs`: message frames, edits and regenerates: queue, commit, publish, ack;
 //! - `live.rs`: live events of the conversation, replays and `sync`;
-//! - `signals.rs`: typing, receipts, presence, `auth`, forwarded frames, heartbeats, orders.
+//! - `signals.rs`: typing, receipts, presence, `auth`, forwarded frames, heartbeats, orders;
+//! - `streams.rs`: streamed answers: the open streams at welcome, then each chunk once.
 //!
 //! Architecture invariant: while this connection's own send commits, live events wait, so the
 //! bus echo of its own frame is known to be its own when it arrives and is never pushed back.
@@ -16,12 +17,14 @@
 mod live;
 mod sends;
 mod signals;
+mod streams;
 
 use std::collections::{BTreeSet, VecDeque};
 use std::time::Duration;
 
 use axum::extract::ws::{Message, Utf8Bytes, WebSocket};
 use converger_core::replay::{ReplayCursor, ReplayPlan};
+use converger_core::streams::StreamCursor;
 use converger_protocol::{
     Catalog, ClientFrame, ConversationWelcome, ErrorCode, ErrorFrame, Hello, PendingInterrupt,
     Profile, USER_ROLE, Viewer, parse_client_text,
@@ -57,6 +60,8 @@ struct Session<'a> {
     user_id: String,
     connection_id: Uuid,
     cursor: ReplayCursor,
+    /// What this connection was shown of each streamed answer.
+    streams_seen: StreamCursor,
     /// Seqs this connection sent and had acked, not yet passed by the cursor: never pushed back.
     own_seqs: BTreeSet<i64>,
     sends: VecDeque<PendingSend>,
@@ -116,6 +121,7 @@ pub(super) async fn run(
         user_id,
         connection_id: guard.connection_id(),
         cursor,
+        streams_seen: StreamCursor::default(),
         own_seqs: BTreeSet::new(),
         sends: VecDeque::new(),
         in_flight: false,
@@ -257,7 +263,10 @@ impl Session<'_> {
                 "watermark is above the conversation head",
             ))?;
         }
-        self.replay(plan).await
+        self.replay(plan).await?;
+        // After the stored frames, the answers streaming now: what was sent so far, then the
+        // live rest (the cursor drops chunks the live feed repeats).
+        self.catch_up_streams()
     }
 
     /// The main loop, then the sends it read and did not commit yet.

@@ -1,0 +1,593 @@
+//! Streamed answers (ADR 0019): the open streams one node knows, and what each end-user
+//! connection has already been shown of them.
+//!
+//! A stream belongs to one agent connection and one turn. Its chunks are numbered from 0 and
+//! must arrive in order; the node that owns the agent connection decides what is accepted
+//! ([`StreamRegistry::append`]), every other node applies the accepted chunks to a replica of the
+//! same registry. A stream ends once: committed (the turn's result was stored), or aborted (the
+//! agent said so, its connection or node went, a limit was crossed, the result was refused).
+//! A stream that ended is remembered for a while, so a late chunk is refused instead of opening
+//! it again. Nothing here reads a clock or performs I/O: payloads are opaque values with a size
+//! given by the caller.
+
+use std::collections::{HashMap, VecDeque};
+use std::hash::Hash;
+
+/// Streams remembered after they ended, so late chunks are refused rather than reopening them.
+pub const ENDED_MEMORY: usize = 4096;
+
+/// Ended streams one connection remembers (a conversation's streams follow one another).
+pub const CURSOR_ENDED_MEMORY: usize = 64;
+
+/// A turn as a stream names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct StreamTurn {
+    /// The turn's seq.
+    pub seq: i64,
+    /// The revision answered.
+    pub revision: i32,
+}
+
+/// The limits a node applies to the streams its agents open.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StreamLimits {
+    /// Bytes of chunk payload one stream may hold.
+    pub max_stream_bytes: usize,
+    /// Streams one agent connection may have open at once.
+    pub max_streams_per_owner: usize,
+}
+
+/// Why a chunk was not accepted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChunkRefusal {
+    /// The first chunk of a stream (index 0) must name its turn.
+    TurnMissing,
+    /// The index is not the next one of the stream (`expected`), or a stream that is not open
+    /// got a chunk other than its first.
+    OutOfOrder {
+        /// The index the stream expects.
+        expected: u64,
+    },
+    /// The stream ended (committed or aborted), or another connection owns it.
+    Closed,
+    /// The connection has `max_streams_per_owner` streams open already.
+    TooManyStreams,
+    /// The chunk would take the stream over `max_stream_bytes`: the stream was aborted.
+    TooLarge,
+}
+
+/// How a stream ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StreamEnding {
+    /// The turn's result was committed: the stored frames replace the streamed ones.
+    Committed,
+    /// Aborted, with a short reason for the UI (`agent`, `disconnected`, `node_down`, …).
+    Aborted(String),
+}
+
+/// One open stream.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OpenStream<P> {
+    /// The agent connection that writes it.
+    pub owner: String,
+    /// The node that agent connection is on.
+    pub node: String,
+    /// The turn it answers.
+    pub turn: StreamTurn,
+    /// The lease fence of the delivery it answers (lease mode).
+    pub fence: Option<i64>,
+    /// The chunks so far, index = position.
+    pub chunks: Vec<P>,
+    /// Payload bytes held.
+    pub bytes: usize,
+}
+
+/// A chunk that was accepted, with whether it opened its stream.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Accepted {
+    /// True for the first chunk of the stream.
+    pub opened: bool,
+    /// Streams of the same turn under an older lease fence, aborted by this one (their
+    /// writer lost the lease: its later chunks are refused).
+    pub fenced: Vec<String>,
+}
+
+/// A chunk as the registry is asked to take it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChunkIn<'a, P> {
+    /// Writing connection.
+    pub owner: &'a str,
+    /// Its node.
+    pub node: &'a str,
+    /// Index within the stream.
+    pub index: u64,
+    /// The turn (required at index 0, ignored after).
+    pub turn: Option<StreamTurn>,
+    /// The delivery's lease fence (lease mode, index 0).
+    pub fence: Option<i64>,
+    /// The payload.
+    pub payload: P,
+    /// Its size in bytes.
+    pub bytes: usize,
+}
+
+/// The open streams one node knows, by conversation `C`, with payloads `P`.
+#[derive(Debug, Clone)]
+pub struct StreamRegistry<C, P> {
+    open: HashMap<C, HashMap<String, OpenStream<P>>>,
+    ended: VecDeque<(C, String)>,
+    ended_memory: usize,
+}
+
+impl<C: Eq + Hash + Clone, P: Clone> Default for StreamRegistry<C, P> {
+    fn default() -> Self {
+        StreamRegistry::with_memory(ENDED_MEMORY)
+    }
+}
+
+impl<C: Eq + Hash + Clone, P: Clone> StreamRegistry<C, P> {
+    /// An empty registry that remembers `ended_memory` ended streams.
+    pub fn with_memory(ended_memory: usize) -> Self {
+        StreamRegistry {
+            open: HashMap::new(),
+            ended: VecDeque::new(),
+            ended_memory,
+        }
+    }
+
+    /// Takes a chunk of stream `stream_id`, or says why not. Over `max_stream_bytes`, the
+    /// stream is aborted here (the caller tells its subscribers with [`StreamEnding::Aborted`]).
+    pub fn append(
+        &mut self,
+        conversation: &C,
+        stream_id: &str,
+        chunk: ChunkIn<'_, P>,
+        limits: &StreamLimits,
+    ) -> Result<Accepted, ChunkRefusal> {
+        if let Some(stream) = self
+            .open
+            .get_mut(conversation)
+            .and_then(|streams| streams.get_mut(stream_id))
+        {
+            if stream.owner != chunk.owner {
+                return Err(ChunkRefusal::Closed);
+            }
+            let expected = stream.chunks.len() as u64;
+            if chunk.index != expected {
+                return Err(ChunkRefusal::OutOfOrder { expected });
+            }
+            if stream.bytes + chunk.bytes > limits.max_stream_bytes {
+                self.end(conversation, stream_id);
+                return Err(ChunkRefusal::TooLarge);
+            }
+            stream.bytes += chunk.bytes;
+            stream.chunks.push(chunk.payload);
+            return Ok(Accepted::default());
+        }
+        if self.has_ended(conversation, stream_id) {
+            return Err(ChunkRefusal::Closed);
+        }
+        if chunk.index != 0 {
+            return Err(ChunkRefusal::OutOfOrder { expected: 0 });
+        }
+        let Some(turn) = chunk.turn else {
+            return Err(ChunkRefusal::TurnMissing);
+        };
+        let same_turn = || {
+            self.open
+                .get(conversation)
+                .into_iter()
+                .flatten()
+                .filter(move |(_, stream)| stream.turn == turn)
+        };
+        if let Some(fence) = chunk.fence
+            && same_turn().any(|(_, stream)| stream.fence.is_some_and(|held| held > fence))
+        {
+            return Err(ChunkRefusal::Closed);
+        }
+        if self.owned_by(chunk.owner) >= limits.max_streams_per_owner {
+            return Err(ChunkRefusal::TooManyStreams);
+        }
+        let fenced: Vec<String> = match chunk.fence {
+            Some(fence) => same_turn()
+                .filter(|(_, stream)| stream.fence.is_some_and(|held| held < fence))
+                .map(|(id, _)| id.clone())
+                .collect(),
+            None => Vec::new(),
+        };
+        for id in &fenced {
+            self.end(conversation, id);
+        }
+        if chunk.bytes > limits.max_stream_bytes {
+            self.remember_ended(conversation.clone(), stream_id.to_owned());
+            return Err(ChunkRefusal::TooLarge);
+        }
+        self.open.entry(conversation.clone()).or_default().insert(
+            stream_id.to_owned(),
+            OpenStream {
+                owner: chunk.owner.to_owned(),
+                node: chunk.node.to_owned(),
+                turn,
+                fence: chunk.fence,
+                chunks: vec![chunk.payload],
+                bytes: chunk.bytes,
+            },
+        );
+        Ok(Accepted {
+            opened: true,
+            fenced,
+        })
+    }
+
+    /// Ends a stream; returns it when it was open.
+    pub fn end(&mut self, conversation: &C, stream_id: &str) -> Option<OpenStream<P>> {
+        let streams = self.open.get_mut(conversation)?;
+        let stream = streams.remove(stream_id)?;
+        if streams.is_empty() {
+            self.open.remove(conversation);
+        }
+        self.remember_ended(conversation.clone(), stream_id.to_owned());
+        Some(stream)
+    }
+
+    /// Ends the open streams of a turn; returns their ids.
+    pub fn end_turn(&mut self, conversation: &C, turn: StreamTurn) -> Vec<String> {
+        let ids: Vec<String> = self
+            .open
+            .get(conversation)
+            .into_iter()
+            .flatten()
+            .filter(|(_, stream)| stream.turn == turn)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in &ids {
+            self.end(conversation, id);
+        }
+        ids
+    }
+
+    /// Ends every stream that `matches`; returns (conversation, stream id) of each.
+    pub fn end_where(&mut self, matches: impl Fn(&OpenStream<P>) -> bool) -> Vec<(C, String)> {
+        let found: Vec<(C, String)> = self
+            .open
+            .iter()
+            .flat_map(|(conversation, streams)| {
+                streams
+                    .iter()
+                    .filter(|(_, stream)| matches(stream))
+                    .map(move |(id, _)| (conversation.clone(), id.clone()))
+            })
+            .collect();
+        for (conversation, id) in &found {
+            self.end(conversation, id);
+        }
+        found
+    }
+
+    /// The open streams of a conversation (for a connection that joins mid-stream).
+    pub fn snapshot(&self, conversation: &C) -> Vec<(String, OpenStream<P>)> {
+        self.open
+            .get(conversation)
+            .into_iter()
+            .flatten()
+            .map(|(id, stream)| (id.clone(), stream.clone()))
+            .collect()
+    }
+
+    /// The open stream, when it is.
+    pub fn get(&self, conversation: &C, stream_id: &str) -> Option<&OpenStream<P>> {
+        self.open.get(conversation)?.get(stream_id)
+    }
+
+    /// True when the stream ended recently (within the remembered window).
+    pub fn has_ended(&self, conversation: &C, stream_id: &str) -> bool {
+        self.ended
+            .iter()
+            .any(|(ended_in, id)| ended_in == conversation && id == stream_id)
+    }
+
+    /// Open streams in all.
+    pub fn open_count(&self) -> usize {
+        self.open.values().map(HashMap::len).sum()
+    }
+
+    /// Payload bytes held by all open streams.
+    pub fn open_bytes(&self) -> usize {
+        self.open
+            .values()
+            .flat_map(HashMap::values)
+            .map(|stream| stream.bytes)
+            .sum()
+    }
+
+    fn owned_by(&self, owner: &str) -> usize {
+        self.open
+            .values()
+            .flat_map(HashMap::values)
+            .filter(|stream| stream.owner == owner)
+            .count()
+    }
+
+    fn remember_ended(&mut self, conversation: C, stream_id: String) {
+        if self.ended_memory == 0 {
+            return;
+        }
+        if self.ended.len() >= self.ended_memory {
+            self.ended.pop_front();
+        }
+        self.ended.push_back((conversation, stream_id));
+    }
+}
+
+/// What one end-user connection was shown of each stream, so a chunk reaching it twice (the live
+/// feed and a snapshot overlap) is shown once, and a gap is noticed.
+#[derive(Debug, Clone, Default)]
+pub struct StreamCursor {
+    next: HashMap<String, u64>,
+    ended: VecDeque<String>,
+}
+
+/// What to do with a chunk that reached a connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShowChunk {
+    /// Show it: it is the next one.
+    Show,
+    /// Already shown, or the stream ended for this connection.
+    Drop,
+    /// Chunks before it were missed: show the stream from `from` (the snapshot has them).
+    Gap {
+        /// The first index not shown yet.
+        from: u64,
+    },
+}
+
+impl StreamCursor {
+    /// Decides about chunk `index` of `stream_id`; `Show` advances the cursor.
+    pub fn on_chunk(&mut self, stream_id: &str, index: u64) -> ShowChunk {
+        if self.ended.iter().any(|id| id == stream_id) {
+            return ShowChunk::Drop;
+        }
+        let next = self.next.get(stream_id).copied().unwrap_or(0);
+        if index < next {
+            return ShowChunk::Drop;
+        }
+        if index > next {
+            return ShowChunk::Gap { from: next };
+        }
+        self.next.insert(stream_id.to_owned(), next + 1);
+        ShowChunk::Show
+    }
+
+    /// The first index of `stream_id` not shown yet.
+    pub fn next_index(&self, stream_id: &str) -> u64 {
+        self.next.get(stream_id).copied().unwrap_or(0)
+    }
+
+    /// True when the connection saw at least one chunk of the stream and not its end.
+    pub fn is_showing(&self, stream_id: &str) -> bool {
+        self.next.contains_key(stream_id)
+    }
+
+    /// Forgets a stream that ended; returns true when this connection had shown any of it (so
+    /// its end is worth telling).
+    pub fn on_end(&mut self, stream_id: &str) -> bool {
+        if self.ended.iter().any(|id| id == stream_id) {
+            return false;
+        }
+        if self.ended.len() >= CURSOR_ENDED_MEMORY {
+            self.ended.pop_front();
+        }
+        self.ended.push_back(stream_id.to_owned());
+        self.next.remove(stream_id).is_some()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const LIMITS: StreamLimits = StreamLimits {
+        max_stream_bytes: 100,
+        max_streams_per_owner: 2,
+    };
+    const TURN: StreamTurn = StreamTurn {
+        seq: 3,
+        revision: 0,
+    };
+
+    fn chunk(owner: &str, index: u64, bytes: usize) -> ChunkIn<'_, u64> {
+        ChunkIn {
+            owner,
+            node: "n1",
+            index,
+            turn: (index == 0).then_some(TURN),
+            fence: None,
+            payload: index,
+            bytes,
+        }
+    }
+
+    #[test]
+    fn chunks_are_taken_in_order_from_their_owner() {
+        let mut registry = StreamRegistry::<u8, u64>::default();
+        assert_eq!(
+            registry.append(&1, "s", chunk("a", 1, 1), &LIMITS),
+            Err(ChunkRefusal::OutOfOrder { expected: 0 })
+        );
+        assert_eq!(
+            registry.append(&1, "s", chunk("a", 0, 1), &LIMITS),
+            Ok(Accepted {
+                opened: true,
+                fenced: vec![]
+            })
+        );
+        assert_eq!(
+            registry.append(&1, "s", chunk("a", 0, 1), &LIMITS),
+            Err(ChunkRefusal::OutOfOrder { expected: 1 })
+        );
+        assert_eq!(
+            registry.append(&1, "s", chunk("b", 1, 1), &LIMITS),
+            Err(ChunkRefusal::Closed)
+        );
+        assert_eq!(
+            registry.append(&1, "s", chunk("a", 1, 1), &LIMITS),
+            Ok(Accepted::default())
+        );
+        assert_eq!(
+            registry.get(&1, "s").map(|s| s.chunks.clone()),
+            Some(vec![0, 1])
+        );
+        let mut no_turn = chunk("a", 0, 1);
+        no_turn.turn = None;
+        assert_eq!(
+            registry.append(&1, "t", no_turn, &LIMITS),
+            Err(ChunkRefusal::TurnMissing)
+        );
+    }
+
+    #[test]
+    fn an_ended_stream_stays_closed() {
+        let mut registry = StreamRegistry::<u8, u64>::default();
+        registry.append(&1, "s", chunk("a", 0, 1), &LIMITS).unwrap();
+        assert_eq!(registry.end_turn(&1, TURN), vec!["s".to_owned()]);
+        assert!(registry.has_ended(&1, "s"));
+        assert_eq!(
+            registry.append(&1, "s", chunk("a", 0, 1), &LIMITS),
+            Err(ChunkRefusal::Closed)
+        );
+        assert_eq!(
+            registry.append(&1, "s", chunk("a", 1, 1), &LIMITS),
+            Err(ChunkRefusal::Closed)
+        );
+        assert_eq!(registry.open_count(), 0);
+    }
+
+    #[test]
+    fn limits_close_or_refuse() {
+        let mut registry = StreamRegistry::<u8, u64>::default();
+        registry
+            .append(&1, "s", chunk("a", 0, 60), &LIMITS)
+            .unwrap();
+        assert_eq!(
+            registry.append(&1, "s", chunk("a", 1, 60), &LIMITS),
+            Err(ChunkRefusal::TooLarge)
+        );
+        assert!(registry.get(&1, "s").is_none(), "aborted over the limit");
+        registry.append(&1, "t", chunk("a", 0, 1), &LIMITS).unwrap();
+        registry.append(&2, "u", chunk("a", 0, 1), &LIMITS).unwrap();
+        assert_eq!(
+            registry.append(&3, "v", chunk("a", 0, 1), &LIMITS),
+            Err(ChunkRefusal::TooManyStreams)
+        );
+        assert!(registry.append(&3, "v", chunk("b", 0, 1), &LIMITS).is_ok());
+        let gone = registry.end_where(|stream| stream.owner == "a");
+        assert_eq!(gone.len(), 2);
+        assert_eq!(registry.open_count(), 1);
+        assert_eq!(registry.open_bytes(), 1);
+    }
+
+    #[test]
+    fn a_newer_fence_takes_the_turn_over() {
+        let mut registry = StreamRegistry::<u8, u64>::default();
+        let fenced = |owner, fence| ChunkIn {
+            fence: Some(fence),
+            ..chunk(owner, 0, 1)
+        };
+        registry.append(&1, "old", fenced("a", 1), &LIMITS).unwrap();
+        let taken = registry.append(&1, "new", fenced("b", 2), &LIMITS).unwrap();
+        assert_eq!(taken.fenced, vec!["old".to_owned()]);
+        assert_eq!(
+            registry.append(&1, "old", chunk("a", 1, 1), &LIMITS),
+            Err(ChunkRefusal::Closed),
+            "the fenced writer's late chunk"
+        );
+        assert_eq!(
+            registry.append(&1, "older", fenced("a", 1), &LIMITS),
+            Err(ChunkRefusal::Closed),
+            "a stream under an older fence cannot open"
+        );
+    }
+
+    #[test]
+    fn ended_memory_is_bounded() {
+        let mut registry = StreamRegistry::<u8, u64>::with_memory(2);
+        for id in ["a", "b", "c"] {
+            registry.append(&1, id, chunk("o", 0, 1), &LIMITS).unwrap();
+            registry.end(&1, id);
+        }
+        assert!(!registry.has_ended(&1, "a"));
+        assert!(registry.has_ended(&1, "c"));
+    }
+
+    #[test]
+    fn a_cursor_shows_each_chunk_once_and_notices_gaps() {
+        let mut cursor = StreamCursor::default();
+        assert_eq!(cursor.on_chunk("s", 0), ShowChunk::Show);
+        assert_eq!(cursor.on_chunk("s", 0), ShowChunk::Drop);
+        assert_eq!(cursor.on_chunk("s", 2), ShowChunk::Gap { from: 1 });
+        assert_eq!(cursor.on_chunk("s", 1), ShowChunk::Show);
+        assert!(cursor.on_end("s"));
+        assert_eq!(cursor.on_chunk("s", 2), ShowChunk::Drop);
+        assert!(!cursor.on_end("s"));
+        assert!(!cursor.on_end("never-shown"));
+    }
+
+    proptest! {
+        /// Whatever order and repetition chunks reach a connection in (live feed and snapshot
+        /// overlapping), filling gaps from the registry shows exactly the stream, in order.
+        #[test]
+        fn a_subscriber_assembles_exactly_the_stream(
+            deliveries in proptest::collection::vec(0u64..20, 0..80),
+            length in 1u64..20,
+        ) {
+            let mut registry = StreamRegistry::<u8, u64>::default();
+            let limits = StreamLimits { max_stream_bytes: usize::MAX, max_streams_per_owner: 1 };
+            for index in 0..length {
+                registry.append(&1, "s", chunk("a", index, 1), &limits).unwrap();
+            }
+            let mut cursor = StreamCursor::default();
+            let mut shown = Vec::new();
+            for index in deliveries.into_iter().filter(|index| *index < length) {
+                match cursor.on_chunk("s", index) {
+                    ShowChunk::Show => shown.push(index),
+                    ShowChunk::Drop => {}
+                    ShowChunk::Gap { from } => {
+                        let stream = registry.get(&1, "s").unwrap();
+                        for missed in from..=index {
+                            prop_assert_eq!(cursor.on_chunk("s", missed), ShowChunk::Show);
+                            shown.push(stream.chunks[missed as usize]);
+                        }
+                    }
+                }
+            }
+            let expected: Vec<u64> = (0..shown.len() as u64).collect();
+            prop_assert_eq!(shown, expected);
+        }
+
+        /// Chunks accepted by the owner's node, applied in order to a replica, leave the
+        /// replica equal to the original.
+        #[test]
+        fn a_replica_equals_the_original(
+            sends in proptest::collection::vec((0u8..3, 0u64..6, 0usize..40), 0..60),
+        ) {
+            let mut original = StreamRegistry::<u8, u64>::default();
+            let mut replica = StreamRegistry::<u8, u64>::default();
+            for (stream, index, bytes) in sends {
+                let id = format!("s{stream}");
+                let accepted = original.append(&1, &id, chunk("a", index, bytes), &LIMITS);
+                if accepted.is_ok() {
+                    let relaxed = StreamLimits { max_stream_bytes: usize::MAX, max_streams_per_owner: usize::MAX };
+                    prop_assert!(replica.append(&1, &id, chunk("a", index, bytes), &relaxed).is_ok());
+                } else if accepted == Err(ChunkRefusal::TooLarge) {
+                    replica.end(&1, &id);
+                }
+            }
+            let mut left = original.snapshot(&1);
+            let mut right = replica.snapshot(&1);
+            left.sort_by(|a, b| a.0.cmp(&b.0));
+            right.sort_by(|a, b| a.0.cmp(&b.0));
+            prop_assert_eq!(left, right);
+        }
+    }
+}

@@ -1,0 +1,533 @@
+//! Streamed answers on this node (ADR 0019): the registry of open streams (this node's agents'
+//! and replicas of the other nodes'), their fan-out to this node's end-user sessions through the
+//! hub, and the relay that carries them to the other nodes in coalesced notifications.
+//!
+//! Nothing is written to the database per chunk. The relay sends what queued within one window
+//! (`streams.relay_window_ms`) in one statement of `pg_notify` calls: at most one transaction
+//! per window and node, whatever the number of chunks. A node that sees a stream start late
+//! (it came up mid-stream) cannot show that stream; its sessions get the committed answer.
+
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use axum::extract::ws::Utf8Bytes;
+use converger_core::streams::{
+    Accepted, ChunkIn, ChunkRefusal, OpenStream, StreamLimits, StreamRegistry, StreamTurn,
+};
+use converger_protocol::{Profile, StreamContent, end_user_chunk, end_user_stream_end};
+use converger_store::Store;
+use serde_json::{Value, json};
+use tokio::sync::{mpsc, oneshot};
+use uuid::Uuid;
+
+use crate::hub::{Hub, HubEvent, lock};
+
+/// Longest wait for one relay notification before its events are given up (transient).
+const RELAY_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Stream events sent in one relay flush at most.
+const RELAY_BATCH: usize = 1024;
+
+/// What a chunk carries besides its position: shared by the registry and every session.
+#[derive(Debug)]
+pub struct ChunkBody {
+    /// The delta.
+    pub content: StreamContent,
+    /// The writing agent as `{id, role}`.
+    pub from: Value,
+}
+
+/// One change of a stream, as this node's sessions receive it.
+#[derive(Debug)]
+pub enum StreamChange {
+    /// Chunk `index` was accepted.
+    Chunk {
+        /// The stream.
+        stream_id: String,
+        /// Its position.
+        index: u64,
+        /// The turn answered.
+        turn: StreamTurn,
+        /// The content.
+        body: Arc<ChunkBody>,
+    },
+    /// The stream ended: `aborted` holds the reason, `None` means committed.
+    End {
+        /// The stream.
+        stream_id: String,
+        /// Why it was aborted, when it was.
+        aborted: Option<String>,
+    },
+}
+
+/// A stream change with its renderings for the two end-user profiles, made once per node.
+#[derive(Debug)]
+pub struct StreamEvent {
+    /// The change.
+    pub change: StreamChange,
+    rendered: [OnceLock<Utf8Bytes>; 2],
+}
+
+impl StreamEvent {
+    fn new(change: StreamChange) -> Arc<StreamEvent> {
+        Arc::new(StreamEvent {
+            change,
+            rendered: [OnceLock::new(), OnceLock::new()],
+        })
+    }
+
+    /// The frame an end user of `profile` receives.
+    pub fn render(&self, profile: Profile) -> Utf8Bytes {
+        let slot = match profile {
+            Profile::Converger => &self.rendered[0],
+            Profile::Mekik => &self.rendered[1],
+        };
+        slot.get_or_init(|| render(profile, &self.change).to_string().into())
+            .clone()
+    }
+}
+
+fn render(profile: Profile, change: &StreamChange) -> Value {
+    match change {
+        StreamChange::Chunk {
+            stream_id,
+            index,
+            turn,
+            body,
+        } => end_user_chunk(
+            profile,
+            stream_id,
+            *index,
+            turn.seq,
+            turn.revision,
+            &body.content,
+            &body.from,
+        ),
+        StreamChange::End { stream_id, aborted } => {
+            end_user_stream_end(profile, stream_id, aborted.as_deref())
+        }
+    }
+}
+
+/// The chunk `index` of an open stream as a session shows it (a snapshot read).
+pub fn chunk_frame(
+    profile: Profile,
+    stream_id: &str,
+    index: u64,
+    stream: &OpenStream<Arc<ChunkBody>>,
+) -> Option<Utf8Bytes> {
+    let body = stream.chunks.get(usize::try_from(index).ok()?)?;
+    let change = StreamChange::Chunk {
+        stream_id: stream_id.to_owned(),
+        index,
+        turn: stream.turn,
+        body: Arc::clone(body),
+    };
+    Some(render(profile, &change).to_string().into())
+}
+
+/// A chunk an agent connection of this node sent.
+#[derive(Debug)]
+pub struct LocalChunk<'a> {
+    /// The conversation.
+    pub conversation_id: Uuid,
+    /// The stream.
+    pub stream_id: &'a str,
+    /// Its position.
+    pub index: u64,
+    /// The turn (index 0).
+    pub turn: Option<StreamTurn>,
+    /// The delivery's fence (lease mode, index 0).
+    pub fence: Option<i64>,
+    /// The writing connection.
+    pub owner: &'a str,
+    /// The content.
+    pub body: ChunkBody,
+}
+
+enum RelayOrder {
+    Event(Value),
+    Flush(oneshot::Sender<()>),
+}
+
+/// The open streams this node knows and the relay to the other nodes.
+pub struct LiveStreams {
+    node_id: String,
+    registry: Mutex<StreamRegistry<Uuid, Arc<ChunkBody>>>,
+    relay: mpsc::UnboundedSender<RelayOrder>,
+    limits: StreamLimits,
+}
+
+impl std::fmt::Debug for LiveStreams {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LiveStreams")
+            .field("node_id", &self.node_id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl LiveStreams {
+    /// The streams of node `node_id`, relaying through `store`'s notifications once per
+    /// `relay_window` at most.
+    pub fn start(
+        node_id: &str,
+        store: Store,
+        limits: StreamLimits,
+        relay_window: Duration,
+    ) -> Arc<LiveStreams> {
+        let (relay, orders) = mpsc::unbounded_channel();
+        tokio::spawn(run_relay(store, node_id.to_owned(), relay_window, orders));
+        Arc::new(LiveStreams {
+            node_id: node_id.to_owned(),
+            registry: Mutex::new(StreamRegistry::default()),
+            relay,
+            limits,
+        })
+    }
+
+    /// Takes a chunk from an agent connection of this node; an accepted chunk reaches this
+    /// node's sessions and the other nodes. Over `maxStreamBytes` the stream is aborted
+    /// everywhere.
+    pub fn accept(&self, hub: &Hub, chunk: LocalChunk<'_>) -> Result<(), ChunkRefusal> {
+        let body = Arc::new(chunk.body);
+        let outcome = lock(&self.registry).append(
+            &chunk.conversation_id,
+            chunk.stream_id,
+            ChunkIn {
+                owner: chunk.owner,
+                node: &self.node_id,
+                index: chunk.index,
+                turn: chunk.turn,
+                fence: chunk.fence,
+                payload: Arc::clone(&body),
+                bytes: body.content.size(),
+            },
+            &self.limits,
+        );
+        let Accepted { fenced, .. } = match outcome {
+            Ok(accepted) => accepted,
+            Err(ChunkRefusal::TooLarge) => {
+                self.announce_end(
+                    hub,
+                    chunk.conversation_id,
+                    chunk.stream_id,
+                    Some("too_large"),
+                );
+                return Err(ChunkRefusal::TooLarge);
+            }
+            Err(refusal) => return Err(refusal),
+        };
+        for stream_id in fenced {
+            self.announce_end(hub, chunk.conversation_id, &stream_id, Some("fenced"));
+        }
+        let turn = lock(&self.registry)
+            .get(&chunk.conversation_id, chunk.stream_id)
+            .map(|stream| stream.turn);
+        let Some(turn) = turn else {
+            return Ok(());
+        };
+        metrics::counter!("converger_stream_chunks_total").increment(1);
+        self.relay_event(|| {
+            json!({
+                "c": chunk.conversation_id,
+                "s": chunk.stream_id,
+                "i": chunk.index,
+                "t": [turn.seq, turn.revision],
+                "x": chunk.fence,
+                "o": chunk.owner,
+                "b": content_to_wire(&body.content),
+                "f": body.from,
+            })
+        });
+        hub.publish(
+            chunk.conversation_id,
+            HubEvent::Stream(StreamEvent::new(StreamChange::Chunk {
+                stream_id: chunk.stream_id.to_owned(),
+                index: chunk.index,
+                turn,
+                body,
+            })),
+        );
+        Ok(())
+    }
+
+    /// Ends a stream an agent connection of this node owns (`streamAbort`); false when the
+    /// connection has no such open stream.
+    pub fn abort_own(
+        &self,
+        hub: &Hub,
+        conversation_id: Uuid,
+        stream_id: &str,
+        owner: &str,
+        reason: &str,
+    ) -> bool {
+        let owned = lock(&self.registry)
+            .get(&conversation_id, stream_id)
+            .is_some_and(|stream| stream.owner == owner);
+        if owned {
+            self.announce_end(hub, conversation_id, stream_id, Some(reason));
+        }
+        owned
+    }
+
+    /// True when the stream ended recently.
+    pub fn has_ended(&self, conversation_id: Uuid, stream_id: &str) -> bool {
+        lock(&self.registry).has_ended(&conversation_id, stream_id)
+    }
+
+    /// True when the turn has open streams (its result then waits for the relay to flush, so
+    /// every node sees the chunks before the commit).
+    pub fn turn_is_streaming(&self, conversation_id: Uuid, turn: StreamTurn) -> bool {
+        lock(&self.registry)
+            .snapshot(&conversation_id)
+            .iter()
+            .any(|(_, stream)| stream.turn == turn)
+    }
+
+    /// Ends the open streams of a turn whose result was settled: `committed` when it was
+    /// stored (or already was), otherwise aborted with `reason`.
+    pub fn settle_turn(
+        &self,
+        hub: &Hub,
+        conversation_id: Uuid,
+        turn: StreamTurn,
+        aborted: Option<&str>,
+    ) {
+        let ids: Vec<String> = lock(&self.registry)
+            .snapshot(&conversation_id)
+            .into_iter()
+            .filter(|(_, stream)| stream.turn == turn)
+            .map(|(id, _)| id)
+            .collect();
+        for stream_id in ids {
+            self.announce_end(hub, conversation_id, &stream_id, aborted);
+        }
+    }
+
+    /// Aborts every stream of an agent connection that went away.
+    pub fn abort_owner(&self, hub: &Hub, owner: &str) {
+        let ids = lock(&self.registry).end_where(|stream| stream.owner == owner);
+        for (conversation_id, stream_id) in ids {
+            self.relay_end(conversation_id, &stream_id, Some("disconnected"));
+            publish_end(hub, conversation_id, stream_id, Some("disconnected".into()));
+        }
+    }
+
+    /// Waits until every stream event relayed before this call has been sent (or given up).
+    pub async fn flush(&self) {
+        let (done, flushed) = oneshot::channel();
+        if self.relay.send(RelayOrder::Flush(done)).is_ok() {
+            let _ = tokio::time::timeout(RELAY_TIMEOUT, flushed).await;
+        }
+    }
+
+    /// The open streams of a conversation, for a session that joins or fell behind.
+    pub fn snapshot(&self, conversation_id: Uuid) -> Vec<(String, OpenStream<Arc<ChunkBody>>)> {
+        lock(&self.registry).snapshot(&conversation_id)
+    }
+
+    /// One open stream, when it is.
+    pub fn stream(
+        &self,
+        conversation_id: Uuid,
+        stream_id: &str,
+    ) -> Option<OpenStream<Arc<ChunkBody>>> {
+        lock(&self.registry)
+            .get(&conversation_id, stream_id)
+            .cloned()
+    }
+
+    /// Open streams and the bytes they hold (the status page and metrics).
+    pub fn usage(&self) -> (usize, usize) {
+        let registry = lock(&self.registry);
+        (registry.open_count(), registry.open_bytes())
+    }
+
+    /// Another node went: its streams are aborted here (nobody will end them).
+    pub fn node_down(&self, hub: &Hub, node_id: &str) {
+        let ids = lock(&self.registry).end_where(|stream| stream.node == node_id);
+        for (conversation_id, stream_id) in ids {
+            publish_end(hub, conversation_id, stream_id, Some("node_down".into()));
+        }
+    }
+
+    /// Applies stream events another node relayed.
+    pub fn apply_remote(&self, hub: &Hub, node: &str, events: Vec<Value>) {
+        if node == self.node_id {
+            return;
+        }
+        for event in events {
+            self.apply_remote_event(hub, node, &event);
+        }
+    }
+
+    fn apply_remote_event(&self, hub: &Hub, node: &str, event: &Value) {
+        let (Some(conversation_id), Some(stream_id)) = (
+            event
+                .get("c")
+                .and_then(Value::as_str)
+                .and_then(|c| Uuid::parse_str(c).ok()),
+            event.get("s").and_then(Value::as_str),
+        ) else {
+            return;
+        };
+        if let Some(ending) = event.get("e") {
+            let aborted = ending.as_str().map(str::to_owned);
+            if lock(&self.registry)
+                .end(&conversation_id, stream_id)
+                .is_some()
+            {
+                publish_end(hub, conversation_id, stream_id.to_owned(), aborted);
+            }
+            return;
+        }
+        let (Some(index), Some(turn), Some(owner), Some(content)) = (
+            event.get("i").and_then(Value::as_u64),
+            event.get("t").and_then(turn_from_wire),
+            event.get("o").and_then(Value::as_str),
+            event.get("b").and_then(content_from_wire),
+        ) else {
+            return;
+        };
+        let body = Arc::new(ChunkBody {
+            content,
+            from: event.get("f").cloned().unwrap_or(Value::Null),
+        });
+        let replica_limits = StreamLimits {
+            max_stream_bytes: usize::MAX,
+            max_streams_per_owner: usize::MAX,
+        };
+        let outcome = lock(&self.registry).append(
+            &conversation_id,
+            stream_id,
+            ChunkIn {
+                owner,
+                node,
+                index,
+                turn: Some(turn),
+                fence: event.get("x").and_then(Value::as_i64),
+                payload: Arc::clone(&body),
+                bytes: body.content.size(),
+            },
+            &replica_limits,
+        );
+        // A replica that missed the stream's start cannot show it: the committed answer will.
+        let Ok(accepted) = outcome else {
+            return;
+        };
+        for fenced in accepted.fenced {
+            publish_end(hub, conversation_id, fenced, Some("fenced".into()));
+        }
+        hub.publish(
+            conversation_id,
+            HubEvent::Stream(StreamEvent::new(StreamChange::Chunk {
+                stream_id: stream_id.to_owned(),
+                index,
+                turn,
+                body,
+            })),
+        );
+    }
+
+    fn announce_end(
+        &self,
+        hub: &Hub,
+        conversation_id: Uuid,
+        stream_id: &str,
+        aborted: Option<&str>,
+    ) {
+        // The registry may have ended it already (over the byte limit).
+        lock(&self.registry).end(&conversation_id, stream_id);
+        self.relay_end(conversation_id, stream_id, aborted);
+        publish_end(
+            hub,
+            conversation_id,
+            stream_id.to_owned(),
+            aborted.map(str::to_owned),
+        );
+    }
+
+    fn relay_end(&self, conversation_id: Uuid, stream_id: &str, aborted: Option<&str>) {
+        self.relay_event(|| json!({"c": conversation_id, "s": stream_id, "e": aborted}));
+    }
+
+    fn relay_event(&self, event: impl FnOnce() -> Value) {
+        let _ = self.relay.send(RelayOrder::Event(event()));
+    }
+}
+
+fn publish_end(hub: &Hub, conversation_id: Uuid, stream_id: String, aborted: Option<String>) {
+    metrics::counter!("converger_streams_ended_total", "status" => if aborted.is_some() { "aborted" } else { "committed" }).increment(1);
+    hub.publish(
+        conversation_id,
+        HubEvent::Stream(StreamEvent::new(StreamChange::End { stream_id, aborted })),
+    );
+}
+
+fn content_to_wire(content: &StreamContent) -> Value {
+    match content {
+        StreamContent::Text(text) => json!({"text": text}),
+        StreamContent::Chunk(chunk) => json!({"chunk": chunk}),
+    }
+}
+
+fn content_from_wire(wire: &Value) -> Option<StreamContent> {
+    if let Some(text) = wire.get("text").and_then(Value::as_str) {
+        return Some(StreamContent::Text(text.to_owned()));
+    }
+    wire.get("chunk").cloned().map(StreamContent::Chunk)
+}
+
+fn turn_from_wire(wire: &Value) -> Option<StreamTurn> {
+    let seq = wire.get(0)?.as_i64()?;
+    let revision = i32::try_from(wire.get(1)?.as_i64()?).ok()?;
+    Some(StreamTurn { seq, revision })
+}
+
+/// Sends queued stream events to the other nodes: from the first event queued, whatever else
+/// comes within `window` (or until a flush is asked for) goes in the same statement, so a node
+/// costs at most one transaction per window however many chunks it relays.
+async fn run_relay(
+    store: Store,
+    node_id: String,
+    window: Duration,
+    mut orders: mpsc::UnboundedReceiver<RelayOrder>,
+) {
+    while let Some(first) = orders.recv().await {
+        let mut events = Vec::new();
+        let mut flushed = Vec::new();
+        let deadline = tokio::time::Instant::now() + window;
+        let mut next = Some(first);
+        while let Some(order) = next.take() {
+            match order {
+                RelayOrder::Event(event) => events.push(event),
+                RelayOrder::Flush(done) => flushed.push(done),
+            }
+            if events.len() >= RELAY_BATCH || !flushed.is_empty() {
+                break;
+            }
+            next = tokio::time::timeout_at(deadline, orders.recv())
+                .await
+                .ok()
+                .flatten();
+        }
+        if !events.is_empty() {
+            let sent =
+                tokio::time::timeout(RELAY_TIMEOUT, store.publish_streams(&node_id, &events)).await;
+            match sent {
+                Ok(Ok(())) => {
+                    metrics::counter!("converger_stream_relay_flushes_total").increment(1)
+                }
+                Ok(Err(error)) => tracing::warn!(
+                    %error,
+                    events = events.len(),
+                    "stream events not relayed to other nodes"
+                ),
+                Err(_) => tracing::warn!(events = events.len(), "stream relay timed out"),
+            }
+        }
+        for done in flushed {
+            let _ = done.send(());
+        }
+    }
+}

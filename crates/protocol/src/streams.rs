@@ -1,0 +1,340 @@
+//! Streamed answers on the wire (docs/protocol.md §4.9, ADR 0019): the agent's `streamChunk`
+//! and `streamAbort`, and what end users receive of them, `streamChunk` / `streamEnd` in the
+//! converger profile and `genui {streamId, chunk, done}` in the mekik profile.
+
+use serde_json::{Map, Value, json};
+
+use crate::frame::FrameError;
+use crate::{ErrorCode, Limits, Profile, Refusal};
+
+/// What one chunk carries.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StreamContent {
+    /// `text`: a text delta appended to the streamed bubble.
+    Text(String),
+    /// `chunk`: a generative-UI chunk object, shown as the mekik `genui` chunk it is.
+    Chunk(Value),
+}
+
+impl StreamContent {
+    /// Bytes this content counts against `maxStreamBytes`.
+    pub fn size(&self) -> usize {
+        match self {
+            StreamContent::Text(text) => text.len(),
+            StreamContent::Chunk(chunk) => chunk.to_string().len(),
+        }
+    }
+}
+
+/// The turn a stream's first chunk names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StreamTurnRef {
+    /// `turn.seq`.
+    pub seq: i64,
+    /// `turn.revision` (0 when absent).
+    pub revision: i32,
+    /// `turn.fence` (lease mode).
+    pub fence: Option<i64>,
+}
+
+/// A parsed `streamChunk`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StreamChunk {
+    /// The stream's id (clientId shape), unique within the conversation.
+    pub stream_id: String,
+    /// Position in the stream, from 0.
+    pub index: u64,
+    /// The turn answered: required on index 0, ignored after.
+    pub turn: Option<StreamTurnRef>,
+    /// The delta.
+    pub content: StreamContent,
+}
+
+/// A parsed `streamAbort`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StreamAbort {
+    /// The stream ended.
+    pub stream_id: String,
+    /// Why, for the UI (at most 64 characters kept).
+    pub reason: String,
+}
+
+/// Parses an enveloped `streamChunk` frame.
+pub(crate) fn parse_stream_chunk(
+    frame: &Map<String, Value>,
+    limits: &Limits,
+) -> Result<StreamChunk, Refusal> {
+    let stream_id = stream_id(frame, "streamChunk")?;
+    let refuse = |code: ErrorCode, message: &str| refusal(code, message, "streamChunk");
+    let index = frame.get("index").and_then(Value::as_u64).ok_or_else(|| {
+        refuse(
+            ErrorCode::InvalidMessage,
+            "index must be a non-negative integer",
+        )
+    })?;
+    let turn = match frame.get("turn") {
+        None | Some(Value::Null) => None,
+        Some(Value::Object(turn)) => {
+            Some(parse_turn(turn).map_err(|message| refuse(ErrorCode::InvalidMessage, message))?)
+        }
+        Some(_) => return Err(refuse(ErrorCode::InvalidMessage, "turn must be an object")),
+    };
+    let content = match (frame.get("text"), frame.get("chunk")) {
+        (Some(Value::String(text)), None) => StreamContent::Text(text.clone()),
+        (None, Some(chunk @ Value::Object(_))) => StreamContent::Chunk(chunk.clone()),
+        _ => {
+            return Err(refuse(
+                ErrorCode::InvalidMessage,
+                "a chunk carries either text (a string) or chunk (an object)",
+            ));
+        }
+    };
+    if content.size() > limits.max_frame_bytes {
+        return Err(refuse(ErrorCode::PayloadTooLarge, "the chunk is too large"));
+    }
+    Ok(StreamChunk {
+        stream_id,
+        index,
+        turn,
+        content,
+    })
+}
+
+/// Parses an enveloped `streamAbort` frame.
+pub(crate) fn parse_stream_abort(frame: &Map<String, Value>) -> Result<StreamAbort, Refusal> {
+    let stream_id = stream_id(frame, "streamAbort")?;
+    let reason = frame
+        .get("reason")
+        .and_then(Value::as_str)
+        .unwrap_or("agent")
+        .chars()
+        .take(64)
+        .collect();
+    Ok(StreamAbort { stream_id, reason })
+}
+
+fn stream_id(frame: &Map<String, Value>, frame_type: &str) -> Result<String, Refusal> {
+    frame
+        .get("streamId")
+        .and_then(Value::as_str)
+        .filter(|id| crate::is_valid_client_id(id))
+        .map(str::to_owned)
+        .ok_or_else(|| {
+            refusal(
+                ErrorCode::InvalidMessage,
+                "streamId must be 1 to 128 characters of [A-Za-z0-9._:~-]",
+                frame_type,
+            )
+        })
+}
+
+/// Reads a turn key `{seq, revision?, fence?}` (of a stream's first chunk or a `turnResult`).
+pub(crate) fn parse_turn(turn: &Map<String, Value>) -> Result<StreamTurnRef, &'static str> {
+    let seq = turn
+        .get("seq")
+        .and_then(Value::as_i64)
+        .filter(|seq| *seq > 0)
+        .ok_or("turn.seq must be a positive integer")?;
+    let revision = match turn.get("revision") {
+        None | Some(Value::Null) => 0,
+        Some(value) => value
+            .as_i64()
+            .and_then(|revision| i32::try_from(revision).ok())
+            .filter(|revision| *revision >= 0)
+            .ok_or("turn.revision must be a non-negative integer")?,
+    };
+    let fence = match turn.get("fence") {
+        None | Some(Value::Null) => None,
+        Some(value) => Some(
+            value
+                .as_i64()
+                .filter(|fence| *fence >= 0)
+                .ok_or("turn.fence must be a non-negative integer")?,
+        ),
+    };
+    Ok(StreamTurnRef {
+        seq,
+        revision,
+        fence,
+    })
+}
+
+fn refusal(code: ErrorCode, message: &str, frame_type: &str) -> Refusal {
+    Refusal {
+        error: FrameError {
+            code,
+            message: message.to_owned(),
+        },
+        client_id: None,
+        frame_type: Some(frame_type.to_owned()),
+    }
+}
+
+/// A chunk as an end user of `profile` receives it. `from` is the writing agent's `{id, role}`.
+pub fn end_user_chunk(
+    profile: Profile,
+    stream_id: &str,
+    index: u64,
+    seq: i64,
+    revision: i32,
+    content: &StreamContent,
+    from: &Value,
+) -> Value {
+    match profile {
+        Profile::Converger => {
+            let mut frame = json!({
+                "type": "streamChunk",
+                "streamId": stream_id,
+                "index": index,
+                "turn": {"seq": seq, "revision": revision},
+                "from": from,
+            });
+            match content {
+                StreamContent::Text(text) => frame["text"] = json!(text),
+                StreamContent::Chunk(chunk) => frame["chunk"] = chunk.clone(),
+            }
+            frame
+        }
+        Profile::Mekik => {
+            let chunk = match content {
+                StreamContent::Text(text) => {
+                    json!({"type": "text", "content": text, "id": stream_id})
+                }
+                StreamContent::Chunk(chunk) => chunk.clone(),
+            };
+            json!({"type": "genui", "streamId": stream_id, "chunk": chunk, "done": false})
+        }
+    }
+}
+
+/// The end of a stream as an end user of `profile` receives it: `committed` when the stored
+/// answer follows (or came already), otherwise `aborted` with its reason.
+pub fn end_user_stream_end(profile: Profile, stream_id: &str, aborted: Option<&str>) -> Value {
+    let status = if aborted.is_some() {
+        "aborted"
+    } else {
+        "committed"
+    };
+    match profile {
+        Profile::Converger => {
+            let mut frame = json!({"type": "streamEnd", "streamId": stream_id, "status": status});
+            if let Some(reason) = aborted {
+                frame["reason"] = json!(reason);
+            }
+            frame
+        }
+        Profile::Mekik => {
+            let mut frame = json!({
+                "type": "genui",
+                "streamId": stream_id,
+                "chunk": {"type": "text", "content": "", "id": stream_id},
+                "done": true,
+            });
+            if let Some(reason) = aborted {
+                frame["status"] = json!(status);
+                frame["reason"] = json!(reason);
+            }
+            frame
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn object(value: Value) -> Map<String, Value> {
+        match value {
+            Value::Object(object) => object,
+            _ => unreachable!("test frames are objects"),
+        }
+    }
+
+    #[test]
+    fn chunks_parse() {
+        let chunk = parse_stream_chunk(
+            &object(json!({"type": "streamChunk", "streamId": "s-1", "index": 0,
+                           "turn": {"seq": 4, "fence": 2}, "text": "Hel"})),
+            &Limits::default(),
+        )
+        .unwrap();
+        assert_eq!(chunk.stream_id, "s-1");
+        assert_eq!(
+            chunk.turn,
+            Some(StreamTurnRef {
+                seq: 4,
+                revision: 0,
+                fence: Some(2)
+            })
+        );
+        assert_eq!(chunk.content, StreamContent::Text("Hel".into()));
+        let genui = parse_stream_chunk(
+            &object(json!({"streamId": "s-1", "index": 3, "chunk": {"type": "card"}})),
+            &Limits::default(),
+        )
+        .unwrap();
+        assert_eq!(genui.turn, None);
+        assert!(matches!(genui.content, StreamContent::Chunk(_)));
+    }
+
+    #[test]
+    fn bad_chunks_are_refused() {
+        for frame in [
+            json!({"index": 0, "text": "a"}),
+            json!({"streamId": "has space", "index": 0, "text": "a"}),
+            json!({"streamId": "s", "index": -1, "text": "a"}),
+            json!({"streamId": "s", "index": 0}),
+            json!({"streamId": "s", "index": 0, "text": "a", "chunk": {}}),
+            json!({"streamId": "s", "index": 0, "chunk": "a"}),
+            json!({"streamId": "s", "index": 0, "text": "a", "turn": {"seq": 0}}),
+            json!({"streamId": "s", "index": 0, "text": "a", "turn": 3}),
+        ] {
+            let refused = parse_stream_chunk(&object(frame.clone()), &Limits::default());
+            let refused = refused.expect_err(&frame.to_string());
+            assert_eq!(refused.error.code, ErrorCode::InvalidMessage, "{frame}");
+            assert_eq!(refused.frame_type.as_deref(), Some("streamChunk"));
+        }
+        let limits = Limits {
+            max_frame_bytes: 4,
+            ..Limits::default()
+        };
+        let refused = parse_stream_chunk(
+            &object(json!({"streamId": "s", "index": 0, "text": "12345"})),
+            &limits,
+        )
+        .unwrap_err();
+        assert_eq!(refused.error.code, ErrorCode::PayloadTooLarge);
+    }
+
+    #[test]
+    fn aborts_keep_a_short_reason() {
+        let abort =
+            parse_stream_abort(&object(json!({"streamId": "s", "reason": "x".repeat(100)})))
+                .unwrap();
+        assert_eq!(abort.reason.len(), 64);
+        let abort = parse_stream_abort(&object(json!({"streamId": "s"}))).unwrap();
+        assert_eq!(abort.reason, "agent");
+        assert!(parse_stream_abort(&object(json!({}))).is_err());
+    }
+
+    #[test]
+    fn end_users_see_their_profile_shape() {
+        let from = json!({"id": "bot", "role": "agent"});
+        let text = StreamContent::Text("he".into());
+        let converger = end_user_chunk(Profile::Converger, "s", 2, 5, 1, &text, &from);
+        assert_eq!(converger["type"], "streamChunk");
+        assert_eq!(converger["turn"], json!({"seq": 5, "revision": 1}));
+        assert_eq!(converger["text"], "he");
+        let mekik = end_user_chunk(Profile::Mekik, "s", 2, 5, 1, &text, &from);
+        assert_eq!(
+            mekik,
+            json!({"type": "genui", "streamId": "s", "done": false,
+                   "chunk": {"type": "text", "content": "he", "id": "s"}})
+        );
+        assert_eq!(
+            end_user_stream_end(Profile::Converger, "s", Some("agent")),
+            json!({"type": "streamEnd", "streamId": "s", "status": "aborted", "reason": "agent"})
+        );
+        assert_eq!(end_user_stream_end(Profile::Mekik, "s", None)["done"], true);
+    }
+}
