@@ -367,6 +367,126 @@ async fn a_killed_nodes_unanswered_turns_reach_a_member_on_a_survivor() {
     drop(on_a);
 }
 
+/// A chunk of stream `stream` of the turn `seq` (the turn named at index 0).
+fn stream_chunk(conversation_id: Uuid, stream: &str, index: u64, seq: i64, text: &str) -> Value {
+    let mut frame =
+        json!({"type": "streamChunk", "streamId": stream, "index": index, "text": text});
+    if index == 0 {
+        frame["turn"] = json!({"seq": seq});
+    }
+    json!({"conversationId": conversation_id, "frame": frame})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_nodes_stream_is_aborted_for_viewers_and_the_takeover_streams_afresh() {
+    let db = TestDb::create().await;
+    let (a, b, c) = three_nodes(&db).await;
+    let channel = channel(&b).await;
+    let (mut on_a, welcome_a) = member(&a, &channel.agent_token, "bot").await;
+    let (mut on_b, welcome_b) = member(&b, &channel.agent_token, "bot").await;
+    wait_for_members(
+        &[&a, &b, &c],
+        &[&connection_id(&welcome_a), &connection_id(&welcome_b)],
+    )
+    .await;
+    support::settle(&welcome_a).await;
+    support::settle(&welcome_b).await;
+    let mut view = GroupView::new();
+    for welcome in [&welcome_a, &welcome_b] {
+        view.join(
+            &connection_id(welcome),
+            welcome["data"]["since"].as_i64().unwrap(),
+        );
+    }
+    let mut owned_by_a = None;
+    for n in 0..40 {
+        let candidate = user(&c, &channel, &format!("viewer-{n}")).await;
+        let now = chrono::Utc::now().timestamp_millis();
+        if view.owner(&candidate.conversation_id.to_string(), now)
+            == Some(&connection_id(&welcome_a))
+        {
+            owned_by_a = Some(candidate);
+            break;
+        }
+    }
+    let mut viewer = owned_by_a.expect("a conversation owned by the member on a");
+    let ack = say(&mut viewer.client, "q-1", "stream to me").await;
+    let seq = ack["seq"].as_i64().unwrap();
+    let got = collect_turns(&mut [&mut on_a], 1).await;
+    assert_eq!(got[0], vec![(viewer.conversation_id, seq)]);
+
+    // The owner on `a` streams; the viewer on `c` sees the chunks.
+    for (index, word) in ["half ", "an "].iter().enumerate() {
+        on_a.send(stream_chunk(
+            viewer.conversation_id,
+            "s-a",
+            index as u64,
+            seq,
+            word,
+        ))
+        .await;
+    }
+    let mut shown = Vec::new();
+    while shown.len() < 2 {
+        let frame = viewer.client.recv().await;
+        if frame["type"] == "streamChunk" {
+            assert_eq!(frame["index"], shown.len());
+            shown.push(frame["text"].as_str().unwrap().to_owned());
+        }
+    }
+
+    // kill -9 of `a`: the viewer is told the stream is gone, then the survivor streams afresh.
+    a.kill_9().await;
+    let aborted = loop {
+        let frame = viewer.client.recv().await;
+        if frame["type"] == "streamEnd" {
+            break frame;
+        }
+        assert_ne!(
+            frame["type"], "streamChunk",
+            "no chunk after the owner died"
+        );
+    };
+    assert_eq!(aborted["streamId"], "s-a");
+    assert_eq!(aborted["status"], "aborted");
+    assert_eq!(aborted["reason"], "node_down");
+    let taken_over = collect_turns(&mut [&mut on_b], 1).await;
+    assert_eq!(taken_over[0], vec![(viewer.conversation_id, seq)]);
+    on_b.send(stream_chunk(
+        viewer.conversation_id,
+        "s-b",
+        0,
+        seq,
+        "whole answer",
+    ))
+    .await;
+    answer(&mut on_b, &taken_over[0]).await;
+    let mut fresh = Vec::new();
+    loop {
+        let frame = viewer.client.recv().await;
+        if frame["type"] == "streamChunk" {
+            assert_eq!(frame["streamId"], "s-b");
+            fresh.push(frame["text"].as_str().unwrap().to_owned());
+        }
+        if frame["type"] == "text" && frame["sender"]["role"] == "agent" {
+            assert_eq!(
+                frame["data"]["text"],
+                json!(format!("answer {} {seq}", viewer.conversation_id))
+            );
+            break;
+        }
+    }
+    assert_eq!(fresh, vec!["whole answer".to_owned()]);
+    let answers = db
+        .count(&format!(
+            "SELECT count(*) FROM activities WHERE conversation_id = '{}' AND sender_role = 'agent'",
+            viewer.conversation_id
+        ))
+        .await;
+    assert_eq!(answers, 1, "one committed result");
+    drop(on_a);
+}
+
 /// The nodes clients may connect to right now.
 type Endpoints = Arc<Mutex<Vec<String>>>;
 

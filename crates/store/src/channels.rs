@@ -167,3 +167,27 @@ impl Store {
         Ok(())
     }
 }
+
+impl Store {
+    /// The oldest channel named `channel_name` of the oldest tenant named `tenant_name` (the
+    /// development demo's channel), when there is one.
+    pub async fn channel_by_names(
+        &self,
+        tenant_name: &str,
+        channel_name: &str,
+    ) -> Result<Option<Channel>, StoreError> {
+        self.timed("channel_by_names", async {
+            sqlx::query_as::<_, Channel>(
+                "SELECT c.id, c.tenant_id, c.name, c.status, c.created_at
+                 FROM channels c JOIN tenants t ON t.id = c.tenant_id
+                 WHERE t.name = $1 AND c.name = $2
+                 ORDER BY t.created_at, c.created_at LIMIT 1",
+            )
+            .bind(tenant_name)
+            .bind(channel_name)
+            .fetch_optional(&self.pool)
+            .await
+        })
+        .await
+    }
+}

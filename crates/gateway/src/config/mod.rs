@@ -5,8 +5,8 @@
 mod sections;
 
 pub use sections::{
-    AdminConfig, DatabaseConfig, DrainConfig, GossipConfig, HttpConfig, LogFormat, RatesConfig,
-    StatusConfig, StreamsConfig,
+    AdminConfig, DatabaseConfig, DemoConfig, DemoPage, DrainConfig, GossipConfig, HttpConfig,
+    LogFormat, RatesConfig, StatusConfig, StreamsConfig,
 };
 
 use std::net::SocketAddr;
@@ -75,6 +75,8 @@ pub struct Config {
     pub rates: RatesConfig,
     /// Streamed answers.
     pub streams: StreamsConfig,
+    /// The demo chat page.
+    pub demo: DemoConfig,
 }
 
 impl Default for Config {
@@ -105,6 +107,19 @@ impl Default for Config {
             status: StatusConfig::default(),
             rates: RatesConfig::default(),
             streams: StreamsConfig::default(),
+            demo: DemoConfig::default(),
+        }
+    }
+}
+
+impl Config {
+    /// True when the node serves `GET /demo`: `demo.page = "on"`, or `"auto"` on the
+    /// development setup (the embedded database, no `database_url`).
+    pub fn serves_demo(&self) -> bool {
+        match self.demo.page {
+            DemoPage::On => true,
+            DemoPage::Off => false,
+            DemoPage::Auto => self.database_url.is_empty(),
         }
     }
 }

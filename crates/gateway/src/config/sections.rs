@@ -199,3 +199,24 @@ impl Default for StreamsConfig {
         StreamsConfig { relay_window_ms: 5 }
     }
 }
+
+/// Whether the node serves the demo chat page (`GET /demo`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum DemoPage {
+    /// Served only on the development setup: the embedded database (no `database_url`).
+    #[default]
+    Auto,
+    /// Always served.
+    On,
+    /// Never served.
+    Off,
+}
+
+/// The demo chat page (a development aid: it hands out conversations of a demo channel).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DemoConfig {
+    /// `auto`, `on` or `off`.
+    pub page: DemoPage,
+}

@@ -4,6 +4,7 @@ mod admin;
 mod body;
 mod channels;
 mod conversations;
+mod demo;
 mod health;
 pub mod status;
 pub(crate) mod tokens;
@@ -38,6 +39,9 @@ pub(crate) fn router(state: AppState) -> Router {
             "/api/v1/converger/conversations/{id}/activities",
             get(conversations::list_activities).post(conversations::post_activity),
         )
+        .route("/demo", get(demo::page))
+        .route("/demo/api/conversation", post(demo::conversation))
+        .route("/demo/api/agent-token", post(demo::agent_token))
         .route("/socket/converger/v1", get(crate::ws::upgrade))
         .route("/health/live", get(health::live))
         .route("/health/ready", get(health::ready))
