@@ -178,6 +178,11 @@ impl Gateway {
         self.child.id().unwrap_or(0)
     }
 
+    /// The database created for this node (other nodes of a cluster start on it).
+    pub fn database_name(&self) -> &str {
+        &self.database
+    }
+
     /// Stops the process and drops its database (and with it every other node's).
     pub async fn stop(mut self) -> anyhow::Result<()> {
         let _ = self.child.kill().await;

@@ -15,6 +15,7 @@ mod pipelined_agent;
 mod plot;
 mod soak;
 mod stats;
+mod streams;
 mod turns;
 
 use clap::{Parser, Subcommand};
@@ -45,6 +46,9 @@ enum Command {
     Peers(peers::PeersArgs),
     /// Render docs/benchmarks.png from saved `peers` and `turns` JSON lines.
     Plot(plot::PlotArgs),
+    /// Streamed answers to end users, same node and cross node, against Redis and NATS
+    /// pub/sub relaying the same chunks.
+    Streams(streams::StreamsArgs),
     /// Users and lease-mode agents over three nodes with random faults: the checker's verdict
     /// (exits non-zero on a breach).
     Soak(soak::SoakArgs),
@@ -62,5 +66,6 @@ async fn main() -> anyhow::Result<()> {
         Command::Peers(args) => peers::run(args).await,
         Command::Plot(args) => plot::run(args),
         Command::Soak(args) => soak::run(args).await,
+        Command::Streams(args) => streams::run(args).await,
     }
 }

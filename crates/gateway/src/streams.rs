@@ -33,8 +33,8 @@ const RELAY_BATCH: usize = 1024;
 pub struct ChunkBody {
     /// The delta.
     pub content: StreamContent,
-    /// The writing agent as `{id, role}`.
-    pub from: Value,
+    /// The writing agent as `{id, role}`, shared by all its chunks.
+    pub from: Arc<Value>,
 }
 
 /// One change of a stream, as this node's sessions receive it.
@@ -236,7 +236,7 @@ impl LiveStreams {
                 "x": chunk.fence,
                 "o": chunk.owner,
                 "b": content_to_wire(&body.content),
-                "f": body.from,
+                "f": *body.from,
             })
         });
         hub.publish(
@@ -356,6 +356,11 @@ impl LiveStreams {
         if node == self.node_id {
             return;
         }
+        tracing::debug!(
+            node,
+            events = events.len(),
+            "stream events from another node"
+        );
         for event in events {
             self.apply_remote_event(hub, node, &event);
         }
@@ -391,7 +396,7 @@ impl LiveStreams {
         };
         let body = Arc::new(ChunkBody {
             content,
-            from: event.get("f").cloned().unwrap_or(Value::Null),
+            from: Arc::new(event.get("f").cloned().unwrap_or(Value::Null)),
         });
         let replica_limits = StreamLimits {
             max_stream_bytes: usize::MAX,
@@ -412,8 +417,12 @@ impl LiveStreams {
             &replica_limits,
         );
         // A replica that missed the stream's start cannot show it: the committed answer will.
-        let Ok(accepted) = outcome else {
-            return;
+        let accepted = match outcome {
+            Ok(accepted) => accepted,
+            Err(refusal) => {
+                tracing::debug!(?refusal, %conversation_id, stream_id, index, "replica chunk not applied");
+                return;
+            }
         };
         for fenced in accepted.fenced {
             publish_end(hub, conversation_id, fenced, Some("fenced".into()));

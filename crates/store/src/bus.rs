@@ -213,35 +213,15 @@ impl Store {
     /// sent by one `pg_notify` over an array, so a flush costs one transaction however many
     /// chunks it carries. An event too large for a notification travels through the outbox.
     pub async fn publish_streams(&self, node: &str, events: &[Value]) -> Result<(), StoreError> {
-        let encode = |events: &[Value]| {
-            serde_json::to_string(&Payload::Streams {
-                node: node.to_owned(),
-                events: events.to_vec(),
-            })
-            .map_err(|error| StoreError::Config(error.to_string()))
-        };
-        let mut inline: Vec<String> = Vec::new();
-        let mut start = 0;
-        while start < events.len() {
-            // The longest run from `start` that fits in one notification.
-            let mut end = start + 1;
-            let mut text = encode(&events[start..end])?;
-            if text.len() > INLINE_PAYLOAD_LIMIT {
-                self.notify_all(std::mem::take(&mut inline)).await?;
-                self.publish_through_outbox(&text).await?;
-                start = end;
-                continue;
-            }
-            while end < events.len() {
-                let longer = encode(&events[start..end + 1])?;
-                if longer.len() > INLINE_PAYLOAD_LIMIT {
-                    break;
+        let mut inline = Vec::new();
+        for payload in pack_stream_events(node, events)? {
+            match payload {
+                Packed::Inline(text) => inline.push(text),
+                Packed::Outbox(text) => {
+                    self.notify_all(std::mem::take(&mut inline)).await?;
+                    self.publish_through_outbox(&text).await?;
                 }
-                text = longer;
-                end += 1;
             }
-            inline.push(text);
-            start = end;
         }
         self.notify_all(inline).await
     }
@@ -390,6 +370,48 @@ impl Store {
 
 /// The frames a notification carries, or none when any of them does not read as a frame: the
 /// receiver then reads them back, instead of losing the whole notification.
+/// A stream payload, small enough for a notification or not.
+#[derive(Debug, PartialEq)]
+enum Packed {
+    Inline(String),
+    Outbox(String),
+}
+
+/// Packs stream events, in order, into as few `Payload::Streams` texts as the notification
+/// size allows; each event is serialized once.
+fn pack_stream_events(node: &str, events: &[Value]) -> Result<Vec<Packed>, StoreError> {
+    let node_json =
+        serde_json::to_string(node).map_err(|error| StoreError::Config(error.to_string()))?;
+    let head = format!(r#"{{"k":"st","n":{node_json},"e":["#);
+    let tail = "]}";
+    let fits = |body: usize| head.len() + body + tail.len() <= INLINE_PAYLOAD_LIMIT;
+    let mut packed = Vec::new();
+    let mut current = String::new();
+    for event in events {
+        let text = event.to_string();
+        if !fits(text.len()) {
+            if !current.is_empty() {
+                packed.push(Packed::Inline(format!("{head}{current}{tail}")));
+                current.clear();
+            }
+            packed.push(Packed::Outbox(format!("{head}{text}{tail}")));
+            continue;
+        }
+        if !current.is_empty() && !fits(current.len() + 1 + text.len()) {
+            packed.push(Packed::Inline(format!("{head}{current}{tail}")));
+            current.clear();
+        }
+        if !current.is_empty() {
+            current.push(',');
+        }
+        current.push_str(&text);
+    }
+    if !current.is_empty() {
+        packed.push(Packed::Inline(format!("{head}{current}{tail}")));
+    }
+    Ok(packed)
+}
+
 fn frames_or_none<'de, D>(deserializer: D) -> Result<Vec<Activity>, D::Error>
 where
     D: serde::Deserializer<'de>,
@@ -589,6 +611,33 @@ async fn catch_up(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn stream_events_pack_in_order_within_the_notification_size() {
+        let events: Vec<Value> = (0..500)
+            .map(|index| serde_json::json!({"s": "s-1", "i": index, "b": {"text": "word "}}))
+            .chain([serde_json::json!({"s": "s-1", "i": 500, "b": {"text": "x".repeat(9_000)}})])
+            .chain([serde_json::json!({"s": "s-1", "i": 501})])
+            .collect();
+        let packed = pack_stream_events("node-\"1\"", &events).unwrap();
+        assert!(packed.len() > 2, "split over several notifications");
+        let mut seen = Vec::new();
+        for payload in &packed {
+            let (Packed::Inline(text) | Packed::Outbox(text)) = payload;
+            if matches!(payload, Packed::Inline(_)) {
+                assert!(text.len() <= INLINE_PAYLOAD_LIMIT);
+            }
+            let Some(BusEvent::Streams { node, events }) =
+                to_event(serde_json::from_str::<Payload>(text).unwrap())
+            else {
+                panic!("a streams payload");
+            };
+            assert_eq!(node, "node-\"1\"");
+            seen.extend(events);
+        }
+        assert_eq!(seen, events, "every event once, in order");
+        assert!(matches!(packed[packed.len() - 2], Packed::Outbox(_)));
+    }
 
     #[test]
     fn payloads_round_trip() {

@@ -257,8 +257,12 @@ impl AgentSession<'_> {
         Ok(())
     }
 
-    pub(super) fn sender_ref(&self) -> Value {
-        serde_json::json!({"id": self.sender_id, "role": AGENT_ROLE})
+    /// This connection as the `from` of its stream chunks (made once, shared by all).
+    pub(super) fn sender_ref(&mut self) -> std::sync::Arc<Value> {
+        let sender_id = &self.sender_id;
+        std::sync::Arc::clone(self.stream_from.get_or_insert_with(|| {
+            std::sync::Arc::new(serde_json::json!({"id": sender_id, "role": AGENT_ROLE}))
+        }))
     }
 
     fn sender(&self) -> Sender {

@@ -65,6 +65,8 @@ struct AgentSession<'a> {
     token_expires_at: Instant,
     /// Turn results committing now.
     results: ResultsInFlight,
+    /// `from` of this connection's stream chunks, made at the first chunk.
+    stream_from: Option<std::sync::Arc<serde_json::Value>>,
 }
 
 /// Runs an agent connection after its hello.
@@ -105,6 +107,7 @@ pub(super) async fn run(
         last_inbound: now,
         last_outbound: now,
         results: ResultsInFlight::default(),
+        stream_from: None,
     };
     let channel_id = session.channel_id.to_string();
     let connection = connection_id.to_string();

@@ -1,0 +1,617 @@
+//! `streams`: streamed answers relayed to end users, against the same relay over Redis pub/sub
+//! and NATS core pub/sub, in one run.
+//!
+//! S conversations each get one streamed answer from one agent on the first node; each has a
+//! tab on the first node (same node) and a share of them a second tab on the second node (cross
+//! node). Phase 1 sends chunks as fast as the agent's socket takes them: chunks delivered per
+//! second over all tabs. Phase 2 paces the chunks at half of that: chunk latency (agent send →
+//! tab receive) p50/p99, same node and cross node. The peers relay the same chunks publisher →
+//! server → one subscriber connection per tab. Chunks carry their send time, so every latency
+//! is read off one clock. The last stdout line is one JSON object.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use converger_client::{RestClient, TokenRequest};
+use futures_util::{SinkExt, StreamExt};
+use serde_json::{Value, json};
+use tokio::sync::Mutex;
+use tokio::task::JoinSet;
+use tokio_tungstenite::tungstenite::Message;
+
+use crate::gateway::{DEFAULT_DATABASE_URL, Gateway, bench_channel, default_binary};
+use crate::peers::Clock;
+use crate::{machine, stats};
+
+/// Arguments of `streams`.
+#[derive(Debug, clap::Args)]
+pub struct StreamsArgs {
+    /// Concurrent streamed answers (one conversation and one tab each).
+    #[arg(long, default_value_t = 1_000)]
+    streams: usize,
+    /// Bytes of each chunk's text.
+    #[arg(long, default_value_t = 32)]
+    chunk_bytes: usize,
+    /// Phase 2's chunks per second over all streams; 0: half of phase 1's delivered rate.
+    #[arg(long, default_value_t = 0.0)]
+    rate: f64,
+    /// Gateway nodes (1 or 2; with 2, second tabs connect to the second node).
+    #[arg(long, default_value_t = 2)]
+    nodes: usize,
+    /// Share of the conversations with a second tab on the second node.
+    #[arg(long, default_value_t = 0.2)]
+    second_tabs: f64,
+    /// Seconds of each phase.
+    #[arg(long, default_value_t = 10)]
+    duration: u64,
+    /// Postgres server to create the benchmark database on.
+    #[arg(long, default_value = DEFAULT_DATABASE_URL)]
+    database_url: String,
+    /// The `converger` binary (default: next to this one).
+    #[arg(long)]
+    binary: Option<PathBuf>,
+    /// Redis server.
+    #[arg(long, default_value = "redis://127.0.0.1:6379")]
+    redis_url: String,
+    /// NATS server.
+    #[arg(long, default_value = "nats://127.0.0.1:4222")]
+    nats_url: String,
+}
+
+type Socket =
+    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+
+/// What one tab (or subscriber) saw: chunks per phase, and phase 2's latencies.
+#[derive(Debug, Default)]
+struct Seen {
+    delivered: [u64; 2],
+    latencies_ms: Vec<f64>,
+}
+
+/// Where a tab sits relative to the publisher.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Place {
+    SameNode,
+    CrossNode,
+}
+
+/// The chunk text: phase, send time in µs, padding to `bytes`.
+fn chunk_text(phase: u8, sent_us: u64, bytes: usize) -> String {
+    let mut text = format!("{phase}{sent_us:020}");
+    while text.len() < bytes {
+        text.push('.');
+    }
+    text
+}
+
+/// (phase, send time) of a chunk text.
+fn read_chunk(text: &str) -> Option<(usize, u64)> {
+    let phase = text.get(0..1)?.parse::<usize>().ok()?;
+    let sent = text.get(1..21)?.parse().ok()?;
+    Some((phase.checked_sub(1)?, sent))
+}
+
+/// A shared record of what the tabs saw.
+#[derive(Default)]
+struct Tally {
+    same: Mutex<Seen>,
+    cross: Mutex<Seen>,
+}
+
+impl Tally {
+    async fn take(&self, place: Place, text: &str, clock: &Clock) {
+        let Some((phase, sent)) = read_chunk(text) else {
+            return;
+        };
+        let latency = crate::peers::millis_between(sent, clock.now_us());
+        let mut seen = match place {
+            Place::SameNode => self.same.lock().await,
+            Place::CrossNode => self.cross.lock().await,
+        };
+        if let Some(count) = seen.delivered.get_mut(phase) {
+            *count += 1;
+        }
+        if phase == 1 {
+            seen.latencies_ms.push(latency);
+        }
+    }
+
+    /// Chunks delivered so far, over both places and phases.
+    async fn total(&self) -> u64 {
+        let same = self.same.lock().await.delivered.iter().sum::<u64>();
+        let cross = self.cross.lock().await.delivered.iter().sum::<u64>();
+        same + cross
+    }
+
+    /// Waits until no chunk has arrived for 500 ms (the relays' backlog is drained), at most
+    /// 60 s.
+    async fn settle(&self) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut last = self.total().await;
+        while Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let now = self.total().await;
+            if now == last {
+                return;
+            }
+            last = now;
+        }
+    }
+
+    async fn figures(&self, phase_secs: [f64; 2]) -> Value {
+        let mut same = self.same.lock().await;
+        let mut cross = self.cross.lock().await;
+        let delivered = |phase: usize| {
+            (same.delivered[phase] + cross.delivered[phase]) as f64 / phase_secs[phase].max(1e-9)
+        };
+        json!({
+            "delivered": {"same_node": same.delivered, "cross_node": cross.delivered},
+            "chunks_per_sec": delivered(0),
+            "paced_chunks_per_sec": delivered(1),
+            "same_node_ms": stats::percentiles(&mut same.latencies_ms),
+            "cross_node_ms": stats::percentiles(&mut cross.latencies_ms),
+        })
+    }
+}
+
+/// The pace of one phase: chunks round robin over the streams until the deadline, as fast as
+/// possible when the rate is 0, else at the rate (from the phase's start, so a late chunk does
+/// not push the later ones back).
+struct Pacer {
+    started: Instant,
+    deadline: Instant,
+    rate: f64,
+    sent: u64,
+}
+
+impl Pacer {
+    fn new(rate: f64, duration: Duration) -> Pacer {
+        let started = Instant::now();
+        Pacer {
+            started,
+            deadline: started + duration,
+            rate,
+            sent: 0,
+        }
+    }
+
+    /// Waits until the next chunk is due; `None` once the phase is over, else its stream.
+    async fn next(&mut self, streams: usize) -> Option<usize> {
+        if Instant::now() >= self.deadline {
+            return None;
+        }
+        if self.rate > 0.0 {
+            let due = self.started + Duration::from_secs_f64(self.sent as f64 / self.rate);
+            tokio::time::sleep_until(due.into()).await;
+        }
+        self.sent += 1;
+        Some((self.sent - 1) as usize % streams)
+    }
+
+    /// True when the chunk just due should be flushed now (each one when paced).
+    fn flush_now(&self) -> bool {
+        self.rate > 0.0 || self.sent.is_multiple_of(64)
+    }
+
+    fn elapsed_secs(&self) -> f64 {
+        self.started.elapsed().as_secs_f64()
+    }
+}
+
+/// Runs converger and the peers, prints a table and one JSON line.
+pub async fn run(args: StreamsArgs) -> anyhow::Result<()> {
+    rlimit::increase_nofile_limit(u64::MAX).context("raise the open-file limit")?;
+    if args.nodes == 0 || args.nodes > 2 {
+        bail!("--nodes must be 1 or 2");
+    }
+    let converger = measure_converger(&args).await?;
+    let half = converger["chunks_per_sec"].as_f64().unwrap_or(0.0) / 2.0;
+    let rate = if args.rate > 0.0 { args.rate } else { half };
+    let redis = match measure_redis(&args, rate).await {
+        Ok(figures) => figures,
+        Err(error) => json!({"failed": format!("{error:#}")}),
+    };
+    let nats = match measure_nats(&args, rate).await {
+        Ok(figures) => figures,
+        Err(error) => json!({"failed": format!("{error:#}")}),
+    };
+    let faster_peer = [&redis, &nats]
+        .iter()
+        .filter_map(|figures| figures["chunks_per_sec"].as_f64())
+        .fold(0.0, f64::max);
+    let ratio = converger["chunks_per_sec"].as_f64().unwrap_or(0.0) / faster_peer.max(1e-9);
+    println!("system     chunks/s   paced/s   same p50/p99 ms   cross p50/p99 ms");
+    for (name, figures) in [
+        ("converger", &converger),
+        ("redis", &redis),
+        ("nats", &nats),
+    ] {
+        println!(
+            "{name:<10} {:>9.0} {:>9.0}   {:>6.2} / {:>6.2}   {:>6.2} / {:>6.2}",
+            figures["chunks_per_sec"].as_f64().unwrap_or(0.0),
+            figures["paced_chunks_per_sec"].as_f64().unwrap_or(0.0),
+            figures["same_node_ms"]["p50"].as_f64().unwrap_or(0.0),
+            figures["same_node_ms"]["p99"].as_f64().unwrap_or(0.0),
+            figures["cross_node_ms"]["p50"].as_f64().unwrap_or(0.0),
+            figures["cross_node_ms"]["p99"].as_f64().unwrap_or(0.0),
+        );
+    }
+    let mut line = converger.clone();
+    line["bench"] = json!("streams");
+    line["machine"] = machine::describe();
+    line["settings"] = json!({
+        "streams": args.streams, "chunk_bytes": args.chunk_bytes, "paced_rate": rate,
+        "nodes": args.nodes, "second_tabs": args.second_tabs, "duration_secs": args.duration,
+    });
+    line["durability"] = json!(
+        "all three relay transient chunks in memory: converger writes no chunk to Postgres; \
+         Redis pub/sub and NATS core keep nothing"
+    );
+    line["ratio_to_faster_peer"] = json!(ratio);
+    line["peers"] = json!({"redis": redis, "nats": nats});
+    println!("{line}");
+    Ok(())
+}
+
+async fn measure_converger(args: &StreamsArgs) -> anyhow::Result<Value> {
+    let binary = args.binary.clone().unwrap_or_else(default_binary);
+    let env = [
+        ("CONVERGER_LIMITS__MAX_FRAMES_PER_SEC", "1000000".to_owned()),
+        (
+            "CONVERGER_LIMITS__MAX_STREAMS_PER_CONNECTION",
+            args.streams.to_string(),
+        ),
+        (
+            "CONVERGER_LIMITS__MAX_STREAM_BYTES",
+            (256u64 << 20).to_string(),
+        ),
+        ("CONVERGER_LIMITS__OUTBOUND_QUEUE_FRAMES", "8192".to_owned()),
+        ("CONVERGER_GROUP_SETTLE_MS", "100".to_owned()),
+    ];
+    let first = Gateway::start(&binary, &args.database_url, &env).await?;
+    let mut second = None;
+    if args.nodes == 2 {
+        let mut with_seed = env.to_vec();
+        with_seed.push((
+            "CONVERGER_SEEDS",
+            first.gossip_addr.clone().unwrap_or_default(),
+        ));
+        let database = first.database_name().to_owned();
+        second = Some(Gateway::start_on(&binary, &args.database_url, &database, &with_seed).await?);
+    }
+    let outcome = converger_phases(args, &first, second.as_ref()).await;
+    if let Some(second) = second {
+        second.kill().await;
+    }
+    first.stop().await?;
+    outcome
+}
+
+async fn connect(url: &str) -> anyhow::Result<Socket> {
+    let (socket, _) = tokio::time::timeout(
+        Duration::from_secs(10),
+        tokio_tungstenite::connect_async(url),
+    )
+    .await
+    .context("connect timed out")??;
+    Ok(socket)
+}
+
+async fn hello(socket: &mut Socket, hello: Value) -> anyhow::Result<Value> {
+    socket.send(Message::text(hello.to_string())).await?;
+    loop {
+        let Some(message) = socket.next().await else {
+            bail!("closed before welcome");
+        };
+        if let Message::Text(text) = message? {
+            let frame: Value = serde_json::from_str(text.as_str())?;
+            if frame["type"] == "welcome" {
+                return Ok(frame);
+            }
+            if frame["type"] == "error" {
+                bail!("refused: {frame}");
+            }
+        }
+    }
+}
+
+/// One tab: reads frames until the socket closes, tallying stream chunks.
+async fn tab(mut socket: Socket, place: Place, tally: Arc<Tally>, clock: Clock) {
+    while let Some(Ok(message)) = socket.next().await {
+        let Message::Text(text) = message else {
+            continue;
+        };
+        let Ok(frame) = serde_json::from_str::<Value>(text.as_str()) else {
+            continue;
+        };
+        if frame["type"] == "streamChunk"
+            && let Some(text) = frame["text"].as_str()
+        {
+            tally.take(place, text, &clock).await;
+        }
+    }
+}
+
+async fn converger_phases(
+    args: &StreamsArgs,
+    first: &Gateway,
+    second: Option<&Gateway>,
+) -> anyhow::Result<Value> {
+    let rest = RestClient::new(&first.base_url)?;
+    let (channel, agent_token) =
+        bench_channel(&rest, "streams", &TokenRequest::channel_scope()).await?;
+    let mut agent = connect(&first.ws_url).await?;
+    let welcome = hello(
+        &mut agent,
+        json!({"type": "hello", "protocol": "converger/1", "token": agent_token, "group": "bench"}),
+    )
+    .await?;
+    let since = welcome["data"]["since"].as_i64().unwrap_or(0);
+    let wait = since - chrono_now_ms() + 20;
+    if wait > 0 {
+        tokio::time::sleep(Duration::from_millis(wait as u64)).await;
+    }
+    let clock = Clock::start();
+    let tally = Arc::new(Tally::default());
+    let mut tabs = JoinSet::new();
+    let second_every = if args.second_tabs > 0.0 && second.is_some() {
+        (1.0 / args.second_tabs).round().max(1.0) as usize
+    } else {
+        usize::MAX
+    };
+    let mut firsts = Vec::with_capacity(args.streams);
+    for n in 0..args.streams {
+        let user = rest
+            .generate_token(&channel.secret, &TokenRequest::for_user(&format!("u{n}")))
+            .await?;
+        let created = rest.create_conversation(&user.token).await?;
+        let mut socket = connect(&first.ws_url).await?;
+        hello(
+            &mut socket,
+            json!({"type": "hello", "protocol": "converger/1", "token": created.token}),
+        )
+        .await?;
+        socket
+            .send(Message::text(
+                json!({"type": "text", "clientId": "q", "data": {"text": "go"}}).to_string(),
+            ))
+            .await?;
+        firsts.push(socket);
+        if let Some(second) = second
+            && n % second_every == 0
+        {
+            let mut other = connect(&second.ws_url).await?;
+            hello(
+                &mut other,
+                json!({"type": "hello", "protocol": "converger/1", "token": created.token}),
+            )
+            .await?;
+            tabs.spawn(tab(other, Place::CrossNode, Arc::clone(&tally), clock));
+        }
+    }
+    for socket in firsts {
+        tabs.spawn(tab(socket, Place::SameNode, Arc::clone(&tally), clock));
+    }
+    // The agent's turns: one per conversation.
+    let mut turns: Vec<(String, i64)> = Vec::with_capacity(args.streams);
+    let collect = async {
+        while turns.len() < args.streams {
+            let Some(message) = agent.next().await else {
+                bail!("agent closed");
+            };
+            if let Message::Text(text) = message? {
+                let envelope: Value = serde_json::from_str(text.as_str())?;
+                if let Some(seq) = envelope["frame"]["meta"]["turn"]["seq"].as_i64() {
+                    let conversation = envelope["conversationId"].as_str().unwrap_or_default();
+                    turns.push((conversation.to_owned(), seq));
+                }
+            }
+        }
+        Ok(())
+    };
+    tokio::time::timeout(Duration::from_secs(120), collect)
+        .await
+        .context("the agent did not get every turn")??;
+    let (mut writer, mut reader) = agent.split();
+    // Refusals would show up here; the reader keeps the socket drained.
+    let refused = Arc::new(AtomicU64::new(0));
+    let counting = Arc::clone(&refused);
+    let drain = tokio::spawn(async move {
+        while let Some(Ok(message)) = reader.next().await {
+            if let Message::Text(text) = message
+                && text.as_str().contains("\"type\":\"error\"")
+            {
+                counting.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    });
+    let rss_before = machine::rss_kib(first.pid()).unwrap_or(0);
+    let mut indices = vec![0u64; args.streams];
+    let mut phase_secs = [0.0; 2];
+    let mut rss_open = 0;
+    let mut buffered = 0u64;
+    let mut phase_rate = 0.0;
+    for phase in 0..2u8 {
+        let rate = if phase == 0 {
+            0.0
+        } else if args.rate > 0.0 {
+            args.rate
+        } else {
+            phase_rate / 2.0
+        };
+        let mut pacer = Pacer::new(rate, Duration::from_secs(args.duration));
+        while let Some(stream) = pacer.next(args.streams).await {
+            let (conversation, seq) = &turns[stream];
+            let index = indices[stream];
+            indices[stream] += 1;
+            let mut frame = json!({"type": "streamChunk", "streamId": format!("s-{stream}"),
+                "index": index, "text": chunk_text(phase + 1, clock.now_us(), args.chunk_bytes)});
+            if index == 0 {
+                frame["turn"] = json!({"seq": seq});
+            }
+            let envelope = json!({"conversationId": conversation, "frame": frame}).to_string();
+            if pacer.flush_now() {
+                writer.send(Message::text(envelope)).await?;
+            } else {
+                writer.feed(Message::text(envelope)).await?;
+            }
+        }
+        writer.flush().await?;
+        let sent = pacer.sent;
+        // Delivered chunks are counted until the last one arrived (the settle's quiet 500 ms
+        // excluded), so a relay that falls behind is not credited with its backlog.
+        tally.settle().await;
+        phase_secs[usize::from(phase)] = pacer.elapsed_secs() - 0.5;
+        if phase == 0 {
+            rss_open = machine::rss_kib(first.pid()).unwrap_or(0);
+            // Every chunk of an open stream is held until the stream ends.
+            buffered = indices.iter().sum::<u64>() * args.chunk_bytes as u64;
+            phase_rate = tally.figures(phase_secs).await["chunks_per_sec"]
+                .as_f64()
+                .unwrap_or(0.0);
+        }
+        eprintln!("phase {}: {sent} chunks sent", phase + 1);
+    }
+    drain.abort();
+    tabs.abort_all();
+    let mut figures = tally.figures(phase_secs).await;
+    figures["refused"] = json!(refused.load(Ordering::Relaxed));
+    figures["rss_kib"] = json!({"before": rss_before, "streams_open": rss_open});
+    figures["buffered_bytes"] = json!(buffered);
+    figures["rss_per_stream_bytes_over_buffered"] = json!(
+        ((rss_open.saturating_sub(rss_before) * 1024) as f64 - buffered as f64).max(0.0)
+            / args.streams as f64
+    );
+    figures["round_trip"] = json!(
+        "agent streamChunk on node 1 → gateway registry → hub → tab socket (same node); → \
+         coalesced pg_notify → node 2 → tab socket (cross node)"
+    );
+    Ok(figures)
+}
+
+fn chrono_now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|elapsed| elapsed.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+/// How many subscribers (tabs) the peers get: one per stream, plus the second tabs.
+fn subscribers(args: &StreamsArgs) -> Vec<(usize, Place)> {
+    let second_every = if args.second_tabs > 0.0 && args.nodes == 2 {
+        (1.0 / args.second_tabs).round().max(1.0) as usize
+    } else {
+        usize::MAX
+    };
+    let mut all: Vec<(usize, Place)> = (0..args.streams).map(|n| (n, Place::SameNode)).collect();
+    all.extend(
+        (0..args.streams)
+            .filter(|n| n % second_every == 0)
+            .map(|n| (n, Place::CrossNode)),
+    );
+    all
+}
+
+async fn measure_redis(args: &StreamsArgs, paced: f64) -> anyhow::Result<Value> {
+    use redis::AsyncCommands;
+    let client = redis::Client::open(args.redis_url.as_str())?;
+    let prefix = format!("converger-bench-streams:{}", std::process::id());
+    let clock = Clock::start();
+    let tally = Arc::new(Tally::default());
+    let mut tasks = JoinSet::new();
+    for (stream, place) in subscribers(args) {
+        let mut pubsub = tokio::time::timeout(Duration::from_secs(5), client.get_async_pubsub())
+            .await
+            .context("redis connect timed out")??;
+        pubsub.subscribe(format!("{prefix}:{stream}")).await?;
+        let tally = Arc::clone(&tally);
+        tasks.spawn(async move {
+            let mut messages = pubsub.into_on_message();
+            while let Some(message) = messages.next().await {
+                if let Ok(text) = message.get_payload::<String>() {
+                    tally.take(place, &text, &clock).await;
+                }
+            }
+        });
+    }
+    let publisher = client.get_multiplexed_async_connection().await?;
+    let mut phase_secs = [0.0; 2];
+    for phase in 0..2u8 {
+        let rate = if phase == 0 { 0.0 } else { paced };
+        let mut pacer = Pacer::new(rate, Duration::from_secs(args.duration));
+        // Publishes pipeline on the multiplexed connection: up to 256 in flight.
+        let mut in_flight = futures_util::stream::FuturesUnordered::new();
+        while let Some(stream) = pacer.next(args.streams).await {
+            let mut connection = publisher.clone();
+            let channel = format!("{prefix}:{stream}");
+            let text = chunk_text(phase + 1, clock.now_us(), args.chunk_bytes);
+            in_flight.push(async move {
+                let _: redis::RedisResult<i64> = connection.publish(channel, text).await;
+            });
+            if in_flight.len() >= 256 {
+                in_flight.next().await;
+            }
+        }
+        while in_flight.next().await.is_some() {}
+        tally.settle().await;
+        phase_secs[usize::from(phase)] = pacer.elapsed_secs() - 0.5;
+    }
+    tasks.abort_all();
+    let mut figures = tally.figures(phase_secs).await;
+    figures["round_trip"] =
+        json!("PUBLISH (256 in flight) → Redis → one SUBSCRIBE connection per tab");
+    Ok(figures)
+}
+
+async fn measure_nats(args: &StreamsArgs, paced: f64) -> anyhow::Result<Value> {
+    let client = tokio::time::timeout(Duration::from_secs(5), async_nats::connect(&args.nats_url))
+        .await
+        .context("nats connect timed out")??;
+    let prefix = format!("converger-bench-streams.{}", std::process::id());
+    let clock = Clock::start();
+    let tally = Arc::new(Tally::default());
+    let mut tasks = JoinSet::new();
+    let mut subscriber_clients = Vec::new();
+    for (stream, place) in subscribers(args) {
+        let subscriber_client = async_nats::connect(&args.nats_url).await?;
+        let mut subscription = subscriber_client
+            .subscribe(format!("{prefix}.{stream}"))
+            .await?;
+        subscriber_clients.push(subscriber_client);
+        let tally = Arc::clone(&tally);
+        tasks.spawn(async move {
+            while let Some(message) = subscription.next().await {
+                if let Ok(text) = std::str::from_utf8(&message.payload) {
+                    tally.take(place, text, &clock).await;
+                }
+            }
+        });
+    }
+    for subscriber_client in &subscriber_clients {
+        subscriber_client.flush().await?;
+    }
+    let mut phase_secs = [0.0; 2];
+    for phase in 0..2u8 {
+        let rate = if phase == 0 { 0.0 } else { paced };
+        let mut pacer = Pacer::new(rate, Duration::from_secs(args.duration));
+        while let Some(stream) = pacer.next(args.streams).await {
+            let subject = format!("{prefix}.{stream}");
+            let text = chunk_text(phase + 1, clock.now_us(), args.chunk_bytes);
+            client.publish(subject, text.into()).await?;
+            if pacer.flush_now() {
+                client.flush().await?;
+            }
+        }
+        client.flush().await?;
+        tally.settle().await;
+        phase_secs[usize::from(phase)] = pacer.elapsed_secs() - 0.5;
+    }
+    tasks.abort_all();
+    let mut figures = tally.figures(phase_secs).await;
+    figures["round_trip"] =
+        json!("publish (flushed every 64, or each when paced) → NATS → one connection per tab");
+    Ok(figures)
+}
