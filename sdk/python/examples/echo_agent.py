@@ -1,11 +1,15 @@
 #!/usr/bin/env python3
 """Echo agent: answers every turn with an echo and counts the turns in the runtime state.
 
+With ``CONVERGER_ECHO_STREAM=1`` it streams the echo word by word before committing it
+(``turn.stream()``, see ``llm_agent.py``); the stored answer is the same.
+
 Environment:
     CONVERGER_URL          the node, e.g. http://127.0.0.1:8080 (default) or its ws:// endpoint
     CONVERGER_AGENT_TOKEN  a channel-scope token (``converger token issue --scope channel`` or
                            ``POST /api/v1/converger/tokens/generate`` with ``{"scope":"channel"}``)
     CONVERGER_AGENT_GROUP  the group to join (default ``echo``)
+    CONVERGER_ECHO_STREAM  ``1`` streams each echo before committing it (default ``0``)
 
 Prints ``ready <connectionId> <since>`` once connected; SIGTERM or Ctrl-C drains and exits 0.
 
@@ -17,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import signal
 
 from converger import Agent, Turn
@@ -29,12 +34,20 @@ async def main() -> None:
         os.environ["CONVERGER_AGENT_TOKEN"],
         group=os.environ.get("CONVERGER_AGENT_GROUP", "echo"),
     )
+    streamed = os.environ.get("CONVERGER_ECHO_STREAM", "0") == "1"
 
     @agent.turn
     async def echo(turn: Turn) -> None:
         count = int(turn.runtime.state.get("count", 0)) + 1
-        await turn.typing(True)
-        await turn.reply(f"echo {count}: {turn.text}", runtime={"count": count})
+        text = f"echo {count}: {turn.text}"
+        if not streamed:
+            await turn.typing(True)
+            await turn.reply(text, runtime={"count": count})
+            return
+        async with turn.stream() as stream:
+            for word in re.findall(r"\S+\s*", text):
+                await stream.text(word)
+            await stream.finish(runtime={"count": count})  # commits the streamed text
 
     welcome = await agent.connect()
     print(f"ready {welcome.connection_id} {welcome.since}", flush=True)

@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+import pytest
+
 from converger import Backoff, Conversation, Message, RestClient
 
 SDK_ROOT = Path(__file__).resolve().parents[1]
@@ -278,6 +280,16 @@ class Env:
         """Every stored frame of the conversation (agent view, over REST)."""
         token = await self.agent_token()
         return await self.rest.all_activities(token, conversation_id)
+
+    def sql(self, statement: str) -> str:
+        """Runs one SQL statement on the node's database (shared Postgres only) and returns
+        psql's unaligned output; skips the test when the node runs its embedded Postgres."""
+        if self.node.embedded:
+            pytest.skip("needs the shared test Postgres (the node runs its embedded one)")
+        done = _psql(self.node.database_url, statement)
+        if done.returncode != 0:
+            raise RuntimeError(f"{statement!r} failed: {done.stderr}")
+        return done.stdout.strip()
 
     async def answers(self, conversation_id: str) -> list[Message]:
         """The agents' frames of the conversation, over REST."""

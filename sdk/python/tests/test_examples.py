@@ -8,18 +8,21 @@ from pathlib import Path
 
 from support import FAST, SDK_ROOT, Env, Script, first_of, next_message
 
-from converger import Conversation, ErrorEvent, Typing
+from converger import Conversation, ErrorEvent, Message, StreamUpdate, Typing
 
 EXAMPLES = SDK_ROOT / "examples"
 
 
-async def start_example(env: Env, name: str, group: str) -> Script:
+async def start_example(
+    env: Env, name: str, group: str, extra: dict[str, str] | None = None
+) -> Script:
     script = Script(
         EXAMPLES / name,
         {
             "CONVERGER_URL": env.url,
             "CONVERGER_AGENT_TOKEN": await env.agent_token(),
             "CONVERGER_AGENT_GROUP": group,
+            **(extra or {}),
         },
     )
     await script.start()
@@ -48,6 +51,56 @@ async def test_the_echo_agent_example(env: Env) -> None:
             await user.send_text("again")
             second = await next_message(user, lambda m: m.from_ == "bot")
             assert second.text == "echo 2: again"  # the count lives in the runtime state
+    finally:
+        await stop_example(script)
+
+
+async def streamed_answer(user: Conversation) -> tuple[list[StreamUpdate], Message]:
+    """The updates of the next streamed answer, up to its end, and its stored frame."""
+    updates = user.stream_updates()
+    seen = [await first_of(updates, lambda _: True)]
+    while seen[-1].end is None:
+        seen.append(await first_of(updates, lambda _: True))
+    stored = await next_message(user, lambda m: m.from_ == "bot")
+    return seen, stored
+
+
+async def test_the_echo_agent_example_streams_its_echo_when_asked(env: Env) -> None:
+    script = await start_example(env, "echo_agent.py", "echo", {"CONVERGER_ECHO_STREAM": "1"})
+    try:
+        _, user_token = await env.conversation()
+        async with Conversation(env.url, user_token, backoff=FAST) as user:
+            await user.send_text("hello there")
+            updates, stored = await streamed_answer(user)
+            assert [u.chunk.text for u in updates if u.chunk] == ["echo ", "1: ", "hello ", "there"]
+            assert updates[-1].stream.committed
+            assert (stored.id, stored.text) == (updates[-1].stream_id, "echo 1: hello there")
+            await user.send_text("again")
+            _, second = await streamed_answer(user)
+            assert second.text == "echo 2: again"  # the count lives in the runtime state
+    finally:
+        await stop_example(script)
+
+
+async def test_the_llm_example_streams_words_then_commits_the_whole_answer(env: Env) -> None:
+    script = await start_example(env, "llm_agent.py", "llm", {"CONVERGER_WORD_DELAY_MS": "10"})
+    try:
+        conversation_id, user_token = await env.conversation()
+        async with Conversation(env.url, user_token, backoff=FAST) as user:
+            await user.send_text("what is streaming?")
+            updates, stored = await streamed_answer(user)
+            chunks = [u.chunk for u in updates if u.chunk is not None]
+            assert len(chunks) > 20 and [c.index for c in chunks] == list(range(len(chunks)))
+            assert chunks[0].text == "You " and chunks[0].sender is not None
+            assert chunks[0].sender.id == "llm"  # the group: the agent token has no user
+            stream = updates[-1].stream
+            assert updates[-1].end is not None and stream.committed
+            assert stream.text.startswith('You said "what is streaming?". Here is')
+            # the stored answer is exactly what was streamed, under the stream's id
+            assert (stored.id, stored.text) == (stream.stream_id, stream.text)
+            assert stored.raw["streamId"] == stream.stream_id
+        stored_answers = await env.answers(conversation_id)
+        assert [(m.id, m.text) for m in stored_answers] == [(stream.stream_id, stream.text)]
     finally:
         await stop_example(script)
 

@@ -8,13 +8,24 @@ import pytest
 from support import owner_hash
 
 from converger import (
+    Agent,
     Backoff,
     FatalClose,
     LeaseLost,
+    Message,
+    Runtime,
     ServerError,
     StaleRuntime,
+    StreamAssembly,
+    StreamChunk,
+    StreamClosed,
+    StreamEnd,
+    TooManyStreams,
+    Turn,
     TurnConflict,
     TurnSuperseded,
+    Welcome,
+    is_valid_client_id,
     result_client_id,
     ws_url,
 )
@@ -168,3 +179,142 @@ async def test_an_http_503_upgrade_refusal_is_retried_after_its_retry_after() ->
         await open_session(f"ws://127.0.0.1:{port}/socket/converger/v1", {}, 5)
     assert fatal.value.http_status == 400 and fatal.value.close_code is None
     fatal_server.close()
+
+
+def chunk(
+    index: int, text: str | None = None, stream_id: str = "s-1", **extra: object
+) -> StreamChunk:
+    frame: dict[str, object] = {
+        "type": "streamChunk",
+        "streamId": stream_id,
+        "index": index,
+        "turn": {"seq": 7, "revision": 0},
+        "from": {"id": "bot", "role": "agent"},
+        **extra,
+    }
+    if text is not None:
+        frame["text"] = text
+    parsed = StreamChunk.parse(frame)
+    assert parsed is not None
+    return parsed
+
+
+def test_stream_frames_are_parsed() -> None:
+    first = chunk(0, "Hel")
+    assert (first.stream_id, first.index, first.text, first.chunk) == ("s-1", 0, "Hel", None)
+    assert first.turn is not None and (first.turn.seq, first.turn.revision) == (7, 0)
+    assert first.sender is not None and first.sender.role == "agent"
+    card = chunk(1, chunk={"type": "card"})
+    assert card.text is None and card.chunk == {"type": "card"}
+    assert StreamChunk.parse({"type": "streamChunk", "streamId": "s"}) is None
+    end = StreamEnd.parse(
+        {"type": "streamEnd", "streamId": "s", "status": "aborted", "reason": "x"}
+    )
+    assert end is not None and not end.committed and end.reason == "x"
+    assert StreamEnd.parse({"type": "streamEnd", "streamId": "s", "status": "later"}) is None
+    welcome = Welcome.parse(
+        {
+            "capabilities": {"streams": True},
+            "limits": {"maxStreamBytes": 9, "maxStreamsPerConnection": 2},
+        }
+    )
+    assert welcome.streams and welcome.limits.max_stream_bytes == 9
+    assert welcome.limits.max_streams_per_connection == 2
+    assert not Welcome.parse({}).streams and Welcome.parse({}).limits.max_stream_bytes is None
+    # transient stream frames are never persistent messages, even with a seq
+    assert Message.parse({"type": "streamChunk", "seq": 3, "streamId": "s", "index": 0}) is None
+
+
+def test_the_assembly_applies_each_chunk_once_in_order() -> None:
+    assembly = StreamAssembly()
+    assert assembly.apply_chunk(chunk(1, "lo")) is None  # nothing before index 0: a gap
+    stream = assembly.apply_chunk(chunk(0, "Hel"))
+    assert stream is not None and stream.text == "Hel" and stream.turn is not None
+    assert assembly.apply_chunk(chunk(0, "Hel")) is None  # a repeat
+    assert assembly.apply_chunk(chunk(2, "!")) is None  # a gap
+    assert assembly.apply_chunk(chunk(1, "lo")) is stream
+    assert assembly.apply_chunk(chunk(2, chunk={"type": "card"})) is stream
+    # a reconnect shows the open stream from index 0 again: nothing doubles
+    for index, text in enumerate(["Hel", "lo"]):
+        assert assembly.apply_chunk(chunk(index, text)) is None
+    assert (stream.text, stream.chunks, stream.next_index) == ("Hello", [{"type": "card"}], 3)
+    assert stream.duplicates == 3 and assembly.open == [stream] and "s-1" in assembly
+    end = StreamEnd("s-1", "committed", None, {})
+    assert assembly.apply_end(end) is stream and stream.committed
+    assert assembly.apply_end(StreamEnd("s-1", "aborted", "late", {})) is None  # first end wins
+    assert stream.status == "committed" and stream.reason is None
+    assert assembly.apply_chunk(chunk(3, "late")) is None
+    assert stream.text == "Hello" and assembly.open == []
+
+
+def test_the_assembly_ends_a_stream_on_its_stored_answer_and_forgets_old_ended_ones() -> None:
+    assembly = StreamAssembly(max_ended=2)
+    assert assembly.apply_chunk(chunk(0, "a", stream_id="s-a")) is not None
+    answer = Message.parse(
+        {"type": "text", "id": "s-a", "seq": 4, "streamId": "s-a", "data": {"text": "a"}}
+    )
+    assert answer is not None
+    ended = assembly.apply_message(answer)
+    assert ended is not None and ended.committed and ended.stream_id == "s-a"
+    assert assembly.apply_message(answer) is None  # once
+    assert assembly.apply_end(StreamEnd("s-a", "committed", None, {})) is None
+    # an end for a stream none of which arrived shows nothing, and keeps its late chunks out
+    assert assembly.apply_end(StreamEnd("s-b", "aborted", "node_down", {})) is None
+    assert assembly.apply_chunk(chunk(0, "b", stream_id="s-b")) is None
+    ended_b = assembly.get("s-b")
+    assert ended_b is not None and (ended_b.status, ended_b.reason) == ("aborted", "node_down")
+    assert assembly.apply_end(StreamEnd("s-c", "aborted", None, {})) is None
+    assert [stream.stream_id for stream in assembly] == ["s-b", "s-c"]  # s-a was the oldest
+    assert len(assembly) == 2
+
+
+def test_stream_refusals_map_to_typed_errors() -> None:
+    details = {"streamId": "s-1", "index": 4}
+    closed = ServerError.from_data(
+        {"code": "stream_closed", "frameType": "streamChunk", "details": details}
+    )
+    assert isinstance(closed, StreamClosed) and (closed.stream_id, closed.index) == ("s-1", 4)
+    assert isinstance(ServerError.from_data({"code": "too_many_streams"}), TooManyStreams)
+    lost = ServerError.from_data({"code": "lease_lost", "details": {"streamId": "s", "fence": 3}})
+    assert isinstance(lost, LeaseLost) and lost.current_fence == 3 and lost.index is None
+
+
+def a_turn(agent: Agent) -> Turn:
+    return Turn(
+        conversation_id="0193e0a4-0000-7000-8000-000000000001",
+        seq=18,
+        revision=2,
+        key="0193e0a4-0000-7000-8000-000000000001:18:2",
+        reason="edit",
+        runtime=Runtime(),
+        delivered_runtime=Runtime(),
+        frame={},
+        meta={},
+        fence=None,
+        participant=None,
+        channel_id=None,
+        message=None,
+        _agent=agent,
+    )
+
+
+async def test_default_stream_ids_are_unique_and_have_the_client_id_shape() -> None:
+    agent = Agent("ws://127.0.0.1:9", "token", group="bot")
+    turn = a_turn(agent)
+    first, second = turn.stream(), turn.stream()
+    assert first.stream_id != second.stream_id
+    for stream in (first, second):
+        assert stream.stream_id.startswith("stream-18-2-") and is_valid_client_id(stream.stream_id)
+        assert stream.state == "open" and stream.chunks_sent == 0
+    assert turn.stream("mine").stream_id == "mine"
+    with pytest.raises(ValueError, match="invalid streamId"):
+        turn.stream("no spaces")
+    keep = turn.stream("twice")
+    with pytest.raises(ValueError, match="already open"):
+        turn.stream("twice")
+    await keep.abort()  # never opened: nothing to send
+    assert keep.state == "aborted"
+    with pytest.raises(RuntimeError):
+        await keep.text("after the end")
+    with pytest.raises(ValueError, match="streamed no text"):
+        await first.finish()

@@ -48,3 +48,30 @@ pub(crate) fn parse_value(
     serde_json::from_slice(bytes)
         .map_err(|error| ApiError::bad_request(format!("invalid JSON body: {error}")))
 }
+
+/// A request refused before its body was read (an extractor's 401, 403 or 429) leaves the body
+/// unread, and the server then closes the HTTP/1.1 connection after the answer. Saying
+/// `Connection: close` on such answers keeps a client from sending its next request on a
+/// connection that is about to go (httpx and others otherwise see "disconnected without a
+/// response"). Any client error to a request with a body gets it: a new connection is cheap.
+pub(crate) async fn close_after_refused_body(
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use axum::http::{HeaderValue, Version, header};
+    let has_body = request.headers().contains_key(header::TRANSFER_ENCODING)
+        || request
+            .headers()
+            .get(header::CONTENT_LENGTH)
+            .and_then(|length| length.to_str().ok())
+            .and_then(|length| length.parse::<u64>().ok())
+            .is_some_and(|length| length > 0);
+    let http1 = request.version() <= Version::HTTP_11;
+    let mut response = next.run(request).await;
+    if has_body && http1 && response.status().is_client_error() {
+        response
+            .headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    }
+    response
+}

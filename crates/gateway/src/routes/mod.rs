@@ -52,6 +52,7 @@ pub(crate) fn router(state: AppState) -> Router {
         .layer(RequestBodyTimeoutLayer::new(Duration::from_millis(
             state.config.http.body_read_timeout_ms,
         )))
+        .layer(axum::middleware::from_fn(body::close_after_refused_body))
         .layer(axum::middleware::from_fn(crate::metrics::track_http))
         .with_state(state)
 }

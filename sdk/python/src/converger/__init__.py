@@ -1,7 +1,9 @@
 """converger: the Python SDK of the converger gateway.
 
-- :class:`Agent` and :class:`Turn`: answer end users' turns on a channel-scope connection.
-- :class:`Conversation`: an end user's connection to one conversation.
+- :class:`Agent` and :class:`Turn`: answer end users' turns on a channel-scope connection;
+  :class:`AnswerStream` (``turn.stream()``) streams an answer while it is written.
+- :class:`Conversation`: an end user's connection to one conversation;
+  :class:`StreamAssembly` assembles the streamed answers it is shown, each chunk once.
 - :class:`RestClient`: tenants, channels, tokens, conversations and activities over REST.
 
 The wire contract is ``docs/protocol.md`` of the converger repository; ``docs/agents.md``
@@ -9,7 +11,8 @@ explains what an agent has to do, and this SDK does it.
 """
 
 from ._connection import Disconnect, ws_url
-from .agent import Agent, EventHandler, FrameLike, Turn, TurnHandler, result_client_id
+from ._shapes import FrameLike
+from .agent import Agent, EventHandler, Turn, TurnHandler, result_client_id
 from .backoff import Backoff
 from .conversation import Conversation, is_valid_client_id
 from .errors import (
@@ -30,6 +33,9 @@ from .errors import (
     ServerError,
     ServiceUnavailableError,
     StaleRuntime,
+    StreamClosed,
+    StreamInterrupted,
+    TooManyStreams,
     TurnConflict,
     TurnSuperseded,
 )
@@ -60,6 +66,8 @@ from .frames import (
     Resume,
     RunStatus,
     Runtime,
+    StreamChunk,
+    StreamEnd,
     Survey,
     TokenRefreshed,
     TurnRef,
@@ -79,6 +87,7 @@ from .rest import (
     mint_agent_token,
     mint_conversation,
 )
+from .streams import AnswerStream, AssembledStream, StreamAssembly, StreamUpdate
 
 __version__ = "0.1.0"
 
@@ -89,6 +98,8 @@ __all__ = [
     "ActivityPage",
     "Agent",
     "AgentEvent",
+    "AnswerStream",
+    "AssembledStream",
     "AuthenticationError",
     "Backoff",
     "Catalog",
@@ -138,9 +149,16 @@ __all__ = [
     "ServerError",
     "ServiceUnavailableError",
     "StaleRuntime",
+    "StreamAssembly",
+    "StreamChunk",
+    "StreamClosed",
+    "StreamEnd",
+    "StreamInterrupted",
+    "StreamUpdate",
     "Survey",
     "Tenant",
     "TokenRefreshed",
+    "TooManyStreams",
     "Turn",
     "TurnConflict",
     "TurnHandler",

@@ -21,6 +21,13 @@ Iterator style::
     async with Agent(url, token, group="echo") as agent:
         async for turn in agent.turns():
             await turn.reply(f"echo: {turn.text}")
+
+Streamed answers (``turn.stream()``, see :class:`~converger.AnswerStream`)::
+
+    async with turn.stream() as stream:
+        for word in words:
+            await stream.text(word)
+    # leaving the block commits the streamed text as the turn's answer
 """
 
 from __future__ import annotations
@@ -29,10 +36,11 @@ import asyncio
 import contextlib
 import logging
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any
 from uuid import UUID, uuid4
 
 from websockets.asyncio.client import ClientConnection
@@ -50,6 +58,7 @@ from ._connection import (
     ws_url,
 )
 from ._json import JSONObject, as_int, as_object, as_str, dumps, loads_object
+from ._shapes import FrameLike, frame_of, frames_of, is_valid_client_id
 from ._tracking import REMEMBERED_CONVERSATIONS, ChannelTracker
 from .backoff import Backoff
 from .errors import (
@@ -62,6 +71,8 @@ from .errors import (
     LeaseLost,
     ServerError,
     StaleRuntime,
+    StreamClosed,
+    StreamInterrupted,
     TurnConflict,
     TurnSuperseded,
 )
@@ -75,13 +86,11 @@ from .frames import (
     Welcome,
     parse_agent_event,
 )
+from .streams import STREAM_FRAME_TYPES, AnswerStream
 
 __all__ = ["Agent", "EventHandler", "FrameLike", "Turn", "TurnHandler", "result_client_id"]
 
 log = logging.getLogger("converger.agent")
-
-FrameLike = str | Mapping[str, Any]
-"""A frame to store: a whole message frame object, or a string for ``{"type": "text", …}``."""
 
 TurnHandler = Callable[["Turn"], Awaitable[None]]
 """An async function answering one turn."""
@@ -110,22 +119,6 @@ def result_client_id(conversation_id: str, seq: int, revision: int, fence: int |
     if fence is not None:
         client_id = f"{client_id}-f{fence}"
     return client_id
-
-
-def frame_of(frame: FrameLike) -> JSONObject:
-    """A frame object from a :data:`FrameLike` (a copy; strings become ``text`` frames)."""
-    if isinstance(frame, str):
-        return {"type": "text", "data": {"text": frame}}
-    if isinstance(frame, Mapping):
-        return dict(frame)
-    raise TypeError(f"a frame is a str or a mapping, not {type(frame).__name__}")
-
-
-def frames_of(frames: FrameLike | Iterable[FrameLike]) -> list[JSONObject]:
-    """A list of frame objects from one frame or many."""
-    if isinstance(frames, (str, Mapping)):
-        return [frame_of(frames)]
-    return [frame_of(item) for item in frames]
 
 
 @dataclass(eq=False)
@@ -218,16 +211,16 @@ class Turn:
         """Stores a proactive frame in this turn's conversation (see :meth:`Agent.send`)."""
         return await self._agent.send(self.conversation_id, frame, client_id=client_id)
 
-    def stream(self) -> NoReturn:
-        """STREAMING: reserved for streamed answers (token by token), not available yet.
+    def stream(self, stream_id: str | None = None) -> AnswerStream:
+        """A streamed answer for this turn (``docs/protocol.md`` §4.9); see :class:`AnswerStream`.
 
-        The server does not support streaming yet, so there is no wire format to speak. When
-        it does, this method will open a stream for the turn's answer. Until then, answer with
-        :meth:`reply`.
+        ``stream_id`` must have the clientId shape and be unique in the conversation (a stream
+        that ended cannot be opened again); by default it is
+        ``stream-<seq>-<revision>-<16 random hex digits>``, unique also across reconnects,
+        takeovers and other workers. Nothing is sent until the first chunk. Use it as
+        ``async with turn.stream() as stream:``, or call ``finish()``/``abort()`` yourself.
         """
-        raise NotImplementedError(
-            "streaming is not supported by the converger server yet; answer with turn.reply()"
-        )
+        return self._agent._open_stream(self, stream_id)
 
 
 @dataclass(eq=False)
@@ -316,6 +309,9 @@ class Agent:
         self._event_handler: EventHandler | None = None
         self._handlers: set[asyncio.Task[None]] = set()
         self._connections = 0
+        self._streams: weakref.WeakValueDictionary[tuple[str, str], AnswerStream] = (
+            weakref.WeakValueDictionary()
+        )
 
     # --- state -------------------------------------------------------------------------
 
@@ -550,8 +546,11 @@ class Agent:
                 self._freshen(turn)
                 try:
                     await handler(turn)
-                except (TurnConflict, TurnSuperseded, LeaseLost) as refused:
+                except (TurnConflict, TurnSuperseded, LeaseLost, StreamClosed) as refused:
                     log.info("turn %s: answer dropped: %s", turn.key, refused)
+                except StreamInterrupted as interrupted:
+                    log.warning("turn %s: %s", turn.key, interrupted)
+                    self._tracker.forget_delivery(turn.conversation_id, turn.seq, turn.revision)
                 except StaleRuntime as stale:
                     log.warning("turn %s: %s", turn.key, stale)
                     self._tracker.forget_delivery(turn.conversation_id, turn.seq, turn.revision)
@@ -674,6 +673,33 @@ class Agent:
         """Uses ``token`` from now on: sent as ``auth`` on the open socket and in later hellos."""
         self._token = token
         return await self._write(dumps({"type": "auth", "token": token}))
+
+    def _open_stream(self, turn: Turn, stream_id: str | None) -> AnswerStream:
+        if stream_id is None:
+            stream_id = f"stream-{turn.seq}-{turn.revision}-{uuid4().hex[:16]}"
+        elif not is_valid_client_id(stream_id):
+            raise ValueError(f"invalid streamId {stream_id!r} (1-128 of A-Za-z0-9._:~-)")
+        key = (turn.conversation_id, stream_id)
+        if key in self._streams:
+            raise ValueError(f"stream {stream_id} is already open in this conversation")
+        self._require_alive()
+        stream = AnswerStream(self, turn, stream_id)
+        self._streams[key] = stream
+        return stream
+
+    def _forget_stream(self, stream: AnswerStream) -> None:
+        key = (stream.conversation_id, stream.stream_id)
+        if self._streams.get(key) is stream:
+            del self._streams[key]
+
+    def _require_alive(self) -> None:
+        if self._fatal is not None:
+            raise self._fatal
+        if self._closed:
+            raise ClientClosed("the agent is closed")
+
+    async def _write_enveloped(self, conversation_id: str, frame: JSONObject) -> bool:
+        return await self._write(dumps({"conversationId": conversation_id, "frame": frame}))
 
     async def _reply(
         self,
@@ -1009,6 +1035,13 @@ class Agent:
                 self._runtimes.pop(entry.conversation_id, None)
             if not entry.future.done():
                 entry.future.set_exception(error)
+            return
+        if conversation_id is not None and error.frame_type in STREAM_FRAME_TYPES:
+            stream = self._streams.get((conversation_id, error.stream_id or ""))
+            if stream is not None and error.frame_type == "streamChunk":
+                stream._refused(error)
+            else:
+                log.debug("stream error in conversation %s: %s", conversation_id, error)
             return
         if conversation_id is None:
             self._last_error = error

@@ -1,7 +1,7 @@
 """End users: one conversation per connection, sends kept until acked, frames seen once.
 
-Keyed sends are resent until acked, and every persistent frame is yielded once across
-reconnects.
+Keyed sends are resent until acked, every persistent frame is yielded once across
+reconnects, and streamed answers are assembled with each chunk applied once.
 
 ::
 
@@ -10,6 +10,11 @@ reconnects.
         ack = await conversation.send_text("hello")
         async for message in conversation.messages():
             print(message.seq, message.sender, message.text)
+
+Streamed answers, as they are written::
+
+    async for update in conversation.stream_updates():
+        print(update.stream_id, update.stream.text, update.stream.status)
 """
 
 from __future__ import annotations
@@ -17,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -39,8 +43,9 @@ from ._connection import (
     ws_url,
 )
 from ._json import JSONObject, as_int, as_object, as_str, dumps, loads_object
+from ._shapes import FrameLike, frame_of, is_valid_client_id
 from ._tracking import SeqTracker
-from .agent import RESEND_TICK, RESENT_CODES, FrameLike, frame_of
+from .agent import RESEND_TICK, RESENT_CODES
 from .backoff import Backoff
 from .errors import (
     AckTimeout,
@@ -65,23 +70,20 @@ from .frames import (
     Reconnected,
     ReplayTruncated,
     RunStatus,
+    StreamChunk,
+    StreamEnd,
     TokenRefreshed,
     Typing,
     UnknownFrame,
     Welcome,
 )
+from .streams import StreamAssembly, StreamUpdate
 
 __all__ = ["Conversation", "is_valid_client_id"]
 
 log = logging.getLogger("converger.conversation")
 
-CLIENT_ID = re.compile(r"[A-Za-z0-9._:~-]{1,128}")
 DEFAULT_RETRY_AFTER = 1.0
-
-
-def is_valid_client_id(client_id: str) -> bool:
-    """Whether ``client_id`` has the protocol's clientId shape (1 to 128 of ``A-Za-z0-9._:~-``)."""
-    return CLIENT_ID.fullmatch(client_id) is not None
 
 
 @dataclass(eq=False)
@@ -110,6 +112,12 @@ class Conversation:
     yields every persistent frame once from :meth:`messages`, de-duplicated by seq. Frames
     this client sent itself are answered by the :class:`~converger.Ack` that :meth:`send`
     returns and are not yielded again; frames of the same user sent from elsewhere are.
+
+    Streamed answers (``streamChunk``, ``streamEnd``) are assembled in :attr:`streams`, kept
+    across reconnects, so the chunks a new connection is shown again are applied once;
+    :meth:`stream_updates` yields each applied chunk and each stream's end. ``max_events``
+    bounds both the unread :meth:`events` and the unread :meth:`stream_updates` (the oldest
+    go first; :attr:`streams` always holds everything).
     """
 
     def __init__(
@@ -138,6 +146,10 @@ class Conversation:
         self._outbox_empty.set()
         self._messages: asyncio.Queue[Message | None] = asyncio.Queue()
         self._events: asyncio.Queue[ConversationEvent | None] = asyncio.Queue(
+            maxsize=max(max_events, 1)
+        )
+        self._streams = StreamAssembly()
+        self._stream_updates: asyncio.Queue[StreamUpdate | None] = asyncio.Queue(
             maxsize=max(max_events, 1)
         )
         self._ws: ClientConnection | None = None
@@ -190,6 +202,11 @@ class Conversation:
     def pending_interrupts(self) -> list[Interrupt]:
         """Open interrupts as of the latest ``welcome`` (``welcome.data.pending``)."""
         return list(self._welcome.pending) if self._welcome else []
+
+    @property
+    def streams(self) -> StreamAssembly:
+        """The conversation's streamed answers as assembled so far, across reconnects."""
+        return self._streams
 
     @property
     def last_disconnect(self) -> Disconnect | None:
@@ -293,7 +310,7 @@ class Conversation:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
         self._fail_outbox(ClientClosed("the conversation was closed before the server answered"))
-        self._end_streams()
+        self._end_iterators()
 
     # --- reading -----------------------------------------------------------------------
 
@@ -326,6 +343,21 @@ class Conversation:
                 raise self._fatal
             raise ClientClosed("the conversation is closed")
         return item
+
+    async def stream_updates(self) -> AsyncIterator[StreamUpdate]:
+        """Streamed answers as they arrive: each chunk applied once, then each stream's end.
+
+        Every update names its stream's :class:`~converger.AssembledStream` (the text so far,
+        the status). A chunk a reconnect shows again produces no update; a stream produces
+        one update with ``end``, from its ``streamEnd`` or from the stored answer that names
+        it, whichever arrives first. Ends when the conversation closes.
+        """
+        while True:
+            item = await self._stream_updates.get()
+            if item is None:
+                self._stream_updates.put_nowait(None)
+                return
+            yield item
 
     async def events(self) -> AsyncIterator[ConversationEvent]:
         """Transient frames and connection events, typed (see :data:`ConversationEvent`).
@@ -638,7 +670,7 @@ class Conversation:
         self._detach()
         self._fail_outbox(error)
         self._notify()
-        self._end_streams()
+        self._end_iterators()
 
     async def _read(self, ws: ClientConnection) -> float | None:
         try:
@@ -686,9 +718,10 @@ class Conversation:
             await self._attach(opened)
             return
 
-    def _end_streams(self) -> None:
+    def _end_iterators(self) -> None:
         self._messages.put_nowait(None)
         self._emit(None)
+        self._emit_update(None)
 
     def _emit(self, event: ConversationEvent | None) -> None:
         while True:
@@ -697,6 +730,14 @@ class Conversation:
                 return
             except asyncio.QueueFull:
                 self._events.get_nowait()  # drop the oldest event nobody read
+
+    def _emit_update(self, update: StreamUpdate | None) -> None:
+        while True:
+            try:
+                self._stream_updates.put_nowait(update)
+                return
+            except asyncio.QueueFull:
+                self._stream_updates.get_nowait()  # drop the oldest update nobody read
 
     # --- receiving ---------------------------------------------------------------------
 
@@ -753,6 +794,22 @@ class Conversation:
                     frame,
                 )
             )
+        elif kind == "streamChunk":
+            chunk = StreamChunk.parse(frame)
+            if chunk is None:
+                self._emit(UnknownFrame(frame))
+                return
+            stream = self._streams.apply_chunk(chunk)
+            if stream is not None:
+                self._emit_update(StreamUpdate(stream, chunk=chunk))
+        elif kind == "streamEnd":
+            end = StreamEnd.parse(frame)
+            if end is None:
+                self._emit(UnknownFrame(frame))
+                return
+            stream = self._streams.apply_end(end)
+            if stream is not None:
+                self._emit_update(StreamUpdate(stream, end=end))
         elif kind == "tokenRefreshed":
             self._emit(TokenRefreshed(as_int(as_object(frame.get("data")).get("expiresAt")), frame))
         elif kind != "welcome":
@@ -771,6 +828,10 @@ class Conversation:
             return
         if self._tracker.observe(message.seq):
             self._messages.put_nowait(message)
+            stream = self._streams.apply_message(message)
+            if stream is not None:
+                end = StreamEnd(stream.stream_id, "committed", None, message.raw)
+                self._emit_update(StreamUpdate(stream, end=end))
 
     async def _on_ack(self, ack: Ack) -> None:
         if ack.seq is not None:

@@ -4,12 +4,13 @@ Everything raised on purpose derives from :class:`ConvergerError`:
 
 - :class:`ServerError` is an ``error`` frame of the server (``docs/protocol.md`` §7) that refused
   something this client sent; the agent refusals have their own subclasses
-  (:class:`TurnConflict`, :class:`TurnSuperseded`, :class:`StaleRuntime`, :class:`LeaseLost`).
+  (:class:`TurnConflict`, :class:`TurnSuperseded`, :class:`StaleRuntime`, :class:`LeaseLost`),
+  and so do the refusals of streamed answers (:class:`StreamClosed`, :class:`TooManyStreams`).
 - :class:`FatalClose` ends a connection for good: the server closed it with a code that a new
   connection would get again (4400, 4401, 4403, 1009) or refused the upgrade with a 4xx status.
 - :class:`RestError` and its subclasses are the REST API's ``{"error": {"code", "message"}}``.
-- :class:`AckTimeout`, :class:`ClientClosed`, :class:`GaveUp` and :class:`FrameTooLarge` are
-  decided by the client itself.
+- :class:`AckTimeout`, :class:`ClientClosed`, :class:`GaveUp`, :class:`FrameTooLarge` and
+  :class:`StreamInterrupted` are decided by the client itself.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ __all__ = [
     "ServerError",
     "ServiceUnavailableError",
     "StaleRuntime",
+    "StreamClosed",
+    "StreamInterrupted",
+    "TooManyStreams",
     "TurnConflict",
     "TurnSuperseded",
 ]
@@ -77,6 +81,16 @@ class ServerError(ConvergerError):
         if self.details:
             text = f"{text} {self.details}"
         super().__init__(text)
+
+    @property
+    def stream_id(self) -> str | None:
+        """The stream a refused ``streamChunk`` or ``streamAbort`` names (``details.streamId``)."""
+        return as_str(self.details.get("streamId"))
+
+    @property
+    def index(self) -> int | None:
+        """The index of the refused ``streamChunk`` (``details.index``), when given."""
+        return as_int(self.details.get("index"))
 
     @staticmethod
     def from_data(data: object) -> ServerError:
@@ -139,11 +153,29 @@ class LeaseLost(ServerError):
         return as_int(self.details.get("fence"))
 
 
+class StreamClosed(ServerError):
+    """``stream_closed``: a chunk for a stream that has ended or that another connection writes.
+
+    Also the answer to a stream opened for a turn that is answered already. Stop streaming;
+    a turn answered already needs no answer from this agent.
+    """
+
+
+class TooManyStreams(ServerError):
+    """``too_many_streams``: this connection has ``maxStreamsPerConnection`` streams open.
+
+    The refused stream was never shown. Finish or abort other streams, or answer this turn
+    with :meth:`~converger.Turn.reply` (or :meth:`~converger.AnswerStream.finish`) instead.
+    """
+
+
 _BY_CODE: dict[str, type[ServerError]] = {
     "turn_conflict": TurnConflict,
     "turn_superseded": TurnSuperseded,
     "stale_runtime": StaleRuntime,
     "lease_lost": LeaseLost,
+    "stream_closed": StreamClosed,
+    "too_many_streams": TooManyStreams,
 }
 
 
@@ -207,6 +239,23 @@ class FrameTooLarge(ConvergerError):
         self.size = size
         self.limit = limit
         super().__init__(f"frame of {size} bytes is above maxFrameBytes ({limit})")
+
+
+class StreamInterrupted(ConvergerError):
+    """A chunk could not be sent: the connection is down, or it dropped since the stream opened.
+
+    When an agent's connection ends, the server aborts its open streams (end users get
+    ``streamEnd`` with status ``aborted`` and reason ``disconnected``), so the stream cannot
+    continue, not even after the reconnect. The turn can still be answered:
+    :meth:`~converger.AnswerStream.finish` and :meth:`~converger.Turn.reply` resend the answer
+    until it is acknowledged, over the next connection. ``stream_id`` and ``conversation_id``
+    name the stream.
+    """
+
+    def __init__(self, conversation_id: str, stream_id: str, why: str) -> None:
+        self.conversation_id = conversation_id
+        self.stream_id = stream_id
+        super().__init__(f"stream {stream_id} interrupted: {why}")
 
 
 class RestError(ConvergerError):

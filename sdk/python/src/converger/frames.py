@@ -39,6 +39,8 @@ __all__ = [
     "Resume",
     "RunStatus",
     "Runtime",
+    "StreamChunk",
+    "StreamEnd",
     "Survey",
     "TokenRefreshed",
     "TurnRef",
@@ -63,6 +65,8 @@ SERVER_CONTROL_TYPES = frozenset(
         "run",
         "genui_components",
         "skills",
+        "streamChunk",
+        "streamEnd",
     }
 )
 """Frame types that are never persistent messages, even when they carry a ``seq``."""
@@ -258,6 +262,10 @@ class Limits:
     replay_batch: int = 200
     replay_max: int = 1000
     max_conversations: int | None = None
+    max_stream_bytes: int | None = None
+    """Bytes one streamed answer's chunks may hold (text bytes, or each chunk object's JSON)."""
+    max_streams_per_connection: int | None = None
+    """Streams one agent connection may have open at once (channel scope only)."""
 
     @staticmethod
     def parse(value: object) -> Limits:
@@ -279,6 +287,8 @@ class Limits:
             replay_batch=pick("replayBatch", base.replay_batch),
             replay_max=pick("replayMax", base.replay_max),
             max_conversations=as_int(fields.get("maxConversations")),
+            max_stream_bytes=as_int(fields.get("maxStreamBytes")),
+            max_streams_per_connection=as_int(fields.get("maxStreamsPerConnection")),
         )
 
 
@@ -316,6 +326,11 @@ class Welcome:
     watermark: int | None
     pending: list[Interrupt]
     raw: JSONObject
+
+    @property
+    def streams(self) -> bool:
+        """Whether the node supports streamed answers (``capabilities.streams``)."""
+        return self.capabilities.get("streams") is True
 
     @staticmethod
     def parse(data: object) -> Welcome:
@@ -580,6 +595,80 @@ class TokenRefreshed:
 
     expires_at: int | None
     raw: JSONObject
+
+
+@dataclass(frozen=True, slots=True)
+class StreamChunk:
+    """``streamChunk``: one chunk of an answer an agent is streaming (transient, never stored).
+
+    ``index`` counts from 0 within the stream ``stream_id``; ``turn`` is the turn answered and
+    ``sender`` the writing agent (the wire's ``from``). A chunk carries either ``text`` (a
+    delta to append) or ``chunk`` (a genui chunk object, shown as it is). A new connection is
+    shown every open stream from index 0 again: assemble with a
+    :class:`~converger.StreamAssembly`, which applies each index once.
+    """
+
+    stream_id: str
+    index: int
+    turn: TurnRef | None
+    sender: Participant | None
+    text: str | None
+    chunk: JSONObject | None
+    raw: JSONObject
+
+    @staticmethod
+    def parse(frame: JSONObject) -> StreamChunk | None:
+        """From a ``streamChunk`` frame; ``None`` when ``streamId`` or ``index`` is missing."""
+        stream_id = as_str(frame.get("streamId"))
+        index = as_int(frame.get("index"))
+        if stream_id is None or index is None or index < 0:
+            return None
+        chunk = frame.get("chunk")
+        return StreamChunk(
+            stream_id=stream_id,
+            index=index,
+            turn=TurnRef.parse(frame.get("turn")),
+            sender=Participant.parse(frame.get("from")),
+            text=as_str(frame.get("text")),
+            chunk=chunk if isinstance(chunk, dict) else None,
+            raw=frame,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEnd:
+    """``streamEnd``: a stream ended, ``committed`` (its answer is stored) or ``aborted``.
+
+    ``reason`` says why it was aborted (``disconnected``, ``node_down``, ``too_large``,
+    ``fenced``, ``conflict``, the agent's own reason, …). The committed answer and the
+    ``streamEnd`` may arrive in either order. ``raw`` is the frame that ended the stream: the
+    ``streamEnd``, or the stored answer when a :class:`~converger.StreamAssembly` ended the
+    stream on seeing it.
+    """
+
+    stream_id: str
+    status: Literal["committed", "aborted"]
+    reason: str | None
+    raw: JSONObject
+
+    @property
+    def committed(self) -> bool:
+        """Whether the stream ended with its answer stored."""
+        return self.status == "committed"
+
+    @staticmethod
+    def parse(frame: JSONObject) -> StreamEnd | None:
+        """From a ``streamEnd`` frame; ``None`` when ``streamId`` or ``status`` is missing."""
+        stream_id = as_str(frame.get("streamId"))
+        status = as_str(frame.get("status"))
+        if stream_id is None or status not in ("committed", "aborted"):
+            return None
+        return StreamEnd(
+            stream_id,
+            "committed" if status == "committed" else "aborted",
+            as_str(frame.get("reason")),
+            frame,
+        )
 
 
 @dataclass(frozen=True, slots=True)

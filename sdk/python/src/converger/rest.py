@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 
 from ._json import JSONObject, as_int, as_object, as_str
-from .agent import FrameLike, frame_of
+from ._shapes import FrameLike, frame_of
 from .errors import RestError, rest_error_class
 from .frames import Message
 
