@@ -1,0 +1,209 @@
+//! The node's `LISTEN` on the bus: notifications become events; after a lost connection the
+//! outbox is read back over the gap.
+
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use sqlx::postgres::PgListener;
+use tokio::sync::{mpsc, oneshot};
+use uuid::Uuid;
+
+use super::{BusEvent, CATCH_UP_MARGIN, Payload, to_event};
+use crate::{NOTIFY_CHANNEL, Store, StoreError};
+
+impl Store {
+    /// Events of the last `window` (by the database clock) that a catch-up replays: the
+    /// highest committed seq per conversation, and channel status changes.
+    async fn events_since(&self, window: Duration) -> Result<Vec<BusEvent>, StoreError> {
+        let rows: Vec<(Option<Uuid>, Option<i64>, Option<Value>)> = self
+            .timed("outbox_catch_up", async {
+                sqlx::query_as(
+                    "SELECT conversation_id, max(seq_to), NULL::jsonb FROM outbox
+                     WHERE seq_to IS NOT NULL AND created_at >= now() - make_interval(secs => $1)
+                     GROUP BY conversation_id
+                     UNION ALL
+                     SELECT NULL, NULL, payload FROM outbox
+                     WHERE payload ->> 'k' = 'ch' AND created_at >= now() - make_interval(secs => $1)",
+                )
+                .bind(window.as_secs_f64())
+                .fetch_all(&self.pool)
+                .await
+            })
+            .await?;
+        let events = rows.into_iter().filter_map(|row| match row {
+            (Some(conversation_id), Some(seq), _) => Some(BusEvent::Committed {
+                conversation_id,
+                seq,
+                channel_id: None,
+                frames: Vec::new(),
+            }),
+            (_, _, Some(payload)) => serde_json::from_value::<Payload>(payload)
+                .ok()
+                .and_then(to_event),
+            _ => None,
+        });
+        Ok(events.collect())
+    }
+
+    async fn transient_by_ref(&self, outbox_id: i64) -> Result<Option<Payload>, StoreError> {
+        let payload: Option<Value> = self
+            .timed("outbox_payload", async {
+                sqlx::query_scalar("SELECT payload FROM outbox WHERE id = $1")
+                    .bind(outbox_id)
+                    .fetch_optional(&self.pool)
+                    .await
+            })
+            .await?
+            .flatten();
+        Ok(payload.and_then(|payload| serde_json::from_value(payload).ok()))
+    }
+
+    /// Starts this node's listener; events arrive on the returned channel until it is dropped.
+    /// The oneshot fires once the first LISTEN is in place.
+    pub fn spawn_bus_listener(&self) -> (mpsc::UnboundedReceiver<BusEvent>, oneshot::Receiver<()>) {
+        let (events, receiver) = mpsc::unbounded_channel();
+        let (listening, ready) = oneshot::channel();
+        tokio::spawn(run_listener(self.clone(), events, listening));
+        (receiver, ready)
+    }
+}
+
+async fn run_listener(
+    store: Store,
+    events: mpsc::UnboundedSender<BusEvent>,
+    listening: oneshot::Sender<()>,
+) {
+    let mut backoff = Duration::from_millis(100);
+    // Set when the connection was (or may have been) lost; the catch-up covers since then.
+    let mut trouble_since: Option<Instant> = None;
+    let mut listener = loop {
+        match connect_listener(&store).await {
+            Ok(listener) => break listener,
+            Err(StoreError::Database(sqlx::Error::PoolClosed)) => return,
+            Err(error) => {
+                tracing::warn!(%error, "event bus: cannot listen yet");
+                if events.is_closed() {
+                    return;
+                }
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+            }
+        }
+    };
+    tracing::info!(channel = NOTIFY_CHANNEL, "event bus listening");
+    let _ = listening.send(());
+    loop {
+        if events.is_closed() {
+            return;
+        }
+        if crate::faults::injected(crate::faults::LISTENER_DROP) {
+            tracing::warn!("event bus: listener dropped by a failpoint");
+            trouble_since.get_or_insert_with(Instant::now);
+            drop(listener);
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            listener = loop {
+                match connect_listener(&store).await {
+                    Ok(listener) => break listener,
+                    Err(error) => {
+                        tracing::warn!(%error, "event bus: cannot listen again yet");
+                        tokio::time::sleep(backoff).await;
+                    }
+                }
+            };
+            recover(&store, &events, &mut trouble_since).await;
+        }
+        match listener.try_recv().await {
+            Ok(Some(notification)) => {
+                backoff = Duration::from_millis(100);
+                if let Some(event) = decode(&store, notification.payload()).await
+                    && events.send(event).is_err()
+                {
+                    return;
+                }
+            }
+            // The connection was lost and (eagerly) re-established with LISTEN issued again.
+            Ok(None) => {
+                trouble_since.get_or_insert_with(Instant::now);
+                metrics::counter!("converger_bus_reconnects_total").increment(1);
+                tracing::warn!("event bus: listener connection was lost and re-established");
+            }
+            // The store is shutting down: release the connection so the pool can close.
+            Err(sqlx::Error::PoolClosed) => return,
+            Err(error) => {
+                trouble_since.get_or_insert_with(Instant::now);
+                tracing::warn!(%error, "event bus: listener error");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+                // Reconnect now rather than at the next notification, so the catch-up below is
+                // not delayed until traffic resumes.
+                if let Err(error) = relisten(&mut listener).await {
+                    tracing::warn!(%error, "event bus: cannot listen again yet");
+                    continue;
+                }
+                metrics::counter!("converger_bus_reconnects_total").increment(1);
+            }
+        }
+        recover(&store, &events, &mut trouble_since).await;
+    }
+}
+
+/// Listening again after trouble: reads back whatever was notified in between.
+async fn recover(
+    store: &Store,
+    events: &mpsc::UnboundedSender<BusEvent>,
+    trouble_since: &mut Option<Instant>,
+) {
+    let Some(since) = *trouble_since else {
+        return;
+    };
+    match catch_up(store, events, since.elapsed() + CATCH_UP_MARGIN).await {
+        Ok(()) => *trouble_since = None,
+        Err(error) => {
+            tracing::warn!(%error, "event bus: catch-up failed; retrying after the next event")
+        }
+    }
+}
+
+/// Re-establishes the connection (if it is gone) and the LISTEN.
+async fn relisten(listener: &mut PgListener) -> Result<(), sqlx::Error> {
+    listener.unlisten(NOTIFY_CHANNEL).await?;
+    listener.listen(NOTIFY_CHANNEL).await
+}
+
+/// Turns a notification payload into an event (reading large transient payloads back).
+async fn decode(store: &Store, text: &str) -> Option<BusEvent> {
+    let Ok(payload) = serde_json::from_str::<Payload>(text) else {
+        tracing::warn!(payload = text, "event bus: unreadable notification");
+        return None;
+    };
+    let payload = match payload {
+        Payload::TransientRef { outbox_id } => match store.transient_by_ref(outbox_id).await {
+            Ok(payload) => payload?,
+            Err(error) => {
+                tracing::warn!(%error, outbox_id, "event bus: transient payload unreadable");
+                return None;
+            }
+        },
+        payload => payload,
+    };
+    to_event(payload)
+}
+
+async fn connect_listener(store: &Store) -> Result<PgListener, StoreError> {
+    let mut listener = PgListener::connect_with(store.pool()).await?;
+    listener.listen(NOTIFY_CHANNEL).await?;
+    Ok(listener)
+}
+
+async fn catch_up(
+    store: &Store,
+    events: &mpsc::UnboundedSender<BusEvent>,
+    window: Duration,
+) -> Result<(), StoreError> {
+    for event in store.events_since(window).await? {
+        if events.send(event).is_err() {
+            break;
+        }
+    }
+    Ok(())
+}

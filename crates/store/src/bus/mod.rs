@@ -1,0 +1,297 @@
+//! The cross-node event bus: `pg_notify` on commit, one `LISTEN` per node, and a catch-up from
+//! the outbox whenever the listening connection was lost (notifications sent during the gap are
+//! gone, so the outbox is read back over the gap plus a safety margin). Receivers de-duplicate by
+//! (conversation, seq) and read gaps from `activities`, so a repeated or lost notification never
+//! breaks delivery.
+//!
+//! - `mod.rs`: the payloads and the events receivers see;
+//! - `publish.rs`: what a node sends (one notification, or a reference to an outbox row);
+//! - `listener.rs`: the node's `LISTEN`, its recovery and the outbox catch-up.
+
+mod listener;
+mod publish;
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use uuid::Uuid;
+
+use crate::Activity;
+
+/// Largest payload sent inline by `pg_notify` (Postgres refuses 8,000 bytes and more); larger
+/// transient frames travel through the outbox.
+const INLINE_PAYLOAD_LIMIT: usize = 7_000;
+
+/// Re-read this much extra outbox history after a lost connection, for commits that were in
+/// flight when the connection dropped.
+const CATCH_UP_MARGIN: Duration = Duration::from_secs(5);
+
+/// Who a transient frame came from, so receivers can skip its author.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Origin {
+    /// Participant id.
+    pub id: String,
+    /// Participant role.
+    pub role: String,
+    /// The connection it came from.
+    pub connection: String,
+}
+
+/// A frame that is not stored, as it travels between nodes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TransientFrame {
+    /// Node that published it (it dispatched locally already).
+    #[serde(rename = "n")]
+    pub node: String,
+    /// The conversation's channel, so that other nodes' agents receive it too.
+    #[serde(rename = "h", default, skip_serializing_if = "Option::is_none")]
+    pub channel_id: Option<Uuid>,
+    /// Conversation.
+    #[serde(rename = "c")]
+    pub conversation_id: Uuid,
+    /// The frame.
+    #[serde(rename = "f")]
+    pub frame: Value,
+    /// Its author, when it has one.
+    #[serde(rename = "o", default, skip_serializing_if = "Option::is_none")]
+    pub origin: Option<Origin>,
+    /// For the channel's agents only (a forwarded client frame), not for end users.
+    #[serde(rename = "a", default, skip_serializing_if = "std::ops::Not::not")]
+    pub agents_only: bool,
+}
+
+/// One event on the bus, as receivers see it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum BusEvent {
+    /// Stream events (chunks, ends) of streamed answers, opaque to the store, from one node.
+    Streams {
+        /// Node that published them (it dispatched locally already).
+        node: String,
+        /// The events, in order.
+        events: Vec<Value>,
+    },
+    /// `seq` of a conversation was committed.
+    Committed {
+        /// Conversation.
+        conversation_id: Uuid,
+        /// The committed seq (the last of a batch).
+        seq: i64,
+        /// The conversation's channel, when the event names it (catch-ups do not).
+        channel_id: Option<Uuid>,
+        /// The committed frames, in seq order, when the notification carried them (small
+        /// enough); empty otherwise, and receivers read them.
+        frames: Vec<Activity>,
+    },
+    /// A transient frame (typing, receipts, presence, relayed agent frames).
+    Transient(TransientFrame),
+    /// A turn was opened again for a new answer (regenerate), for the channel's agents.
+    Regenerated {
+        /// Node that published it (it dispatched locally already).
+        node: String,
+        /// The conversation's channel.
+        channel_id: Uuid,
+        /// Conversation.
+        conversation_id: Uuid,
+        /// The turn's seq.
+        seq: i64,
+        /// The new revision.
+        revision: i32,
+    },
+    /// A channel changed status.
+    ChannelStatus {
+        /// Node that published it.
+        node: String,
+        /// Channel.
+        channel_id: Uuid,
+        /// `active` or `inactive`.
+        status: String,
+    },
+}
+
+/// The JSON payloads of `pg_notify`.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(tag = "k")]
+enum Payload {
+    #[serde(rename = "c")]
+    Committed {
+        #[serde(rename = "c")]
+        conversation_id: Uuid,
+        #[serde(rename = "s")]
+        seq: i64,
+        #[serde(rename = "h", default)]
+        channel_id: Option<Uuid>,
+        #[serde(rename = "f", default, deserialize_with = "frames_or_none")]
+        frames: Vec<Activity>,
+    },
+    #[serde(rename = "t")]
+    Transient(TransientFrame),
+    #[serde(rename = "rg")]
+    Regenerated {
+        #[serde(rename = "n")]
+        node: String,
+        #[serde(rename = "h")]
+        channel_id: Uuid,
+        #[serde(rename = "c")]
+        conversation_id: Uuid,
+        #[serde(rename = "s")]
+        seq: i64,
+        #[serde(rename = "r")]
+        revision: i32,
+    },
+    /// A transient frame too large for a notification: its payload is in the outbox row.
+    #[serde(rename = "tr")]
+    TransientRef {
+        #[serde(rename = "e")]
+        outbox_id: i64,
+    },
+    /// Stream events of one node, in the order it accepted them (ADR 0019).
+    #[serde(rename = "st")]
+    Streams {
+        #[serde(rename = "n")]
+        node: String,
+        #[serde(rename = "e")]
+        events: Vec<Value>,
+    },
+    #[serde(rename = "ch")]
+    ChannelStatus {
+        #[serde(rename = "n")]
+        node: String,
+        #[serde(rename = "ch")]
+        channel_id: Uuid,
+        #[serde(rename = "st")]
+        status: String,
+    },
+}
+
+/// The frames a notification carries, or none when any of them does not read as a frame: the
+/// receiver then reads them back, instead of losing the whole notification.
+fn frames_or_none<'de, D>(deserializer: D) -> Result<Vec<Activity>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+{
+    let raw = Vec::<Value>::deserialize(deserializer)?;
+    let frames: Result<Vec<Activity>, _> = raw.into_iter().map(serde_json::from_value).collect();
+    match frames {
+        Ok(frames) => Ok(frames),
+        Err(error) => {
+            tracing::warn!(%error, "event bus: carried frames unreadable; reading them back");
+            Ok(Vec::new())
+        }
+    }
+}
+
+fn to_event(payload: Payload) -> Option<BusEvent> {
+    match payload {
+        Payload::Committed {
+            conversation_id,
+            seq,
+            channel_id,
+            frames,
+        } => Some(BusEvent::Committed {
+            conversation_id,
+            seq,
+            channel_id,
+            frames,
+        }),
+        Payload::Transient(transient) => Some(BusEvent::Transient(transient)),
+        Payload::Regenerated {
+            node,
+            channel_id,
+            conversation_id,
+            seq,
+            revision,
+        } => Some(BusEvent::Regenerated {
+            node,
+            channel_id,
+            conversation_id,
+            seq,
+            revision,
+        }),
+        Payload::ChannelStatus {
+            node,
+            channel_id,
+            status,
+        } => Some(BusEvent::ChannelStatus {
+            node,
+            channel_id,
+            status,
+        }),
+        Payload::Streams { node, events } => Some(BusEvent::Streams { node, events }),
+        Payload::TransientRef { .. } => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn payloads_round_trip() {
+        let conversation_id = Uuid::nil();
+        let committed: Payload = serde_json::from_str(&format!(
+            r#"{{"k":"c","e":7,"c":"{conversation_id}","s":3}}"#
+        ))
+        .unwrap();
+        assert_eq!(
+            to_event(committed),
+            Some(BusEvent::Committed {
+                conversation_id,
+                seq: 3,
+                channel_id: None,
+                frames: Vec::new(),
+            })
+        );
+        // As converger_committed_payload writes it, with the frame.
+        let carried: Payload = serde_json::from_str(&format!(
+            r#"{{"k":"c","e":8,"c":"{conversation_id}","s":4,"h":"{conversation_id}","f":[{{"id":"f4","seq":4,"data":{{"text":"hi"}},"type":"text","extra":null,"metadata":null,"turn_seq":null,"client_id":"c4","sender_id":"u","created_at":"2026-11-30T06:51:21.903868+00:00","sender_role":"user","turn_revision":null,"conversation_id":"{conversation_id}"}}]}}"#
+        ))
+        .unwrap();
+        let Some(BusEvent::Committed { frames, .. }) = to_event(carried) else {
+            panic!("a committed event");
+        };
+        assert_eq!(frames.len(), 1);
+        assert_eq!(frames[0].seq, 4);
+        assert_eq!(frames[0].kind, "text");
+        assert_eq!(frames[0].client_id.as_deref(), Some("c4"));
+        assert_eq!(frames[0].created_at.timestamp_micros() % 1_000_000, 903_868);
+        // A frame that does not read leaves the event without frames, not unreadable.
+        let odd: Payload = serde_json::from_str(&format!(
+            r#"{{"k":"c","e":9,"c":"{conversation_id}","s":5,"f":[{{"seq":"five"}}]}}"#
+        ))
+        .unwrap();
+        assert!(matches!(
+            to_event(odd),
+            Some(BusEvent::Committed { seq: 5, ref frames, .. }) if frames.is_empty()
+        ));
+        let transient = TransientFrame {
+            node: "n1".into(),
+            channel_id: Some(conversation_id),
+            conversation_id,
+            frame: serde_json::json!({"type": "typing"}),
+            origin: None,
+            agents_only: true,
+        };
+        let text = serde_json::to_string(&Payload::Transient(transient.clone())).unwrap();
+        assert!(text.contains(r#""k":"t""#));
+        let back: Payload = serde_json::from_str(&text).unwrap();
+        assert_eq!(to_event(back), Some(BusEvent::Transient(transient)));
+        let regenerated = Payload::Regenerated {
+            node: "n1".into(),
+            channel_id: conversation_id,
+            conversation_id,
+            seq: 4,
+            revision: 2,
+        };
+        let text = serde_json::to_string(&regenerated).unwrap();
+        let back: Payload = serde_json::from_str(&text).unwrap();
+        assert!(matches!(
+            to_event(back),
+            Some(BusEvent::Regenerated {
+                seq: 4,
+                revision: 2,
+                ..
+            })
+        ));
+    }
+}

@@ -1,0 +1,240 @@
+//! What a node publishes on the bus: one `pg_notify` per event, or, for stream events, as few
+//! notifications as their size allows in one statement; a payload too large for a
+//! notification goes through an outbox row that the notification names.
+
+use std::time::Duration;
+
+use serde_json::Value;
+use uuid::Uuid;
+
+use super::{INLINE_PAYLOAD_LIMIT, Payload, TransientFrame};
+use crate::{NOTIFY_CHANNEL, Store, StoreError};
+
+impl Store {
+    /// Publishes a regenerated turn to every node (this one included; it skips its own).
+    pub async fn publish_regenerated(
+        &self,
+        node: &str,
+        channel_id: Uuid,
+        conversation_id: Uuid,
+        seq: i64,
+        revision: i32,
+    ) -> Result<(), StoreError> {
+        let payload = Payload::Regenerated {
+            node: node.to_owned(),
+            channel_id,
+            conversation_id,
+            seq,
+            revision,
+        };
+        let text = serde_json::to_string(&payload)
+            .map_err(|error| StoreError::Config(error.to_string()))?;
+        self.notify(&text).await
+    }
+
+    /// Publishes a transient frame to every node (this one included; it skips its own).
+    pub async fn publish_transient(&self, transient: &TransientFrame) -> Result<(), StoreError> {
+        let conversation_id = transient.conversation_id;
+        let payload = Payload::Transient(transient.clone());
+        let text = serde_json::to_string(&payload)
+            .map_err(|error| StoreError::Config(error.to_string()))?;
+        if text.len() <= INLINE_PAYLOAD_LIMIT {
+            return self.notify(&text).await;
+        }
+        let stored = serde_json::to_value(&payload)
+            .map_err(|error| StoreError::Config(error.to_string()))?;
+        self.timed("publish_transient_ref", async {
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "WITH event AS (
+                     INSERT INTO outbox (conversation_id, payload) VALUES ($1, $2) RETURNING id
+                 )
+                 SELECT pg_notify('{NOTIFY_CHANNEL}', json_build_object('k', 'tr', 'e', id)::text)::text FROM event"
+            )))
+            .bind(conversation_id)
+            .bind(stored)
+            .execute(&self.pool)
+            .await
+        })
+        .await?;
+        Ok(())
+    }
+
+    /// Publishes stream events to every node (this one included; it skips its own) with one
+    /// statement: the events are packed into as few notifications as their size allows, all
+    /// sent by one `pg_notify` over an array, so a flush costs one transaction however many
+    /// chunks it carries. An event too large for a notification travels through the outbox.
+    pub async fn publish_streams(&self, node: &str, events: &[Value]) -> Result<(), StoreError> {
+        let mut inline = Vec::new();
+        for payload in pack_stream_events(node, events)? {
+            match payload {
+                Packed::Inline(text) => inline.push(text),
+                Packed::Outbox(text) => {
+                    self.notify_all(std::mem::take(&mut inline)).await?;
+                    self.publish_through_outbox(&text).await?;
+                }
+            }
+        }
+        self.notify_all(inline).await
+    }
+
+    async fn notify_all(&self, payloads: Vec<String>) -> Result<(), StoreError> {
+        if payloads.is_empty() {
+            return Ok(());
+        }
+        self.timed("notify_streams", async {
+            sqlx::query("SELECT count(pg_notify($1, payload)) FROM unnest($2::text[]) AS payload")
+                .bind(NOTIFY_CHANNEL)
+                .bind(payloads)
+                .execute(&self.pool)
+                .await
+        })
+        .await?;
+        Ok(())
+    }
+
+    async fn publish_through_outbox(&self, text: &str) -> Result<(), StoreError> {
+        let stored: Value =
+            serde_json::from_str(text).map_err(|error| StoreError::Config(error.to_string()))?;
+        self.timed("publish_streams_ref", async {
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "WITH event AS (INSERT INTO outbox (payload) VALUES ($1) RETURNING id)
+                 SELECT pg_notify('{NOTIFY_CHANNEL}', json_build_object('k', 'tr', 'e', id)::text)::text FROM event"
+            )))
+            .bind(stored)
+            .execute(&self.pool)
+            .await
+        })
+        .await?;
+        Ok(())
+    }
+
+    /// Publishes a channel status change to every node. It is kept in the outbox as well, so a
+    /// node whose listener was down at that moment still learns it from the catch-up.
+    pub async fn publish_channel_status(
+        &self,
+        node: &str,
+        channel_id: Uuid,
+        status: &str,
+    ) -> Result<(), StoreError> {
+        let payload = Payload::ChannelStatus {
+            node: node.to_owned(),
+            channel_id,
+            status: status.to_owned(),
+        };
+        let stored = serde_json::to_value(&payload)
+            .map_err(|error| StoreError::Config(error.to_string()))?;
+        self.timed("publish_channel_status", async {
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "WITH event AS (INSERT INTO outbox (payload) VALUES ($1) RETURNING payload)
+                 SELECT pg_notify('{NOTIFY_CHANNEL}', payload::text)::text FROM event"
+            )))
+            .bind(stored)
+            .execute(&self.pool)
+            .await
+        })
+        .await?;
+        Ok(())
+    }
+
+    async fn notify(&self, payload: &str) -> Result<(), StoreError> {
+        self.timed("notify", async {
+            sqlx::query("SELECT pg_notify($1, $2)::text")
+                .bind(NOTIFY_CHANNEL)
+                .bind(payload)
+                .execute(&self.pool)
+                .await
+        })
+        .await?;
+        Ok(())
+    }
+
+    /// Deletes outbox rows older than `retention`; returns how many.
+    pub async fn prune_outbox(&self, retention: Duration) -> Result<u64, StoreError> {
+        let result = self
+            .timed("prune_outbox", async {
+                sqlx::query(
+                    "DELETE FROM outbox WHERE created_at < now() - make_interval(secs => $1)",
+                )
+                .bind(retention.as_secs_f64())
+                .execute(&self.pool)
+                .await
+            })
+            .await?;
+        Ok(result.rows_affected())
+    }
+}
+
+/// A stream payload, small enough for a notification or not.
+#[derive(Debug, PartialEq)]
+enum Packed {
+    Inline(String),
+    Outbox(String),
+}
+
+/// Packs stream events, in order, into as few `Payload::Streams` texts as the notification
+/// size allows; each event is serialized once.
+fn pack_stream_events(node: &str, events: &[Value]) -> Result<Vec<Packed>, StoreError> {
+    let node_json =
+        serde_json::to_string(node).map_err(|error| StoreError::Config(error.to_string()))?;
+    let head = format!(r#"{{"k":"st","n":{node_json},"e":["#);
+    let tail = "]}";
+    let fits = |body: usize| head.len() + body + tail.len() <= INLINE_PAYLOAD_LIMIT;
+    let mut packed = Vec::new();
+    let mut current = String::new();
+    for event in events {
+        let text = event.to_string();
+        if !fits(text.len()) {
+            if !current.is_empty() {
+                packed.push(Packed::Inline(format!("{head}{current}{tail}")));
+                current.clear();
+            }
+            packed.push(Packed::Outbox(format!("{head}{text}{tail}")));
+            continue;
+        }
+        if !current.is_empty() && !fits(current.len() + 1 + text.len()) {
+            packed.push(Packed::Inline(format!("{head}{current}{tail}")));
+            current.clear();
+        }
+        if !current.is_empty() {
+            current.push(',');
+        }
+        current.push_str(&text);
+    }
+    if !current.is_empty() {
+        packed.push(Packed::Inline(format!("{head}{current}{tail}")));
+    }
+    Ok(packed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bus::{BusEvent, to_event};
+
+    #[test]
+    fn stream_events_pack_in_order_within_the_notification_size() {
+        let events: Vec<Value> = (0..500)
+            .map(|index| serde_json::json!({"s": "s-1", "i": index, "b": {"text": "word "}}))
+            .chain([serde_json::json!({"s": "s-1", "i": 500, "b": {"text": "x".repeat(9_000)}})])
+            .chain([serde_json::json!({"s": "s-1", "i": 501})])
+            .collect();
+        let packed = pack_stream_events("node-\"1\"", &events).unwrap();
+        assert!(packed.len() > 2, "split over several notifications");
+        let mut seen = Vec::new();
+        for payload in &packed {
+            let (Packed::Inline(text) | Packed::Outbox(text)) = payload;
+            if matches!(payload, Packed::Inline(_)) {
+                assert!(text.len() <= INLINE_PAYLOAD_LIMIT);
+            }
+            let Some(BusEvent::Streams { node, events }) =
+                to_event(serde_json::from_str::<Payload>(text).unwrap())
+            else {
+                panic!("a streams payload");
+            };
+            assert_eq!(node, "node-\"1\"");
+            seen.extend(events);
+        }
+        assert_eq!(seen, events, "every event once, in order");
+        assert!(matches!(packed[packed.len() - 2], Packed::Outbox(_)));
+    }
+}
