@@ -65,6 +65,33 @@ fn connection_id(welcome: &Value) -> String {
     welcome["data"]["connectionId"].as_str().unwrap().to_owned()
 }
 
+/// Members of group "bot" on `a` and on `b`, known to all three nodes and settled, and the
+/// group as every node sees it: (member on a, its welcome, member on b, the group).
+async fn members_on_a_and_b(
+    a: &NodeProcess,
+    b: &NodeProcess,
+    c: &NodeProcess,
+    channel: &Channel,
+) -> (WsClient, Value, WsClient, GroupView) {
+    let (on_a, welcome_a) = member(a, &channel.agent_token, "bot").await;
+    let (on_b, welcome_b) = member(b, &channel.agent_token, "bot").await;
+    wait_for_members(
+        &[a, b, c],
+        &[&connection_id(&welcome_a), &connection_id(&welcome_b)],
+    )
+    .await;
+    support::settle(&welcome_a).await;
+    support::settle(&welcome_b).await;
+    let mut view = GroupView::new();
+    for welcome in [&welcome_a, &welcome_b] {
+        view.join(
+            &connection_id(welcome),
+            welcome["data"]["since"].as_i64().unwrap(),
+        );
+    }
+    (on_a, welcome_a, on_b, view)
+}
+
 /// An end user in a new conversation, connected to `node`.
 struct User {
     client: WsClient,
@@ -304,24 +331,8 @@ async fn a_killed_nodes_unanswered_turns_reach_a_member_on_a_survivor() {
     let db = TestDb::create().await;
     let (a, b, c) = three_nodes(&db).await;
     let channel = channel(&b).await;
-    let (mut on_a, welcome_a) = member(&a, &channel.agent_token, "bot").await;
-    let (mut on_b, welcome_b) = member(&b, &channel.agent_token, "bot").await;
-    wait_for_members(
-        &[&a, &b, &c],
-        &[&connection_id(&welcome_a), &connection_id(&welcome_b)],
-    )
-    .await;
-    support::settle(&welcome_a).await;
-    support::settle(&welcome_b).await;
-
+    let (mut on_a, welcome_a, mut on_b, view) = members_on_a_and_b(&a, &b, &c, &channel).await;
     // Conversations owned by the member on `a`, found by the rule every node applies.
-    let mut view = GroupView::new();
-    for welcome in [&welcome_a, &welcome_b] {
-        view.join(
-            &connection_id(welcome),
-            welcome["data"]["since"].as_i64().unwrap(),
-        );
-    }
     let mut users = Vec::new();
     for n in 0..40 {
         let candidate = user(&c, &channel, &format!("user-{n}")).await;
@@ -367,37 +378,12 @@ async fn a_killed_nodes_unanswered_turns_reach_a_member_on_a_survivor() {
     drop(on_a);
 }
 
-/// A chunk of stream `stream` of the turn `seq` (the turn named at index 0).
-fn stream_chunk(conversation_id: Uuid, stream: &str, index: u64, seq: i64, text: &str) -> Value {
-    let mut frame =
-        json!({"type": "streamChunk", "streamId": stream, "index": index, "text": text});
-    if index == 0 {
-        frame["turn"] = json!({"seq": seq});
-    }
-    json!({"conversationId": conversation_id, "frame": frame})
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_nodes_stream_is_aborted_for_viewers_and_the_takeover_streams_afresh() {
     let db = TestDb::create().await;
     let (a, b, c) = three_nodes(&db).await;
     let channel = channel(&b).await;
-    let (mut on_a, welcome_a) = member(&a, &channel.agent_token, "bot").await;
-    let (mut on_b, welcome_b) = member(&b, &channel.agent_token, "bot").await;
-    wait_for_members(
-        &[&a, &b, &c],
-        &[&connection_id(&welcome_a), &connection_id(&welcome_b)],
-    )
-    .await;
-    support::settle(&welcome_a).await;
-    support::settle(&welcome_b).await;
-    let mut view = GroupView::new();
-    for welcome in [&welcome_a, &welcome_b] {
-        view.join(
-            &connection_id(welcome),
-            welcome["data"]["since"].as_i64().unwrap(),
-        );
-    }
+    let (mut on_a, welcome_a, mut on_b, view) = members_on_a_and_b(&a, &b, &c, &channel).await;
     let mut owned_by_a = None;
     for n in 0..40 {
         let candidate = user(&c, &channel, &format!("viewer-{n}")).await;
@@ -417,8 +403,8 @@ async fn a_killed_nodes_stream_is_aborted_for_viewers_and_the_takeover_streams_a
 
     // The owner on `a` streams; the viewer on `c` sees the chunks.
     for (index, word) in ["half ", "an "].iter().enumerate() {
-        on_a.send(stream_chunk(
-            viewer.conversation_id,
+        on_a.send(support::stream_chunk(
+            &viewer.conversation_id.to_string(),
             "s-a",
             index as u64,
             seq,
@@ -452,8 +438,8 @@ async fn a_killed_nodes_stream_is_aborted_for_viewers_and_the_takeover_streams_a
     assert_eq!(aborted["reason"], "node_down");
     let taken_over = collect_turns(&mut [&mut on_b], 1).await;
     assert_eq!(taken_over[0], vec![(viewer.conversation_id, seq)]);
-    on_b.send(stream_chunk(
-        viewer.conversation_id,
+    on_b.send(support::stream_chunk(
+        &viewer.conversation_id.to_string(),
         "s-b",
         0,
         seq,

@@ -77,12 +77,13 @@ async fn a_streamed_answer_survives_a_reload_of_the_demo_page() {
     };
     let words = ["Streams ", "arrive ", "word ", "by ", "word."];
     let chunk = |index: usize| {
-        let mut frame = json!({"type": "streamChunk", "streamId": "demo-1", "index": index,
-                               "text": words[index]});
-        if index == 0 {
-            frame["turn"] = json!({"seq": seq});
-        }
-        json!({"conversationId": conversation, "frame": frame})
+        support::stream_chunk(
+            conversation.as_str().unwrap(),
+            "demo-1",
+            index as u64,
+            seq,
+            words[index],
+        )
     };
     for index in 0..3 {
         agent.send(chunk(index)).await;
@@ -125,14 +126,5 @@ async fn a_streamed_answer_survives_a_reload_of_the_demo_page() {
         "one question bubble"
     );
 
-    let artifacts = support::workspace_root().join("target/test-artifacts");
-    std::fs::create_dir_all(&artifacts).unwrap();
-    let screenshot = artifacts.join("demo-page.png");
-    let _ = std::fs::remove_file(&screenshot);
-    browser.screenshot(&screenshot).await;
-    let png = std::fs::read(&screenshot).expect("the screenshot is written");
-    assert!(
-        png.starts_with(b"\x89PNG") && png.len() > 10_000,
-        "a real picture"
-    );
+    browser.keep_screenshot("demo-page.png").await;
 }

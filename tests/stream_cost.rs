@@ -58,13 +58,14 @@ async fn a_thousand_chunks_cost_no_transaction_each() {
         text
     });
     for index in 0..1_000u64 {
-        let mut frame =
-            json!({"type": "streamChunk", "streamId": "s-1", "index": index, "text": "w "});
-        if index == 0 {
-            frame["turn"] = json!({"seq": seq});
-        }
         agent
-            .send(json!({"conversationId": conversation, "frame": frame}))
+            .send(support::stream_chunk(
+                conversation.as_str().unwrap(),
+                "s-1",
+                index,
+                seq,
+                "w ",
+            ))
             .await;
     }
     assert_eq!(reading.await.unwrap().len(), 2_000);

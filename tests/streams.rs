@@ -9,7 +9,7 @@ use serde_json::{Value, json};
 use std::collections::HashMap;
 use support::mekik::Widget;
 use support::ws::WsClient;
-use support::{TestNode, setup};
+use support::{TestNode, setup, stream_chunk as chunk};
 use uuid::Uuid;
 
 fn fast_settle(config: &mut converger_gateway::Config) {
@@ -26,15 +26,6 @@ async fn next_turn(agent: &mut WsClient) -> (String, i64, Option<i64>) {
             return (conversation, seq, turn["fence"].as_i64());
         }
     }
-}
-
-fn chunk(conversation: &str, stream: &str, index: u64, seq: i64, text: &str) -> Value {
-    let mut frame =
-        json!({"type": "streamChunk", "streamId": stream, "index": index, "text": text});
-    if index == 0 {
-        frame["turn"] = json!({"seq": seq, "revision": 0});
-    }
-    json!({"conversationId": conversation, "frame": frame})
 }
 
 fn result(conversation: &str, seq: i64, stream: &str, text: &str) -> Value {
@@ -410,6 +401,20 @@ async fn a_fenced_member_cannot_stream_and_its_stream_ends_when_its_result_is_re
     );
 }
 
+/// Sends chunks `indices` of stream "s-1", each holding its own index as text.
+async fn send_numbered_chunks(
+    agent: &mut WsClient,
+    conversation: &str,
+    seq: i64,
+    indices: std::ops::Range<u64>,
+) {
+    for index in indices {
+        agent
+            .send(chunk(conversation, "s-1", index, seq, &format!("{index} ")))
+            .await;
+    }
+}
+
 #[tokio::test]
 async fn tabs_on_three_nodes_see_the_same_chunks_in_the_same_order() {
     let node = TestNode::start_with(fast_settle).await;
@@ -420,17 +425,7 @@ async fn tabs_on_three_nodes_see_the_same_chunks_in_the_same_order() {
     there.hello(&token, json!({})).await;
     let mut here_tab = Tab::default();
     let mut there_tab = Tab::default();
-    for index in 0..20 {
-        agent
-            .send(chunk(
-                &conversation,
-                "s-1",
-                index,
-                seq,
-                &format!("{index} "),
-            ))
-            .await;
-    }
+    send_numbered_chunks(&mut agent, &conversation, seq, 0..20).await;
     here_tab
         .read_until(&mut here, |tab| tab.chunks_of("s-1") == 20)
         .await;
@@ -446,17 +441,7 @@ async fn tabs_on_three_nodes_see_the_same_chunks_in_the_same_order() {
     third_tab
         .read_until(&mut third, |tab| tab.chunks_of("s-1") == 20)
         .await;
-    for index in 20..30 {
-        agent
-            .send(chunk(
-                &conversation,
-                "s-1",
-                index,
-                seq,
-                &format!("{index} "),
-            ))
-            .await;
-    }
+    send_numbered_chunks(&mut agent, &conversation, seq, 20..30).await;
     agent.send(result(&conversation, seq, "s-1", "all")).await;
     for (tab, client) in [
         (&mut here_tab, &mut here),

@@ -199,6 +199,21 @@ impl Browser {
             .to_owned()
     }
 
+    /// Keeps a screenshot of the page as `target/test-artifacts/<name>` for people to look at,
+    /// and checks that it is a real picture.
+    pub async fn keep_screenshot(&mut self, name: &str) {
+        let artifacts = super::workspace_root().join("target/test-artifacts");
+        std::fs::create_dir_all(&artifacts).expect("the artifacts directory");
+        let screenshot = artifacts.join(name);
+        let _ = std::fs::remove_file(&screenshot);
+        self.screenshot(&screenshot).await;
+        let png = std::fs::read(&screenshot).expect("the screenshot is written");
+        assert!(
+            png.starts_with(b"\x89PNG") && png.len() > 10_000,
+            "a real picture"
+        );
+    }
+
     /// Writes a PNG screenshot of the page to `path`.
     pub async fn screenshot(&mut self, path: &Path) {
         let shot = self

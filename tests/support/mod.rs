@@ -407,3 +407,19 @@ pub fn converger_bin() -> PathBuf {
     );
     bin
 }
+
+/// An agent's enveloped `streamChunk` of `stream`, answering turn `seq` (named at index 0).
+pub fn stream_chunk(
+    conversation: &str,
+    stream: &str,
+    index: u64,
+    seq: i64,
+    text: &str,
+) -> serde_json::Value {
+    let mut frame = serde_json::json!({"type": "streamChunk", "streamId": stream, "index": index,
+                                       "text": text});
+    if index == 0 {
+        frame["turn"] = serde_json::json!({"seq": seq});
+    }
+    serde_json::json!({"conversationId": conversation, "frame": frame})
+}

@@ -230,6 +230,18 @@ impl<C: Eq + Hash + Clone, P: Clone> StreamRegistry<C, P> {
         Some(stream)
     }
 
+    /// True when the turn has an open stream.
+    pub fn has_turn(&self, conversation: &C, turn: StreamTurn) -> bool {
+        self.open
+            .get(conversation)
+            .is_some_and(|streams| streams.values().any(|stream| stream.turn == turn))
+    }
+
+    /// True when the stream is open or ended recently: a chunk at index 0 would not open it.
+    pub fn is_known(&self, conversation: &C, stream_id: &str) -> bool {
+        self.get(conversation, stream_id).is_some() || self.has_ended(conversation, stream_id)
+    }
+
     /// Ends the open streams of a turn; returns their ids.
     pub fn end_turn(&mut self, conversation: &C, turn: StreamTurn) -> Vec<String> {
         let ids: Vec<String> = self
@@ -450,7 +462,9 @@ mod tests {
     fn an_ended_stream_stays_closed() {
         let mut registry = StreamRegistry::<u8, u64>::default();
         registry.append(&1, "s", chunk("a", 0, 1), &LIMITS).unwrap();
+        assert!(registry.has_turn(&1, TURN) && registry.is_known(&1, "s"));
         assert_eq!(registry.end_turn(&1, TURN), vec!["s".to_owned()]);
+        assert!(!registry.has_turn(&1, TURN) && registry.is_known(&1, "s"));
         assert!(registry.has_ended(&1, "s"));
         assert_eq!(
             registry.append(&1, "s", chunk("a", 0, 1), &LIMITS),

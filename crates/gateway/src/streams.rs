@@ -190,20 +190,27 @@ impl LiveStreams {
     /// everywhere.
     pub fn accept(&self, hub: &Hub, chunk: LocalChunk<'_>) -> Result<(), ChunkRefusal> {
         let body = Arc::new(chunk.body);
-        let outcome = lock(&self.registry).append(
-            &chunk.conversation_id,
-            chunk.stream_id,
-            ChunkIn {
-                owner: chunk.owner,
-                node: &self.node_id,
-                index: chunk.index,
-                turn: chunk.turn,
-                fence: chunk.fence,
-                payload: Arc::clone(&body),
-                bytes: body.content.size(),
-            },
-            &self.limits,
-        );
+        let (outcome, turn) = {
+            let mut registry = lock(&self.registry);
+            let outcome = registry.append(
+                &chunk.conversation_id,
+                chunk.stream_id,
+                ChunkIn {
+                    owner: chunk.owner,
+                    node: &self.node_id,
+                    index: chunk.index,
+                    turn: chunk.turn,
+                    fence: chunk.fence,
+                    payload: Arc::clone(&body),
+                    bytes: body.content.size(),
+                },
+                &self.limits,
+            );
+            let turn = registry
+                .get(&chunk.conversation_id, chunk.stream_id)
+                .map(|stream| stream.turn);
+            (outcome, turn)
+        };
         let Accepted { fenced, .. } = match outcome {
             Ok(accepted) => accepted,
             Err(ChunkRefusal::TooLarge) => {
@@ -220,9 +227,6 @@ impl LiveStreams {
         for stream_id in fenced {
             self.announce_end(hub, chunk.conversation_id, &stream_id, Some("fenced"));
         }
-        let turn = lock(&self.registry)
-            .get(&chunk.conversation_id, chunk.stream_id)
-            .map(|stream| stream.turn);
         let Some(turn) = turn else {
             return Ok(());
         };
@@ -270,6 +274,11 @@ impl LiveStreams {
         owned
     }
 
+    /// True when the stream is open or ended recently (a chunk at index 0 would not open it).
+    pub fn is_known(&self, conversation_id: Uuid, stream_id: &str) -> bool {
+        lock(&self.registry).is_known(&conversation_id, stream_id)
+    }
+
     /// True when the stream ended recently.
     pub fn has_ended(&self, conversation_id: Uuid, stream_id: &str) -> bool {
         lock(&self.registry).has_ended(&conversation_id, stream_id)
@@ -278,10 +287,7 @@ impl LiveStreams {
     /// True when the turn has open streams (its result then waits for the relay to flush, so
     /// every node sees the chunks before the commit).
     pub fn turn_is_streaming(&self, conversation_id: Uuid, turn: StreamTurn) -> bool {
-        lock(&self.registry)
-            .snapshot(&conversation_id)
-            .iter()
-            .any(|(_, stream)| stream.turn == turn)
+        lock(&self.registry).has_turn(&conversation_id, turn)
     }
 
     /// Ends the open streams of a turn whose result was settled: `committed` when it was
@@ -293,14 +299,10 @@ impl LiveStreams {
         turn: StreamTurn,
         aborted: Option<&str>,
     ) {
-        let ids: Vec<String> = lock(&self.registry)
-            .snapshot(&conversation_id)
-            .into_iter()
-            .filter(|(_, stream)| stream.turn == turn)
-            .map(|(id, _)| id)
-            .collect();
-        for stream_id in ids {
-            self.announce_end(hub, conversation_id, &stream_id, aborted);
+        let ended = lock(&self.registry).end_turn(&conversation_id, turn);
+        for stream_id in ended {
+            self.relay_end(conversation_id, &stream_id, aborted);
+            publish_end(hub, conversation_id, stream_id, aborted.map(str::to_owned));
         }
     }
 

@@ -18,15 +18,10 @@ impl AgentSession<'_> {
         chunk: StreamChunk,
     ) -> Result<(), Ending> {
         let opening = chunk.index == 0
-            && self
-                .state
-                .streams
-                .stream(conversation_id, &chunk.stream_id)
-                .is_none()
             && !self
                 .state
                 .streams
-                .has_ended(conversation_id, &chunk.stream_id);
+                .is_known(conversation_id, &chunk.stream_id);
         if opening && let Some(refusal) = self.refuse_opening(conversation_id, &chunk).await {
             return self.enveloped_error(conversation_id, refusal);
         }

@@ -3,10 +3,12 @@
 //! that fell behind), then the stream's end. Chunks are never dropped under pressure: a client
 //! that cannot keep up is a slow consumer, and its reconnect resumes the stream.
 
-use converger_core::streams::ShowChunk;
+use std::sync::Arc;
+
+use converger_core::streams::{OpenStream, ShowChunk};
 
 use super::Session;
-use crate::streams::{StreamChange, StreamEvent, chunk_frame};
+use crate::streams::{ChunkBody, StreamChange, StreamEvent, chunk_frame};
 use crate::ws::session::Ending;
 
 impl Session<'_> {
@@ -30,9 +32,8 @@ impl Session<'_> {
 
     /// Shows every open stream of the conversation from where this connection is.
     pub(super) fn catch_up_streams(&mut self) -> Result<(), Ending> {
-        let open = self.state.streams.snapshot(self.conversation_id);
-        for (stream_id, _) in open {
-            self.show_stream_from_registry(&stream_id)?;
+        for (stream_id, stream) in self.state.streams.snapshot(self.conversation_id) {
+            self.show_unseen_chunks(&stream_id, &stream)?;
         }
         Ok(())
     }
@@ -40,15 +41,23 @@ impl Session<'_> {
     /// Shows the chunks of one stream this connection has not seen yet, as the registry holds
     /// them now; a stream that ended meanwhile shows nothing (its end event follows).
     fn show_stream_from_registry(&mut self, stream_id: &str) -> Result<(), Ending> {
-        let Some(stream) = self.state.streams.stream(self.conversation_id, stream_id) else {
-            return Ok(());
-        };
+        match self.state.streams.stream(self.conversation_id, stream_id) {
+            Some(stream) => self.show_unseen_chunks(stream_id, &stream),
+            None => Ok(()),
+        }
+    }
+
+    fn show_unseen_chunks(
+        &mut self,
+        stream_id: &str,
+        stream: &OpenStream<Arc<ChunkBody>>,
+    ) -> Result<(), Ending> {
         let from = self.streams_seen.next_index(stream_id);
         for index in from..stream.chunks.len() as u64 {
             if self.streams_seen.on_chunk(stream_id, index) != ShowChunk::Show {
                 continue;
             }
-            if let Some(frame) = chunk_frame(self.profile, stream_id, index, &stream) {
+            if let Some(frame) = chunk_frame(self.profile, stream_id, index, stream) {
                 self.push(frame, false)?;
             }
         }
