@@ -67,6 +67,12 @@ fn answer(conversation_id: Uuid, seq: i64, runtime: Option<RuntimeWrite>) -> Tur
     }
 }
 
+/// A tenant and its channel; the channel's id.
+async fn web_channel(store: &Store) -> Uuid {
+    let (tenant, _) = store.create_tenant("acme").await.unwrap();
+    store.create_channel(tenant.id, "web").await.unwrap().0.id
+}
+
 /// The stored frame with `seq`, read back the way replays read it.
 async fn stored(store: &Store, conversation_id: Uuid, seq: i64) -> converger_store::Activity {
     let mut rows = store
@@ -99,15 +105,14 @@ async fn writes_queued_together_commit_in_one_batch_with_the_outcomes_they_have_
     .await
     .unwrap();
     let store = db.store().await;
-    let (tenant, _) = store.create_tenant("acme").await.unwrap();
-    let (channel, _) = store.create_channel(tenant.id, "web").await.unwrap();
+    let channel = web_channel(&store).await;
     let a = store
-        .create_conversation(channel.id, "alice")
+        .create_conversation(channel, "alice")
         .await
         .unwrap()
         .id;
     let b = store
-        .create_conversation(channel.id, "alice")
+        .create_conversation(channel, "alice")
         .await
         .unwrap()
         .id;
@@ -209,6 +214,85 @@ async fn writes_queued_together_commit_in_one_batch_with_the_outcomes_they_have_
     )
     .await;
     assert_eq!(batch_calls(&db).await, 2);
+    // Each batch wrote one outbox row, naming its conversations, however many frames it held.
+    assert_eq!(db.count("SELECT count(*) FROM outbox").await, 2);
+    assert_eq!(
+        db.count("SELECT sum(frames)::bigint FROM outbox").await,
+        3 + 6,
+        "three new frames, then three answers of two frames each"
+    );
+}
+
+#[tokio::test]
+async fn a_batch_notifies_in_as_few_payloads_as_fit_under_the_limit() {
+    let db = TestDb::create().await;
+    let store = db.store().await;
+    let channel = web_channel(&store).await;
+    let mut conversations = Vec::new();
+    for _ in 0..6 {
+        conversations.push(
+            store
+                .create_conversation(channel, "alice")
+                .await
+                .unwrap()
+                .id,
+        );
+    }
+    let mut listener = sqlx::postgres::PgListener::connect_with(store.pool())
+        .await
+        .unwrap();
+    listener
+        .listen(converger_store::NOTIFY_CHANNEL)
+        .await
+        .unwrap();
+
+    // Six conversations' frames in one batch: five of 2 KB, which need more than one
+    // notification between them, and one of 9 KB, which fits none and travels without its frame.
+    let frames: Vec<NewActivity> = conversations
+        .iter()
+        .enumerate()
+        .map(|(index, conversation)| {
+            let size = if index == 5 { 9_000 } else { 2_000 };
+            frame(*conversation, &"x".repeat(size), &format!("k{index}"))
+        })
+        .collect();
+    let outcomes = join_all(frames.iter().map(|new| store.commit_activity(new))).await;
+    assert!(outcomes.iter().all(Result::is_ok), "{outcomes:?}");
+
+    let mut events = Vec::new();
+    let mut notifications = 0;
+    while events.len() < conversations.len() {
+        let notification = tokio::time::timeout(Duration::from_secs(10), listener.recv())
+            .await
+            .expect("a notification in time")
+            .unwrap();
+        let payload = notification.payload();
+        assert!(payload.len() < 7_500, "{} bytes", payload.len());
+        let payload: serde_json::Value = serde_json::from_str(payload).unwrap();
+        assert_eq!(payload["k"], "cb");
+        notifications += 1;
+        events.extend(payload["v"].as_array().unwrap().clone());
+    }
+    assert!(
+        (2..=4).contains(&notifications),
+        "{notifications} notifications"
+    );
+    for (index, conversation) in conversations.iter().enumerate() {
+        let event = events
+            .iter()
+            .find(|event| event["c"] == json!(conversation))
+            .expect("every conversation's commit is announced");
+        assert_eq!(event["s"], 1);
+        assert_eq!(event["h"], json!(channel));
+        let carried = event
+            .get("f")
+            .map_or(0, |frames| frames.as_array().unwrap().len());
+        assert_eq!(carried, usize::from(index != 5), "conversation {index}");
+    }
+    assert_eq!(db.count("SELECT count(*) FROM outbox").await, 1);
+    // The listener holds a pooled connection, which the pool waits for when it closes.
+    drop(listener);
+    store.pool().close().await;
 }
 
 /// Calls of the isolated batch function (the fallback after a refused batch) counted so far.
@@ -246,10 +330,9 @@ async fn a_write_the_database_refuses_costs_its_batch_one_more_statement() {
         sqlx::query(statement).execute(&mut admin).await.unwrap();
     }
     let store = db.store().await;
-    let (tenant, _) = store.create_tenant("acme").await.unwrap();
-    let (channel, _) = store.create_channel(tenant.id, "web").await.unwrap();
+    let channel = web_channel(&store).await;
     let conversation = store
-        .create_conversation(channel.id, "alice")
+        .create_conversation(channel, "alice")
         .await
         .unwrap()
         .id;
@@ -295,4 +378,114 @@ async fn a_write_the_database_refuses_costs_its_batch_one_more_statement() {
     )
     .await;
     assert_eq!(isolated_calls(&db).await, 1);
+}
+
+/// Sequential and index scans of the tables a batch reads, as Postgres counts them.
+async fn scans(db: &TestDb) -> (i64, i64) {
+    let mut connection = db.connect().await;
+    sqlx::query_as(
+        "SELECT coalesce(sum(seq_scan), 0)::bigint, coalesce(sum(idx_scan), 0)::bigint
+         FROM pg_stat_user_tables
+         WHERE relname IN ('conversations', 'activities', 'turns', 'conversation_runtime')",
+    )
+    .fetch_one(&mut connection)
+    .await
+    .unwrap()
+}
+
+/// Closes the store's pool and waits until its backends (and the bulk loader's) are gone: a
+/// backend reports its table statistics when it exits.
+async fn close_and_report(db: &TestDb, store: Store) {
+    store.pool().close().await;
+    reported(db).await;
+}
+
+/// Waits until no store or bulk-loader backend of `db` is left.
+async fn reported(db: &TestDb) {
+    let gone = format!(
+        "SELECT count(*) FROM pg_stat_activity
+         WHERE datname = '{}' AND application_name IN ('converger', 'bulk')",
+        db.name
+    );
+    eventually(
+        "the store's backends exited",
+        Duration::from_secs(20),
+        || async { db.count(&gone).await == 0 },
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn a_batch_reads_through_indexes_on_an_empty_and_on_a_large_table() {
+    let db = TestDb::create().await;
+    let store = db.store().await;
+    let channel = web_channel(&store).await;
+    let conversation = store
+        .create_conversation(channel, "alice")
+        .await
+        .unwrap()
+        .id;
+    close_and_report(&db, store).await;
+
+    // Round one on the tables as the migration left them (empty, analysed); round two after
+    // 30,000 conversations and 60,000 frames and turns arrived with no new statistics (the
+    // tables' autovacuum is off), so the planner still believes the tables are empty.
+    for round in 0..2 {
+        let (seq_before, index_before) = scans(&db).await;
+        let store = db.store().await;
+        let frames: Vec<NewActivity> = (0..8)
+            .map(|n| {
+                frame(
+                    conversation,
+                    &format!("round {round}, {n}"),
+                    &format!("r{round}-{n}"),
+                )
+            })
+            .collect();
+        let outcomes = join_all(frames.iter().map(|new| store.commit_activity(new))).await;
+        let seqs: Vec<i64> = outcomes
+            .iter()
+            .map(|outcome| outcome.as_ref().unwrap().activity.seq)
+            .collect();
+        let answers: Vec<TurnAnswer> = seqs
+            .iter()
+            .map(|seq| answer(conversation, *seq, None))
+            .collect();
+        for outcome in join_all(answers.iter().map(|answer| store.commit_answer(answer))).await {
+            assert!(
+                matches!(outcome, Ok(AnswerOutcome::Committed { .. })),
+                "{outcome:?}"
+            );
+        }
+        close_and_report(&db, store).await;
+        let (seq_after, index_after) = scans(&db).await;
+        assert!(
+            index_after >= index_before + 16,
+            "round {round}: the batches used indexes ({index_before} -> {index_after})"
+        );
+        assert_eq!(seq_after, seq_before, "round {round}: no sequential scan");
+
+        if round == 0 {
+            let mut admin = db.connect().await;
+            for statement in [
+                "SET application_name = 'bulk'",
+                "ALTER TABLE conversations SET (autovacuum_enabled = false)",
+                "ALTER TABLE activities SET (autovacuum_enabled = false)",
+                "ALTER TABLE turns SET (autovacuum_enabled = false)",
+                "INSERT INTO conversations (id, tenant_id, channel_id, user_id, last_seq)
+                 SELECT gen_random_uuid(), c.tenant_id, c.channel_id, 'u' || n, 2
+                 FROM conversations c, generate_series(1, 30000) AS n",
+                "INSERT INTO activities (conversation_id, seq, id, type, sender_id, sender_role, data, client_id)
+                 SELECT c.id, s, c.id || '-' || s, 'text', c.user_id, 'user', '{}', 'k' || s
+                 FROM conversations c, generate_series(1, 2) AS s WHERE c.user_id <> 'alice'",
+                "INSERT INTO turns (conversation_id, seq, revision, status)
+                 SELECT conversation_id, seq, 0, 'pending' FROM activities WHERE sender_id <> 'alice'",
+            ] {
+                sqlx::query(statement).execute(&mut admin).await.unwrap();
+            }
+            // The loader's own scans are reported when it exits, before round two counts.
+            sqlx::Connection::close(admin).await.unwrap();
+            reported(&db).await;
+        }
+    }
 }

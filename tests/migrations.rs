@@ -51,8 +51,5 @@ async fn the_commit_functions_notify_on_the_stores_channel() {
     .fetch_all(&mut connection)
     .await
     .unwrap();
-    assert_eq!(
-        bodies_naming_it,
-        vec!["converger_answer_turn", "converger_commit_frame"]
-    );
+    assert_eq!(bodies_naming_it, vec!["converger_notify_committed"]);
 }

@@ -101,9 +101,14 @@ async fn an_answer_commits_frames_runtime_and_completion_together_and_resends_ar
         1
     );
     assert_eq!(
-        db.count("SELECT count(*) FROM outbox WHERE seq_from = 2 AND seq_to = 3")
-            .await,
-        1
+        db.count(&format!(
+            "SELECT count(*) FROM outbox
+             WHERE conversations = ARRAY['{conversation_id}']::uuid[] AND last_seqs = '{{3}}'
+               AND frames = 2"
+        ))
+        .await,
+        1,
+        "the answer's batch announced both frames in one outbox row"
     );
 
     for _ in 0..100 {

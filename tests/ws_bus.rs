@@ -387,7 +387,11 @@ async fn a_repeated_notification_shows_no_frame_twice() {
         loop {
             let notification = listener.recv().await.unwrap();
             let payload: Value = serde_json::from_str(notification.payload()).unwrap();
-            if payload["k"] == "c" && payload["s"] == 1 {
+            let announces_seq_1 = payload["k"] == "cb"
+                && payload["v"]
+                    .as_array()
+                    .is_some_and(|events| events.iter().any(|event| event["s"] == 1));
+            if announces_seq_1 {
                 return notification;
             }
         }

@@ -120,6 +120,7 @@ impl TestDb {
             max_connections: 4,
             acquire_timeout: Duration::from_secs(5),
             statement_timeout: Duration::from_secs(5),
+            commit_workers: 2,
         })
         .await
         .expect("connect to the test database")

@@ -47,6 +47,34 @@ pub fn cpu_ticks(pid: u32) -> Option<u64> {
     Some(user + system)
 }
 
+/// A process's command name, parent and CPU time, from `/proc/<pid>/stat`.
+#[derive(Debug, Clone)]
+pub struct ProcessTimes {
+    /// The command name (at most 15 characters).
+    pub command: String,
+    /// The parent's pid.
+    pub parent: u32,
+    /// User plus system time of the process itself (all its threads), in clock ticks.
+    pub own_ticks: u64,
+    /// User plus system time of its children that exited and were reaped, in clock ticks.
+    pub children_ticks: u64,
+}
+
+/// The command name, parent and CPU times of a process.
+pub fn process_times(pid: u32) -> Option<ProcessTimes> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (head, after) = stat.rsplit_once(')')?;
+    let command = head.split_once('(')?.1.to_owned();
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let number = |index: usize| fields.get(index)?.parse::<u64>().ok();
+    Some(ProcessTimes {
+        command,
+        parent: u32::try_from(number(1)?).ok()?,
+        own_ticks: number(11)? + number(12)?,
+        children_ticks: number(13)? + number(14)?,
+    })
+}
+
 /// Clock ticks per second of `/proc/<pid>/stat` (USER_HZ, 100 on Linux).
 pub fn ticks_per_second() -> f64 {
     100.0

@@ -17,6 +17,7 @@ mod soak;
 mod stats;
 mod streams;
 mod turns;
+mod usage;
 
 use clap::{Parser, Subcommand};
 

@@ -18,6 +18,7 @@ use crate::gateway::{DEFAULT_DATABASE_URL, Gateway, bench_channel, default_binar
 use crate::peers::Samples;
 use crate::pipelined_agent::{self, Arrivals};
 use crate::stats::percentiles;
+use crate::usage::Usage;
 use crate::{gateway_metrics, machine};
 
 /// Arguments of `turns`.
@@ -78,6 +79,8 @@ pub struct TurnsFigures {
     pub gateway_rss_kib: u64,
     /// Gateway CPU over the measurement, percent of one core.
     pub gateway_cpu_percent: f64,
+    /// CPU per process group and WAL, per turn (`usage::Usage::per_turn`).
+    pub usage_per_turn: Value,
     /// The gateway's group commit over the measurement ([`gateway_metrics::group_commit`]).
     pub group_commit: Value,
 }
@@ -97,6 +100,7 @@ impl TurnsFigures {
             "round_trip_ms": self.round_trip_ms,
             "gateway_rss_kib": self.gateway_rss_kib,
             "gateway_cpu_percent": self.gateway_cpu_percent,
+            "usage_per_turn": self.usage_per_turn,
             "group_commit": self.group_commit,
         })
     }
@@ -166,6 +170,7 @@ async fn measure(args: &TurnsArgs, gateway: &Gateway) -> anyhow::Result<TurnsFig
 
     let metrics_before = gateway_metrics::scrape(&gateway.base_url).await;
     let cpu_before = machine::cpu_ticks(gateway.pid()).unwrap_or(0);
+    let usage_before = Usage::take(Some(&args.database_url)).await;
     let started = Instant::now();
     let deadline = started + Duration::from_secs(args.duration);
     let mut users = Vec::new();
@@ -180,6 +185,7 @@ async fn measure(args: &TurnsArgs, gateway: &Gateway) -> anyhow::Result<TurnsFig
     }
     let elapsed = started.elapsed().as_secs_f64();
     let cpu_after = machine::cpu_ticks(gateway.pid()).unwrap_or(0);
+    let usage_after = Usage::take(Some(&args.database_url)).await;
     let rss = machine::rss_kib(gateway.pid()).unwrap_or(0);
     let metrics_after = gateway_metrics::scrape(&gateway.base_url).await;
     for agent in agents {
@@ -205,6 +211,7 @@ async fn measure(args: &TurnsArgs, gateway: &Gateway) -> anyhow::Result<TurnsFig
         round_trip_ms: round_trip,
         gateway_rss_kib: rss,
         gateway_cpu_percent: cpu_percent,
+        usage_per_turn: usage_before.per_turn(&usage_after, turns as f64),
         // A failed scrape leaves the gateway's view out rather than failing the measurement.
         group_commit: match (metrics_before, metrics_after) {
             (Ok(before), Ok(after)) => gateway_metrics::group_commit(&before, &after),

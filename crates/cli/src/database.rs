@@ -28,6 +28,7 @@ impl Database {
             max_connections: config.database.max_connections,
             acquire_timeout: Duration::from_millis(config.database.acquire_timeout_ms),
             statement_timeout: Duration::from_millis(config.database.statement_timeout_ms),
+            commit_workers: config.database.commit_workers,
         };
         let store = match Store::connect(&options).await {
             Ok(store) => store,

@@ -10,6 +10,10 @@ use tokio::sync::mpsc;
 use crate::hub::{Hub, HubEvent, SessionControl};
 use crate::streams::LiveStreams;
 
+/// Most frames one committed event is read back with (a batch commits at most 128 writes, each a
+/// frame or an answer of a few frames); a longer range is left to the sessions' gap reads.
+const MAX_READ_BACK: i64 = 1_024;
+
 /// Consumes bus events until the bus closes.
 pub fn spawn(
     store: Store,
@@ -34,6 +38,7 @@ async fn dispatch(store: &Store, hub: &Hub, event: BusEvent) {
         BusEvent::Streams { .. } => {}
         BusEvent::Committed {
             conversation_id,
+            first_seq,
             seq,
             channel_id,
             frames,
@@ -57,12 +62,15 @@ async fn dispatch(store: &Store, hub: &Hub, event: BusEvent) {
             } else {
                 // Too large for the notification: one read per node and commit, shared by the
                 // sessions and agents.
-                match store.list_activities(conversation_id, seq - 1, 1).await {
-                    Ok(mut rows) => rows
-                        .pop()
-                        .filter(|row| row.seq == seq)
-                        .map(Arc::new)
+                let count = (seq - first_seq + 1).clamp(1, MAX_READ_BACK);
+                match store
+                    .list_activities(conversation_id, first_seq - 1, count)
+                    .await
+                {
+                    Ok(rows) => rows
                         .into_iter()
+                        .filter(|row| (first_seq..=seq).contains(&row.seq))
+                        .map(Arc::new)
                         .collect(),
                     Err(error) => {
                         tracing::warn!(%error, %conversation_id, seq, "bus: committed frame unreadable; sessions will read it");

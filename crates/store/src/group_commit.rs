@@ -5,7 +5,7 @@
 //! transaction therefore caps a whole cluster at about one commit per disk flush (≈ 2 ms here),
 //! however many connections it uses. Grouping writes pays that flush once per batch.
 //!
-//! Writes queue here; [`WORKERS`] tasks each take whatever is queued (at least one write, at
+//! Writes queue here; `commit_workers` tasks each take whatever is queued (at least one write, at
 //! most [`MAX_BATCH`]) and commit it. There is no timer: an idle worker starts at once, so a
 //! lone write waits for nothing, and under load the queue fills while the other workers' flushes
 //! are in progress (ADR 0010). A batch, a lone write included, is one call of
@@ -41,12 +41,6 @@ const CONNECTION_OPERATION: &str = "group_commit_connection";
 
 /// Writes in one transaction at most.
 pub(crate) const MAX_BATCH: usize = 128;
-
-/// Batches in progress at once: while one waits for its flush, the other runs its statement.
-/// Measured with `converger-bench turns` at 64 users, two runs each, with one statement per
-/// batch: 1, 2, 3, 4 and 8 workers gave 1,548/1,497, 1,962/2,062, 1,785/1,872, 1,911/1,864 and
-/// 1,732/1,700 turns/s (more workers, smaller batches, more Postgres CPU per turn).
-pub(crate) const WORKERS: usize = 2;
 
 /// Writes queued beyond this wait for room (backpressure on the sessions).
 const QUEUE: usize = 4_096;
@@ -202,10 +196,12 @@ pub(crate) struct GroupCommit {
 
 impl GroupCommit {
     /// Starts the workers on `pool`; they stop when the last handle is dropped.
-    pub(crate) fn start(pool: PgPool, deadline: Duration) -> GroupCommit {
+    /// `workers` batches are in progress at once: while one waits for its flush, another runs
+    /// its statement (`database.commit_workers`, chosen by measurement in ADR 0020).
+    pub(crate) fn start(pool: PgPool, deadline: Duration, workers: usize) -> GroupCommit {
         let (queue, receiver) = mpsc::channel(QUEUE);
         let receiver = Arc::new(Mutex::new(receiver));
-        for _ in 0..WORKERS {
+        for _ in 0..workers {
             tokio::spawn(work(pool.clone(), Arc::clone(&receiver), deadline));
         }
         GroupCommit { queue, deadline }

@@ -46,6 +46,8 @@ pub struct StoreOptions {
     pub acquire_timeout: Duration,
     /// Server-side limit for one statement, and the client-side deadline of one query.
     pub statement_timeout: Duration,
+    /// Group-commit batches in progress at once (at least 1).
+    pub commit_workers: usize,
 }
 
 /// Handle to the database; cheap to clone.
@@ -83,7 +85,11 @@ impl Store {
         // for the network so both rarely race.
         let query_deadline = options.statement_timeout + Duration::from_secs(1);
         Ok(Store {
-            group_commit: group_commit::GroupCommit::start(pool.clone(), query_deadline),
+            group_commit: group_commit::GroupCommit::start(
+                pool.clone(),
+                query_deadline,
+                options.commit_workers.max(1),
+            ),
             pool,
             query_deadline,
         })

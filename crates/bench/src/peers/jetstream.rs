@@ -24,6 +24,7 @@ use super::{
     ANSWER_TIMEOUT, CONNECT_TIMEOUT, Clock, Interrupt, LoopSettings, Outcome, Samples, finish,
     millis_between,
 };
+use crate::usage::Usage;
 
 /// A turn not acknowledged for this long is redelivered (to any agent of the group).
 const ACK_WAIT: Duration = Duration::from_secs(5);
@@ -210,6 +211,7 @@ async fn run_loop(
             .map_err(|error| anyhow!("read user {user}'s answers: {error}"))?;
         user_setups.push((user_context, answers));
     }
+    let usage_before = Usage::take(None).await;
     let started = Instant::now();
     let deadline = started + settings.duration;
     let mut users = JoinSet::new();
@@ -226,7 +228,10 @@ async fn run_loop(
     }
     let samples = finish(users, agents).await?;
     let elapsed = started.elapsed().as_secs_f64();
+    let usage_after = Usage::take(None).await;
+    let turns = samples.round_trip.len() as f64;
     let mut figures = samples.figures(elapsed);
+    figures["usage_per_turn"] = usage_before.per_turn(&usage_after, turns);
     figures["agents"] = json!(settings.agents);
     figures["users"] = json!(settings.users);
     figures["taken_over"] = json!(redelivered.load(Ordering::Relaxed));

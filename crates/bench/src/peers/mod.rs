@@ -288,11 +288,30 @@ pub async fn run(args: PeersArgs) -> anyhow::Result<()> {
     );
     print_ratios(&ratios);
 
+    // P: the machine CPU (Postgres and pgbench) of one pgbench transaction in this run.
+    let p_us = pgbench
+        .figures()
+        .and_then(|figures| figures["usage_per_turn"]["cpu_us"]["total"].as_f64());
+    print_usage(
+        &systems
+            .iter()
+            .copied()
+            .chain([("pgbench", &pgbench)])
+            .collect::<Vec<_>>(),
+        p_us,
+    );
     let mut system_figures = Map::new();
-    for (name, outcome) in systems {
-        system_figures.insert(name.to_owned(), outcome.to_json());
+    for (name, outcome) in systems.iter().copied().chain([("pgbench", &pgbench)]) {
+        let mut figures = outcome.to_json();
+        if let Some(p_us) = p_us
+            && outcome.figures().is_some()
+        {
+            figures["usage_per_turn"]["cpu_p"] =
+                crate::usage::in_p(&figures["usage_per_turn"], p_us);
+        }
+        system_figures.insert(name.to_owned(), figures);
     }
-    system_figures.insert("pgbench".to_owned(), pgbench.to_json());
+    system_figures.insert("p_us".to_owned(), json!(p_us));
     let result = json!({
         "bench": "peers",
         "users": args.users,
@@ -462,6 +481,47 @@ fn print_table(systems: &[(&str, &Outcome)], pgbench: &Outcome, users: usize) {
         "limit (issue 7): converger turns/s ≥ the pgbench single-row insert ceiling at {users} \
          clients"
     );
+}
+
+/// CPU per turn per process group (µs, and in P when pgbench ran) and WAL per turn.
+fn print_usage(systems: &[(&str, &Outcome)], p_us: Option<f64>) {
+    println!();
+    match p_us {
+        Some(p_us) => println!(
+            "CPU per turn, µs (and in P = {p_us:.0} µs, one pgbench transaction's Postgres + pgbench CPU in this run):"
+        ),
+        None => println!("CPU per turn, µs (no pgbench in this run, so no P):"),
+    }
+    for (name, outcome) in systems {
+        let Some(usage) = outcome.figures().map(|figures| &figures["usage_per_turn"]) else {
+            continue;
+        };
+        let Some(cpu) = usage["cpu_us"].as_object() else {
+            continue;
+        };
+        let parts: Vec<String> = cpu
+            .iter()
+            .map(|(group, micros)| {
+                let micros = micros.as_f64().unwrap_or(0.0);
+                match p_us {
+                    Some(p_us) if p_us > 0.0 => {
+                        format!("{group} {micros:.0} ({:.2}P)", micros / p_us)
+                    }
+                    _ => format!("{group} {micros:.0}"),
+                }
+            })
+            .collect();
+        let wal = if usage["wal"].is_null() {
+            "no WAL".to_owned()
+        } else {
+            format!(
+                "WAL {:.0} B, {:.1} records",
+                usage["wal"]["bytes"].as_f64().unwrap_or(0.0),
+                usage["wal"]["records"].as_f64().unwrap_or(0.0)
+            )
+        };
+        println!("  {name:<10} {}; {wal}", parts.join(", "));
+    }
 }
 
 /// Converger's figures divided by each peer's and by the pgbench ceiling, and the store's alone

@@ -14,6 +14,7 @@ use sqlx::postgres::{PgConnectOptions, PgConnection};
 
 use super::{CONNECT_TIMEOUT, Interrupt, Outcome};
 use crate::stats::percentiles;
+use crate::usage::Usage;
 
 const SCRIPT: &str = "insert into t (v) values ('converger-bench');\n";
 /// Connections left free below `max_connections` for this program and other sessions.
@@ -132,9 +133,13 @@ async fn run(
         .current_dir(workdir)
         .stdin(Stdio::null())
         .kill_on_drop(true);
+    let usage_before = Usage::take(Some(server_url)).await;
     let output = tokio::time::timeout(duration + GRACE, command.output())
         .await
         .context("pgbench did not finish in time")??;
+    // pgbench's backends exit after it does; their time reaches the postmaster once reaped.
+    wait_for_backends_gone(admin, database).await;
+    let usage_after = Usage::take(Some(server_url)).await;
     let stdout = String::from_utf8_lossy(&output.stdout);
     if !output.status.success() {
         bail!(
@@ -146,7 +151,9 @@ async fn run(
     let tps = field_after(&stdout, "tps = ").context("no `tps = ` in pgbench's output")?;
     let transactions = field_after(&stdout, "number of transactions actually processed: ");
     let mut latencies = read_latencies(workdir, "txn")?;
+    let per_transaction = usage_before.per_turn(&usage_after, transactions.unwrap_or(0.0));
     Ok(json!({
+        "usage_per_turn": per_transaction,
         "clients": clients,
         "requested_clients": requested_clients,
         "max_connections": max_connections,
@@ -162,6 +169,22 @@ async fn run(
              fsync = {fsync}"
         ),
     }))
+}
+
+/// Waits (at most 5 s) until no backend serves `database`.
+async fn wait_for_backends_gone(admin: &mut PgConnection, database: &str) {
+    let started = std::time::Instant::now();
+    while started.elapsed() < Duration::from_secs(5) {
+        let left: Result<i64, _> =
+            sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE datname = $1")
+                .bind(database)
+                .fetch_one(&mut *admin)
+                .await;
+        if left.map_or(true, |left| left == 0) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// The number that follows `label` on its line of pgbench's report.

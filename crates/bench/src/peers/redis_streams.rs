@@ -24,6 +24,7 @@ use super::{
     ANSWER_TIMEOUT, CONNECT_TIMEOUT, Clock, Interrupt, LoopSettings, Outcome, Samples, finish,
     millis_between,
 };
+use crate::usage::Usage;
 
 /// How long a blocking read waits on the server before it returns empty.
 const BLOCK: Duration = Duration::from_millis(1000);
@@ -237,6 +238,7 @@ async fn run_loop(
     for _ in 0..settings.users {
         connections.push(blocking_connection(client).await?);
     }
+    let usage_before = Usage::take(None).await;
     let started = Instant::now();
     let deadline = started + settings.duration;
     let mut users = JoinSet::new();
@@ -247,7 +249,10 @@ async fn run_loop(
     }
     let samples = finish(users, agents).await?;
     let elapsed = started.elapsed().as_secs_f64();
+    let usage_after = Usage::take(None).await;
+    let turns = samples.round_trip.len() as f64;
     let mut figures = samples.figures(elapsed);
+    figures["usage_per_turn"] = usage_before.per_turn(&usage_after, turns);
     figures["agents"] = json!(settings.agents);
     figures["users"] = json!(settings.users);
     figures["taken_over"] = json!(claimed.load(Ordering::Relaxed));

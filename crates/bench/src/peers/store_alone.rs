@@ -16,6 +16,7 @@ use uuid::Uuid;
 
 use super::{Interrupt, LoopSettings, Outcome, Samples};
 use crate::gateway::{create_database, database_url, drop_database};
+use crate::usage::Usage;
 
 /// Pooled connections, as `turns` gives the gateway.
 const MAX_CONNECTIONS: u32 = 32;
@@ -54,6 +55,11 @@ async fn run(url: &str, settings: LoopSettings) -> anyhow::Result<serde_json::Va
         max_connections: MAX_CONNECTIONS,
         acquire_timeout: STATEMENT_TIMEOUT,
         statement_timeout: STATEMENT_TIMEOUT,
+        // As the gateway would be configured by the same environment.
+        commit_workers: std::env::var("CONVERGER_DATABASE__COMMIT_WORKERS")
+            .ok()
+            .and_then(|workers| workers.parse().ok())
+            .unwrap_or(2),
     })
     .await?;
     store.migrate().await?;
@@ -66,6 +72,7 @@ async fn run(url: &str, settings: LoopSettings) -> anyhow::Result<serde_json::Va
             .await?;
         conversations.push(conversation.id);
     }
+    let usage_before = Usage::take(Some(url)).await;
     let started = Instant::now();
     let deadline = started + settings.duration;
     let mut users = JoinSet::new();
@@ -76,7 +83,11 @@ async fn run(url: &str, settings: LoopSettings) -> anyhow::Result<serde_json::Va
     while let Some(user) = users.join_next().await {
         samples.extend(user.context("user task")??);
     }
-    let mut figures = samples.figures(started.elapsed().as_secs_f64());
+    let elapsed = started.elapsed().as_secs_f64();
+    let usage_after = Usage::take(Some(url)).await;
+    let turns = samples.round_trip.len() as f64;
+    let mut figures = samples.figures(elapsed);
+    figures["usage_per_turn"] = usage_before.per_turn(&usage_after, turns);
     // Nothing is delivered to an agent here, so there is no such latency to report.
     if let Some(figures) = figures.as_object_mut() {
         figures.remove("to_agent_ms");

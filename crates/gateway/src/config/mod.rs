@@ -183,6 +183,14 @@ impl Config {
         if self.database.max_connections == 0 {
             return Err("database.max_connections must be greater than 0".into());
         }
+        if self.database.commit_workers == 0
+            || self.database.commit_workers as u64 >= u64::from(self.database.max_connections)
+        {
+            return Err(
+                "database.commit_workers must be at least 1 and below database.max_connections"
+                    .into(),
+            );
+        }
         if self.database.acquire_timeout_ms == 0 || self.database.statement_timeout_ms == 0 {
             return Err("database.acquire_timeout_ms and database.statement_timeout_ms must be greater than 0".into());
         }

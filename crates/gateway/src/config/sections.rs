@@ -89,6 +89,8 @@ pub struct DatabaseConfig {
     pub acquire_timeout_ms: u64,
     /// Server-side statement timeout and client-side query deadline, in milliseconds.
     pub statement_timeout_ms: u64,
+    /// Group-commit batches in progress at once (ADR 0020).
+    pub commit_workers: usize,
 }
 
 impl Default for DatabaseConfig {
@@ -97,6 +99,7 @@ impl Default for DatabaseConfig {
             max_connections: 16,
             acquire_timeout_ms: 5_000,
             statement_timeout_ms: 5_000,
+            commit_workers: 2,
         }
     }
 }

@@ -8,7 +8,7 @@ use sqlx::postgres::PgListener;
 use tokio::sync::{mpsc, oneshot};
 use uuid::Uuid;
 
-use super::{BusEvent, CATCH_UP_MARGIN, Payload, to_event};
+use super::{BusEvent, CATCH_UP_MARGIN, Payload, to_event, to_events};
 use crate::{NOTIFY_CHANNEL, Store, StoreError};
 
 impl Store {
@@ -18,9 +18,18 @@ impl Store {
         let rows: Vec<(Option<Uuid>, Option<i64>, Option<Value>)> = self
             .timed("outbox_catch_up", async {
                 sqlx::query_as(
-                    "SELECT conversation_id, max(seq_to), NULL::jsonb FROM outbox
-                     WHERE seq_to IS NOT NULL AND created_at >= now() - make_interval(secs => $1)
-                     GROUP BY conversation_id
+                    "SELECT committed.conversation_id, max(committed.seq), NULL::jsonb
+                     FROM (
+                         SELECT conversation_id, seq_to AS seq FROM outbox
+                         WHERE seq_to IS NOT NULL AND created_at >= now() - make_interval(secs => $1)
+                         UNION ALL
+                         SELECT batch.conversation_id, batch.seq
+                         FROM outbox, unnest(outbox.conversations, outbox.last_seqs)
+                                      AS batch(conversation_id, seq)
+                         WHERE outbox.conversations IS NOT NULL
+                           AND outbox.created_at >= now() - make_interval(secs => $1)
+                     ) AS committed
+                     GROUP BY committed.conversation_id
                      UNION ALL
                      SELECT NULL, NULL, payload FROM outbox
                      WHERE payload ->> 'k' = 'ch' AND created_at >= now() - make_interval(secs => $1)",
@@ -33,6 +42,7 @@ impl Store {
         let events = rows.into_iter().filter_map(|row| match row {
             (Some(conversation_id), Some(seq), _) => Some(BusEvent::Committed {
                 conversation_id,
+                first_seq: seq,
                 seq,
                 channel_id: None,
                 frames: Vec::new(),
@@ -115,10 +125,10 @@ async fn run_listener(
         match listener.try_recv().await {
             Ok(Some(notification)) => {
                 backoff = Duration::from_millis(100);
-                if let Some(event) = decode(&store, notification.payload()).await
-                    && events.send(event).is_err()
-                {
-                    return;
+                for event in decode(&store, notification.payload()).await {
+                    if events.send(event).is_err() {
+                        return;
+                    }
                 }
             }
             // The connection was lost and (eagerly) re-established with LISTEN issued again.
@@ -170,23 +180,24 @@ async fn relisten(listener: &mut PgListener) -> Result<(), sqlx::Error> {
     listener.listen(NOTIFY_CHANNEL).await
 }
 
-/// Turns a notification payload into an event (reading large transient payloads back).
-async fn decode(store: &Store, text: &str) -> Option<BusEvent> {
+/// Turns a notification payload into its events (reading large transient payloads back).
+async fn decode(store: &Store, text: &str) -> Vec<BusEvent> {
     let Ok(payload) = serde_json::from_str::<Payload>(text) else {
         tracing::warn!(payload = text, "event bus: unreadable notification");
-        return None;
+        return Vec::new();
     };
     let payload = match payload {
         Payload::TransientRef { outbox_id } => match store.transient_by_ref(outbox_id).await {
-            Ok(payload) => payload?,
+            Ok(Some(payload)) => payload,
+            Ok(None) => return Vec::new(),
             Err(error) => {
                 tracing::warn!(%error, outbox_id, "event bus: transient payload unreadable");
-                return None;
+                return Vec::new();
             }
         },
         payload => payload,
     };
-    to_event(payload)
+    to_events(payload)
 }
 
 async fn connect_listener(store: &Store) -> Result<PgListener, StoreError> {

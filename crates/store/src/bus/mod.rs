@@ -75,6 +75,9 @@ pub enum BusEvent {
     Committed {
         /// Conversation.
         conversation_id: Uuid,
+        /// The first seq the event announces (`seq` when it announces one, or for catch-ups,
+        /// whose receivers find gaps themselves).
+        first_seq: i64,
         /// The committed seq (the last of a batch).
         seq: i64,
         /// The conversation's channel, when the event names it (catch-ups do not).
@@ -113,16 +116,14 @@ pub enum BusEvent {
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "k")]
 enum Payload {
+    /// One commit (edits still announce theirs alone).
     #[serde(rename = "c")]
-    Committed {
-        #[serde(rename = "c")]
-        conversation_id: Uuid,
-        #[serde(rename = "s")]
-        seq: i64,
-        #[serde(rename = "h", default)]
-        channel_id: Option<Uuid>,
-        #[serde(rename = "f", default, deserialize_with = "frames_or_none")]
-        frames: Vec<Activity>,
+    Committed(CommittedEvent),
+    /// The commits of one group-commit batch, one event per conversation (ADR 0020).
+    #[serde(rename = "cb")]
+    CommittedBatch {
+        #[serde(rename = "v")]
+        events: Vec<CommittedEvent>,
     },
     #[serde(rename = "t")]
     Transient(TransientFrame),
@@ -164,6 +165,22 @@ enum Payload {
     },
 }
 
+/// One conversation's commit, alone or within a batch notification.
+#[derive(Debug, Serialize, Deserialize)]
+struct CommittedEvent {
+    #[serde(rename = "c")]
+    conversation_id: Uuid,
+    /// Absent in single commits; the carried frames then tell.
+    #[serde(rename = "a", default)]
+    first_seq: Option<i64>,
+    #[serde(rename = "s")]
+    seq: i64,
+    #[serde(rename = "h", default)]
+    channel_id: Option<Uuid>,
+    #[serde(rename = "f", default, deserialize_with = "frames_or_none")]
+    frames: Vec<Activity>,
+}
+
 /// The frames a notification carries, or none when any of them does not read as a frame: the
 /// receiver then reads them back, instead of losing the whole notification.
 fn frames_or_none<'de, D>(deserializer: D) -> Result<Vec<Activity>, D::Error>
@@ -181,19 +198,35 @@ where
     }
 }
 
+/// The events of one payload: one, or one per conversation of a batch, or none (a reference to
+/// a payload read elsewhere).
+fn to_events(payload: Payload) -> Vec<BusEvent> {
+    match payload {
+        Payload::CommittedBatch { events } => events.into_iter().map(committed).collect(),
+        payload => to_event(payload).into_iter().collect(),
+    }
+}
+
+/// The event of one conversation's commit; its first seq is the one it names, else its first
+/// carried frame's, else its last seq.
+fn committed(event: CommittedEvent) -> BusEvent {
+    let first_seq = event
+        .first_seq
+        .or_else(|| event.frames.first().map(|first| first.seq))
+        .map_or(event.seq, |first| first.min(event.seq));
+    BusEvent::Committed {
+        conversation_id: event.conversation_id,
+        first_seq,
+        seq: event.seq,
+        channel_id: event.channel_id,
+        frames: event.frames,
+    }
+}
+
 fn to_event(payload: Payload) -> Option<BusEvent> {
     match payload {
-        Payload::Committed {
-            conversation_id,
-            seq,
-            channel_id,
-            frames,
-        } => Some(BusEvent::Committed {
-            conversation_id,
-            seq,
-            channel_id,
-            frames,
-        }),
+        Payload::Committed(event) => Some(committed(event)),
+        Payload::CommittedBatch { .. } => None,
         Payload::Transient(transient) => Some(BusEvent::Transient(transient)),
         Payload::Regenerated {
             node,
@@ -237,6 +270,7 @@ mod tests {
             to_event(committed),
             Some(BusEvent::Committed {
                 conversation_id,
+                first_seq: 3,
                 seq: 3,
                 channel_id: None,
                 frames: Vec::new(),
@@ -255,6 +289,27 @@ mod tests {
         assert_eq!(frames[0].kind, "text");
         assert_eq!(frames[0].client_id.as_deref(), Some("c4"));
         assert_eq!(frames[0].created_at.timestamp_micros() % 1_000_000, 903_868);
+        // A batch announces each conversation once, with the range it committed; an event
+        // without its frames (too large) is read back from `a` to `s`.
+        let batch: Payload = serde_json::from_str(&format!(
+            r#"{{"k":"cb","e":10,"v":[{{"c":"{conversation_id}","a":2,"s":3,"h":"{conversation_id}"}},{{"c":"{conversation_id}","a":4,"s":4}}]}}"#
+        ))
+        .unwrap();
+        let events = to_events(batch);
+        assert_eq!(events.len(), 2);
+        assert!(matches!(
+            &events[0],
+            BusEvent::Committed { first_seq: 2, seq: 3, channel_id: Some(_), frames, .. } if frames.is_empty()
+        ));
+        assert!(matches!(
+            &events[1],
+            BusEvent::Committed {
+                first_seq: 4,
+                seq: 4,
+                channel_id: None,
+                ..
+            }
+        ));
         // A frame that does not read leaves the event without frames, not unreadable.
         let odd: Payload = serde_json::from_str(&format!(
             r#"{{"k":"c","e":9,"c":"{conversation_id}","s":5,"f":[{{"seq":"five"}}]}}"#

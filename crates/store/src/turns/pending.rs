@@ -144,8 +144,9 @@ impl Store {
         let frames = self
             .timed("committed_per_second", async {
                 sqlx::query_scalar::<_, i64>(
-                    "SELECT coalesce(sum(seq_to - seq_from + 1), 0)::bigint FROM outbox
-                     WHERE seq_to IS NOT NULL AND created_at > now() - make_interval(secs => $1)",
+                    "SELECT coalesce(sum(coalesce(frames, seq_to - seq_from + 1)), 0)::bigint FROM outbox
+                     WHERE (seq_to IS NOT NULL OR frames IS NOT NULL)
+                       AND created_at > now() - make_interval(secs => $1)",
                 )
                 .bind(f64::from(window_secs))
                 .fetch_one(&self.pool)
