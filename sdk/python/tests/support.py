@@ -51,8 +51,12 @@ def test_secrets() -> tuple[str, str]:
 
 
 def converger_bin() -> str:
-    """CONVERGER_BIN, else <repo root>/target/debug/converger."""
-    return os.environ.get("CONVERGER_BIN") or str(REPO_ROOT / "target" / "debug" / "converger")
+    """CONVERGER_BIN, else the debug build in CARGO_TARGET_DIR (as cargo test left it), else in
+    <repo root>/target."""
+    if binary := os.environ.get("CONVERGER_BIN"):
+        return binary
+    target = os.environ.get("CARGO_TARGET_DIR") or str(REPO_ROOT / "target")
+    return str(Path(target) / "debug" / "converger")
 
 
 # --- Postgres -------------------------------------------------------------------------
