@@ -199,16 +199,35 @@ DECLARE
     event_id       bigint;
     stored         integer;
     committed_at   timestamptz;
+    conversation_ids uuid[];
+    earlier_rows   jsonb;
 BEGIN
     outcomes := array_fill('null'::jsonb, ARRAY[jsonb_array_length(p_writes)]);
 
+    -- Every look-up below names its keys (an array, or one row's values): a plan cached while
+    -- the tables were small must still read only those keys once they are large.
+    SELECT array_agg(DISTINCT (w.value->>'conversation')::uuid) INTO conversation_ids
+      FROM jsonb_array_elements(p_writes) AS w;
     PERFORM 1 FROM conversations c
-      WHERE c.id IN (SELECT (w.value->>'conversation')::uuid
-                       FROM jsonb_array_elements(p_writes) AS w)
+      WHERE c.id = ANY(conversation_ids)
       ORDER BY c.id
         FOR NO KEY UPDATE;
     -- Read once the locks are held: a conversation's next batch reads a later time.
     committed_at := clock_timestamp();
+
+    -- The frames' idempotency keys stored before, planned afresh for every batch (EXECUTE): the
+    -- activities table has three indexes led by conversation_id, and a plan cached while it was
+    -- small may pick one that reads every activity of the conversation instead of the key's.
+    EXECUTE 'SELECT coalesce(jsonb_agg(jsonb_build_object(''ord'', k.ord) || to_jsonb(a)), ''[]'')
+               FROM jsonb_array_elements($1) WITH ORDINALITY AS k(w, ord)
+              CROSS JOIN LATERAL (
+                    SELECT * FROM activities a
+                     WHERE a.conversation_id = (k.w->>''conversation'')::uuid
+                       AND a.sender_id = k.w->>''sender_id''
+                       AND a.client_id = k.w->>''client_id'' AND a.client_id IS NOT NULL
+                     LIMIT 1) AS a
+              WHERE k.w->>''kind'' = ''frame'' AND k.w->>''client_id'' IS NOT NULL'
+       INTO earlier_rows USING p_writes;
 
     WITH given AS (
         SELECT w.ordinality::integer AS ord,
@@ -221,11 +240,8 @@ BEGIN
           FROM jsonb_array_elements(p_writes) WITH ORDINALITY AS w
          WHERE w.value->>'kind' = 'frame'
     ), earlier AS (
-        SELECT given.ord, a.*
-          FROM given
-          JOIN activities a
-            ON a.conversation_id = given.conversation_id AND a.sender_id = given.sender_id
-           AND a.client_id = given.client_id AND a.client_id IS NOT NULL
+        SELECT (e.value->>'ord')::integer AS ord, e.value - 'ord' AS stored
+          FROM jsonb_array_elements(earlier_rows) AS e
     ), keyed AS (
         -- first_ord: the batch's first write with the same idempotency key (itself when none)
         SELECT given.*,
@@ -245,7 +261,8 @@ BEGIN
            SET last_seq = c.last_seq + counts.frames, updated_at = now()
           FROM (SELECT fresh.conversation_id, count(*) AS frames
                   FROM fresh GROUP BY fresh.conversation_id) AS counts
-         WHERE c.id = counts.conversation_id AND c.status = 'open'
+         WHERE c.id = ANY(conversation_ids) AND c.id = counts.conversation_id
+           AND c.status = 'open'
         RETURNING c.id, c.last_seq - counts.frames AS base, c.last_seq, c.channel_id
     ), act AS (
         INSERT INTO activities AS a
@@ -278,7 +295,7 @@ BEGIN
           FROM keyed JOIN stored_frames ON stored_frames.ord = keyed.first_ord
          WHERE keyed.first_ord <> keyed.ord
         UNION ALL
-        SELECT earlier.ord, (to_jsonb(earlier) - 'ord') || '{"duplicate": true}'
+        SELECT earlier.ord, earlier.stored || '{"duplicate": true}'
           FROM earlier
     ), per_conversation AS MATERIALIZED (
         SELECT stored_frames.conversation_id,

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use converger_store::{
     AnswerFrame, AnswerOutcome, CommitOutcome, NewActivity, RuntimeWrite, Sender, SenderRole,
-    Store, StoreError, TurnAnswer,
+    Store, StoreError, StoreOptions, TurnAnswer,
 };
 use futures::future::join_all;
 use serde_json::{Map, json};
@@ -380,11 +380,14 @@ async fn a_write_the_database_refuses_costs_its_batch_one_more_statement() {
     assert_eq!(isolated_calls(&db).await, 1);
 }
 
-/// Sequential and index scans of the tables a batch reads, as Postgres counts them.
-async fn scans(db: &TestDb) -> (i64, i64) {
+/// Sequential scans, index scans and index entries read of the tables a batch reads, as
+/// Postgres counts them.
+async fn scans(db: &TestDb) -> (i64, i64, i64) {
     let mut connection = db.connect().await;
     sqlx::query_as(
-        "SELECT coalesce(sum(seq_scan), 0)::bigint, coalesce(sum(idx_scan), 0)::bigint
+        "SELECT coalesce(sum(seq_scan), 0)::bigint, coalesce(sum(idx_scan), 0)::bigint,
+                (SELECT coalesce(sum(idx_tup_read), 0)::bigint FROM pg_stat_user_indexes
+                 WHERE relname IN ('conversations', 'activities', 'turns', 'conversation_runtime'))
          FROM pg_stat_user_tables
          WHERE relname IN ('conversations', 'activities', 'turns', 'conversation_runtime')",
     )
@@ -393,18 +396,18 @@ async fn scans(db: &TestDb) -> (i64, i64) {
     .unwrap()
 }
 
-/// Closes the store's pool and waits until its backends (and the bulk loader's) are gone: a
-/// backend reports its table statistics when it exits.
+/// Closes the store's pool and waits until its backends are gone: a backend reports its table
+/// statistics when it exits.
 async fn close_and_report(db: &TestDb, store: Store) {
     store.pool().close().await;
-    reported(db).await;
+    reported(db, "converger").await;
 }
 
-/// Waits until no store or bulk-loader backend of `db` is left.
-async fn reported(db: &TestDb) {
+/// Waits until no backend of `db` named `application` is left.
+async fn reported(db: &TestDb, application: &str) {
     let gone = format!(
         "SELECT count(*) FROM pg_stat_activity
-         WHERE datname = '{}' AND application_name IN ('converger', 'bulk')",
+         WHERE datname = '{}' AND application_name = '{application}'",
         db.name
     );
     eventually(
@@ -413,6 +416,48 @@ async fn reported(db: &TestDb) {
         || async { db.count(&gone).await == 0 },
     )
     .await;
+}
+
+/// Eight frames of `conversation` and their answers, in batches of `together` writes.
+async fn frames_and_answers(store: &Store, conversation: Uuid, round: usize, together: usize) {
+    let frames: Vec<NewActivity> = (0..8)
+        .map(|n| {
+            frame(
+                conversation,
+                &format!("round {round}, {n}"),
+                &format!("r{round}-{n}"),
+            )
+        })
+        .collect();
+    for group in frames.chunks(together) {
+        let outcomes = join_all(group.iter().map(|new| store.commit_activity(new))).await;
+        let answers: Vec<TurnAnswer> = outcomes
+            .iter()
+            .map(|outcome| answer(conversation, outcome.as_ref().unwrap().activity.seq, None))
+            .collect();
+        for outcome in join_all(answers.iter().map(|answer| store.commit_answer(answer))).await {
+            assert!(
+                matches!(outcome, Ok(AnswerOutcome::Committed { .. })),
+                "{outcome:?}"
+            );
+        }
+    }
+}
+
+/// Has the store's one backend report its counts now, and waits until they show `at_least`
+/// index scans in all.
+async fn report_now(db: &TestDb, store: &Store, at_least: i64) -> (i64, i64, i64) {
+    sqlx::query("SELECT pg_stat_force_next_flush()")
+        .execute(store.pool())
+        .await
+        .unwrap();
+    eventually(
+        "the backend's counts reported",
+        Duration::from_secs(20),
+        || async { scans(db).await.1 >= at_least },
+    )
+    .await;
+    scans(db).await
 }
 
 #[tokio::test]
@@ -426,66 +471,67 @@ async fn a_batch_reads_through_indexes_on_an_empty_and_on_a_large_table() {
         .unwrap()
         .id;
     close_and_report(&db, store).await;
-
-    // Round one on the tables as the migration left them (empty, analysed); round two after
-    // 30,000 conversations and 60,000 frames and turns arrived with no new statistics (the
-    // tables' autovacuum is off), so the planner still believes the tables are empty.
-    for round in 0..2 {
-        let (seq_before, index_before) = scans(&db).await;
-        let store = db.store().await;
-        let frames: Vec<NewActivity> = (0..8)
-            .map(|n| {
-                frame(
-                    conversation,
-                    &format!("round {round}, {n}"),
-                    &format!("r{round}-{n}"),
-                )
-            })
-            .collect();
-        let outcomes = join_all(frames.iter().map(|new| store.commit_activity(new))).await;
-        let seqs: Vec<i64> = outcomes
-            .iter()
-            .map(|outcome| outcome.as_ref().unwrap().activity.seq)
-            .collect();
-        let answers: Vec<TurnAnswer> = seqs
-            .iter()
-            .map(|seq| answer(conversation, *seq, None))
-            .collect();
-        for outcome in join_all(answers.iter().map(|answer| store.commit_answer(answer))).await {
-            assert!(
-                matches!(outcome, Ok(AnswerOutcome::Committed { .. })),
-                "{outcome:?}"
-            );
-        }
-        close_and_report(&db, store).await;
-        let (seq_after, index_after) = scans(&db).await;
-        assert!(
-            index_after >= index_before + 16,
-            "round {round}: the batches used indexes ({index_before} -> {index_after})"
-        );
-        assert_eq!(seq_after, seq_before, "round {round}: no sequential scan");
-
-        if round == 0 {
-            let mut admin = db.connect().await;
-            for statement in [
-                "SET application_name = 'bulk'",
-                "ALTER TABLE conversations SET (autovacuum_enabled = false)",
-                "ALTER TABLE activities SET (autovacuum_enabled = false)",
-                "ALTER TABLE turns SET (autovacuum_enabled = false)",
-                "INSERT INTO conversations (id, tenant_id, channel_id, user_id, last_seq)
-                 SELECT gen_random_uuid(), c.tenant_id, c.channel_id, 'u' || n, 2
-                 FROM conversations c, generate_series(1, 30000) AS n",
-                "INSERT INTO activities (conversation_id, seq, id, type, sender_id, sender_role, data, client_id)
-                 SELECT c.id, s, c.id || '-' || s, 'text', c.user_id, 'user', '{}', 'k' || s
-                 FROM conversations c, generate_series(1, 2) AS s WHERE c.user_id <> 'alice'",
-                "INSERT INTO turns (conversation_id, seq, revision, status)
-                 SELECT conversation_id, seq, 0, 'pending' FROM activities WHERE sender_id <> 'alice'",
-            ] {
-                sqlx::query(statement).execute(&mut admin).await.unwrap();
-            }
-            // The loader's own scans are reported when it exits, before round two counts.
-            sqlx::Connection::close(admin).await.unwrap();
-            reported(&db).await;
-        }
+    // Before any plan is cached: an ALTER TABLE later would invalidate the cached plans.
+    let mut admin = db.connect().await;
+    for table in ["conversations", "activities", "turns"] {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "ALTER TABLE {table} SET (autovacuum_enabled = false)"
+        )))
+        .execute(&mut admin)
+        .await
+        .unwrap();
     }
+    sqlx::Connection::close(admin).await.unwrap();
+    let (seq_empty, index_empty, _) = scans(&db).await;
+
+    // One backend for every batch, so the plans it caches while the tables are empty (plpgsql
+    // keeps a generic plan after five runs) are the ones it uses once they are large.
+    let store = Store::connect(&StoreOptions {
+        url: db.url.clone(),
+        max_connections: 1,
+        acquire_timeout: Duration::from_secs(5),
+        statement_timeout: Duration::from_secs(5),
+        commit_workers: 1,
+    })
+    .await
+    .unwrap();
+    frames_and_answers(&store, conversation, 0, 1).await;
+    let (seq, _, _) = report_now(&db, &store, index_empty + 16).await;
+    assert_eq!(seq, seq_empty, "no sequential scan on the empty tables");
+
+    // 30,000 conversations and 80,000 frames and 60,000 turns more, with no new statistics
+    // (autovacuum off) and nothing that invalidates the cached plans: they were made for
+    // empty tables.
+    let mut loader = db.connect().await;
+    for statement in [
+        "SET application_name = 'bulk'",
+        "INSERT INTO conversations (id, tenant_id, channel_id, user_id, last_seq)
+         SELECT gen_random_uuid(), c.tenant_id, c.channel_id, 'u' || n, 2
+         FROM conversations c, generate_series(1, 30000) AS n",
+        "INSERT INTO activities (conversation_id, seq, id, type, sender_id, sender_role, data, client_id)
+         SELECT c.id, s, c.id || '-' || s, 'text', c.user_id, 'user', '{}', 'k' || s
+         FROM conversations c, generate_series(1, 2) AS s WHERE c.user_id <> 'alice'",
+        "INSERT INTO turns (conversation_id, seq, revision, status)
+         SELECT conversation_id, seq, 0, 'pending' FROM activities WHERE sender_id <> 'alice'",
+        // A long history in alice's own conversation too (far above her head), which a
+        // look-up by conversation alone would read through.
+        "INSERT INTO activities (conversation_id, seq, id, type, sender_id, sender_role, data, client_id)
+         SELECT c.id, 1000000 + s, 'old-' || s, 'text', 'alice', 'user', '{}', 'old-' || s
+         FROM conversations c, generate_series(1, 20000) AS s WHERE c.user_id = 'alice'",
+    ] {
+        sqlx::query(statement).execute(&mut loader).await.unwrap();
+    }
+    sqlx::Connection::close(loader).await.unwrap();
+    reported(&db, "bulk").await;
+    let (seq_large, index_large, read_large) = scans(&db).await;
+
+    frames_and_answers(&store, conversation, 1, 8).await;
+    let (seq, _, read) = report_now(&db, &store, index_large + 16).await;
+    assert_eq!(seq, seq_large, "no sequential scan on the large tables");
+    let entries_read = read - read_large;
+    assert!(
+        entries_read < 1_000,
+        "the batches read {entries_read} index entries of the large tables: whole indexes, not their keys"
+    );
+    store.pool().close().await;
 }
