@@ -73,6 +73,15 @@ async fn web_channel(store: &Store) -> Uuid {
     store.create_channel(tenant.id, "web").await.unwrap().0.id
 }
 
+/// A new conversation of alice in `channel`; its id.
+async fn alice_conversation(store: &Store, channel: Uuid) -> Uuid {
+    store
+        .create_conversation(channel, "alice")
+        .await
+        .unwrap()
+        .id
+}
+
 /// The stored frame with `seq`, read back the way replays read it.
 async fn stored(store: &Store, conversation_id: Uuid, seq: i64) -> converger_store::Activity {
     let mut rows = store
@@ -106,16 +115,8 @@ async fn writes_queued_together_commit_in_one_batch_with_the_outcomes_they_have_
     .unwrap();
     let store = db.store().await;
     let channel = web_channel(&store).await;
-    let a = store
-        .create_conversation(channel, "alice")
-        .await
-        .unwrap()
-        .id;
-    let b = store
-        .create_conversation(channel, "alice")
-        .await
-        .unwrap()
-        .id;
+    let a = alice_conversation(&store, channel).await;
+    let b = alice_conversation(&store, channel).await;
     let missing = Uuid::new_v4();
 
     // Frames: two conversations, a key repeated within the batch, a missing conversation.
@@ -230,13 +231,7 @@ async fn a_batch_notifies_in_as_few_payloads_as_fit_under_the_limit() {
     let channel = web_channel(&store).await;
     let mut conversations = Vec::new();
     for _ in 0..6 {
-        conversations.push(
-            store
-                .create_conversation(channel, "alice")
-                .await
-                .unwrap()
-                .id,
-        );
+        conversations.push(alice_conversation(&store, channel).await);
     }
     let mut listener = sqlx::postgres::PgListener::connect_with(store.pool())
         .await
@@ -331,11 +326,7 @@ async fn a_write_the_database_refuses_costs_its_batch_one_more_statement() {
     }
     let store = db.store().await;
     let channel = web_channel(&store).await;
-    let conversation = store
-        .create_conversation(channel, "alice")
-        .await
-        .unwrap()
-        .id;
+    let conversation = alice_conversation(&store, channel).await;
 
     // Fifty honest frames with the poisoned one among them, queued together (one batch), and
     // a frame with a NUL character, which Postgres could not even parse as the batch's
@@ -465,11 +456,7 @@ async fn a_batch_reads_through_indexes_on_an_empty_and_on_a_large_table() {
     let db = TestDb::create().await;
     let store = db.store().await;
     let channel = web_channel(&store).await;
-    let conversation = store
-        .create_conversation(channel, "alice")
-        .await
-        .unwrap()
-        .id;
+    let conversation = alice_conversation(&store, channel).await;
     close_and_report(&db, store).await;
     // Before any plan is cached: an ALTER TABLE later would invalidate the cached plans.
     let mut admin = db.connect().await;
