@@ -1,11 +1,13 @@
 //! Feeds the node-local hub from the cross-node event bus.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use converger_protocol::{CloseCode, ErrorCode, ErrorFrame};
 use converger_store::Store;
 use converger_store::bus::BusEvent;
 use tokio::sync::mpsc;
+use uuid::Uuid;
 
 use crate::hub::{Hub, HubEvent, SessionControl};
 use crate::streams::LiveStreams;
@@ -13,6 +15,9 @@ use crate::streams::LiveStreams;
 /// Most frames one committed event is read back with (a batch commits at most 128 writes, each a
 /// frame or an answer of a few frames); a longer range is left to the sessions' gap reads.
 const MAX_READ_BACK: i64 = 1_024;
+
+/// Conversations whose channel the bridge remembers; past this it forgets them all at once.
+const REMEMBERED_CHANNELS: usize = 65_536;
 
 /// Consumes bus events until the bus closes.
 pub fn spawn(
@@ -22,17 +27,55 @@ pub fn spawn(
     mut events: mpsc::UnboundedReceiver<BusEvent>,
 ) {
     tokio::spawn(async move {
+        let mut channels = ChannelsOf::default();
         while let Some(event) = events.recv().await {
             if let BusEvent::Streams { node, events } = event {
                 streams.apply_remote(&hub, &node, events);
                 continue;
             }
-            dispatch(&store, &hub, event).await;
+            dispatch(&store, &hub, &mut channels, event).await;
         }
     });
 }
 
-async fn dispatch(store: &Store, hub: &Hub, event: BusEvent) {
+/// The channel of each conversation the bridge saw events of: a conversation never changes
+/// channel, and this node's own commits and the catch-ups arrive without it.
+#[derive(Default)]
+struct ChannelsOf {
+    known: HashMap<Uuid, Uuid>,
+}
+
+impl ChannelsOf {
+    /// `named` when the event named it (remembered), else the remembered or stored one.
+    async fn channel(
+        &mut self,
+        store: &Store,
+        conversation_id: Uuid,
+        named: Option<Uuid>,
+    ) -> Option<Uuid> {
+        if let Some(channel_id) = named.or_else(|| self.known.get(&conversation_id).copied()) {
+            self.remember(conversation_id, channel_id);
+            return Some(channel_id);
+        }
+        let channel_id = store
+            .conversation(conversation_id)
+            .await
+            .ok()
+            .flatten()
+            .map(|conversation| conversation.channel_id)?;
+        self.remember(conversation_id, channel_id);
+        Some(channel_id)
+    }
+
+    fn remember(&mut self, conversation_id: Uuid, channel_id: Uuid) {
+        if self.known.len() >= REMEMBERED_CHANNELS && !self.known.contains_key(&conversation_id) {
+            self.known.clear();
+        }
+        self.known.insert(conversation_id, channel_id);
+    }
+}
+
+async fn dispatch(store: &Store, hub: &Hub, channels: &mut ChannelsOf, event: BusEvent) {
     match event {
         // Handled by the caller, which holds the streams.
         BusEvent::Streams { .. } => {}
@@ -43,16 +86,7 @@ async fn dispatch(store: &Store, hub: &Hub, event: BusEvent) {
             channel_id,
             frames,
         } => {
-            // Catch-up events do not name the channel; look it up only if agents might care.
-            let channel_id = match channel_id {
-                Some(channel_id) => Some(channel_id),
-                None => store
-                    .conversation(conversation_id)
-                    .await
-                    .ok()
-                    .flatten()
-                    .map(|conversation| conversation.channel_id),
-            };
+            let channel_id = channels.channel(store, conversation_id, channel_id).await;
             let for_agents = channel_id.is_some_and(|channel_id| hub.has_agents(channel_id));
             if !for_agents && !hub.wants_committed(conversation_id, seq) {
                 return;

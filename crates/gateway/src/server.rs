@@ -133,7 +133,10 @@ impl Server {
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), GatewayError> {
         let app = crate::routes::router(self.state.clone());
-        let (events, listening) = self.state.store.spawn_bus_listener();
+        let (events, listening) = self
+            .state
+            .store
+            .spawn_bus_listener(self.state.hub.node_id());
         // Serve once this node hears other nodes' commits (or give up waiting and let the
         // catch-up cover the start).
         if tokio::time::timeout(std::time::Duration::from_secs(5), listening)

@@ -246,21 +246,3 @@ impl Store {
         .await
     }
 }
-
-/// A row of `converger_commit_frame`: the stored frame and whether it was stored before, as
-/// `converger_commit_batch` returns it (a JSON object with the row's column names).
-#[derive(Deserialize)]
-pub(crate) struct ActivityWithFlag {
-    #[serde(flatten)]
-    activity: Activity,
-    duplicate: bool,
-}
-
-impl ActivityWithFlag {
-    pub(crate) fn into_outcome(self) -> CommitOutcome {
-        CommitOutcome {
-            activity: self.activity,
-            duplicate: self.duplicate,
-        }
-    }
-}

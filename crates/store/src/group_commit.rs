@@ -18,18 +18,20 @@
 //! its own (`converger_commit_batch_isolated`), so one bad write never fails another session's
 //! and costs its batch one statement, not one per write.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use serde_json::value::RawValue;
 use sqlx::pool::PoolConnection;
 use sqlx::types::Json;
 use sqlx::{PgConnection, PgPool, Postgres};
 use tokio::sync::{Mutex, mpsc, oneshot};
 use uuid::Uuid;
 
-use crate::activities::{ActivityWithFlag, CommitOutcome, NewActivity, stored_extra, stored_id};
+use crate::activities::{Activity, CommitOutcome, NewActivity, stored_extra, stored_id};
+use crate::bus::BusEvent;
 use crate::turns::{AnswerOutcome, AnswerRow, TurnAnswer, answer_outcome};
 use crate::{StoreError, within_deadline};
 
@@ -44,6 +46,10 @@ pub(crate) const MAX_BATCH: usize = 128;
 
 /// Writes queued beyond this wait for room (backpressure on the sessions).
 const QUEUE: usize = 4_096;
+
+/// How long a worker waits for the queue before it takes the queue for idle: the worker that
+/// holds it takes what is queued at once, and holds it longer only while nothing is queued.
+const QUEUE_LOCK_WAIT: Duration = Duration::from_millis(2);
 
 /// One write, its outcome once its statements ran, and where the outcome goes after commit.
 #[expect(
@@ -118,17 +124,32 @@ impl Write {
     }
 
     /// Keeps the write's element of the batch function's result until the commit: its outcome,
-    /// or (isolated batches only) the database's refusal of this write alone.
-    fn keep_batch_outcome(&mut self, element: Value) -> Result<(), sqlx::Error> {
-        let refused = refusal(&element);
+    /// or (isolated batches only) the database's refusal of this write alone. The element is
+    /// read straight into its types, never through a `Value` tree.
+    fn keep_batch_outcome(&mut self, element: &RawValue) -> Result<(), sqlx::Error> {
+        let decode_error = |error: serde_json::Error| sqlx::Error::Decode(Box::new(error));
+        let text = element.get();
+        // A missing or closed conversation's frame is `null`; anything else is an object.
+        let head: Option<ElementHead> = serde_json::from_str(text).map_err(decode_error)?;
+        let (refused, duplicate) = match head {
+            Some(ElementHead {
+                failed: Some(failed),
+                ..
+            }) => (Some(failed.into_error()), false),
+            Some(ElementHead { duplicate, .. }) => (None, duplicate),
+            None => (None, false),
+        };
         match self {
             Write::Activity { outcome, .. } => {
                 *outcome = Some(match refused {
                     Some(error) => Err(error),
                     None => {
-                        let row: Option<ActivityWithFlag> = serde_json::from_value(element)
-                            .map_err(|error| sqlx::Error::Decode(Box::new(error)))?;
-                        Ok(row.map(ActivityWithFlag::into_outcome))
+                        let activity: Option<Activity> =
+                            serde_json::from_str(text).map_err(decode_error)?;
+                        Ok(activity.map(|activity| CommitOutcome {
+                            activity,
+                            duplicate,
+                        }))
                     }
                 });
             }
@@ -138,14 +159,29 @@ impl Write {
                 *outcome = Some(match refused {
                     Some(error) => Err(error),
                     None => {
-                        let row: AnswerRow = serde_json::from_value(element)
-                            .map_err(|error| sqlx::Error::Decode(Box::new(error)))?;
+                        let row: AnswerRow = serde_json::from_str(text).map_err(decode_error)?;
                         Ok(answer_outcome(answer, row)?)
                     }
                 });
             }
         }
         Ok(())
+    }
+
+    /// The frames this write stored (none for a duplicate, a refusal or an answer that did not
+    /// commit), once its statements ran.
+    fn stored_frames(&self) -> &[Activity] {
+        match self {
+            Write::Activity {
+                outcome: Some(Ok(Some(outcome))),
+                ..
+            } if !outcome.duplicate => std::slice::from_ref(&outcome.activity),
+            Write::Answer {
+                outcome: Some(Ok(AnswerOutcome::Committed { activities, .. })),
+                ..
+            } => activities,
+            _ => &[],
+        }
     }
 
     /// Hands the kept outcome to the writer (the transaction committed).
@@ -173,13 +209,32 @@ impl Write {
     }
 }
 
-/// The refusal an isolated batch reports for one write: `{"failed": {"sqlstate", "message"}}`.
-fn refusal(element: &Value) -> Option<StoreError> {
-    let failed = element.get("failed")?;
-    Some(StoreError::Refused {
-        sqlstate: failed["sqlstate"].as_str().unwrap_or_default().to_owned(),
-        message: failed["message"].as_str().unwrap_or_default().to_owned(),
-    })
+/// What is read of an outcome element before its type: the refusal an isolated batch reports
+/// for one write (`{"failed": {"sqlstate", "message"}}`), and a frame's `duplicate` flag. One
+/// pass that skips the rest of the object: cheaper than `#[serde(flatten)]`, which buffers it.
+#[derive(Deserialize)]
+struct ElementHead {
+    failed: Option<Failed>,
+    #[serde(default)]
+    duplicate: bool,
+}
+
+/// A write the database refused.
+#[derive(Deserialize)]
+struct Failed {
+    #[serde(default)]
+    sqlstate: String,
+    #[serde(default)]
+    message: String,
+}
+
+impl Failed {
+    fn into_error(self) -> StoreError {
+        StoreError::Refused {
+            sqlstate: self.sqlstate,
+            message: self.message,
+        }
+    }
 }
 
 /// A committed write always ran its statements first; this error would name the bug.
@@ -187,11 +242,25 @@ fn never_ran() -> StoreError {
     StoreError::GroupCommit("write committed without running".into())
 }
 
+/// Where a node's committed batches go on that node, at once, before any writer hears its
+/// outcome: the node's own notifications then carry its id and it skips them undecoded.
+#[derive(Debug)]
+pub(crate) struct LocalCommits {
+    /// The node id the batch statements name (`converger.node`).
+    pub(crate) node: String,
+    /// The node's bus events, where the listener's events go too.
+    pub(crate) events: mpsc::UnboundedSender<BusEvent>,
+}
+
+/// Set once, when the node's bus listener starts; shared by every worker and store clone.
+pub(crate) type LocalCommitsCell = Arc<OnceLock<LocalCommits>>;
+
 /// The queue in front of the committing workers; cheap to clone.
 #[derive(Clone, Debug)]
 pub(crate) struct GroupCommit {
     queue: mpsc::Sender<Write>,
     deadline: Duration,
+    local: LocalCommitsCell,
 }
 
 impl GroupCommit {
@@ -201,10 +270,27 @@ impl GroupCommit {
     pub(crate) fn start(pool: PgPool, deadline: Duration, workers: usize) -> GroupCommit {
         let (queue, receiver) = mpsc::channel(QUEUE);
         let receiver = Arc::new(Mutex::new(receiver));
+        let local = LocalCommitsCell::default();
         for _ in 0..workers {
-            tokio::spawn(work(pool.clone(), Arc::clone(&receiver), deadline));
+            let batches = Batches {
+                pool: pool.clone(),
+                deadline,
+                local: Arc::clone(&local),
+                kept: None,
+            };
+            tokio::spawn(work(batches, Arc::clone(&receiver)));
         }
-        GroupCommit { queue, deadline }
+        GroupCommit {
+            queue,
+            deadline,
+            local,
+        }
+    }
+
+    /// From now on, every committed batch goes to `local` first; false when a node was set
+    /// before (the first stays).
+    pub(crate) fn announce_locally(&self, local: LocalCommits) -> bool {
+        self.local.set(local).is_ok()
     }
 
     /// Commits a frame; `None` when its conversation is missing or closed.
@@ -265,120 +351,207 @@ impl GroupCommit {
     }
 }
 
+/// What a worker commits with.
+struct Batches {
+    pool: PgPool,
+    deadline: Duration,
+    local: LocalCommitsCell,
+    /// The connection of the last batch, kept while writes are queued: the pool checks every
+    /// connection it hands out with a round trip (`test_before_acquire`), which a busy worker
+    /// would otherwise pay once per batch.
+    kept: Option<PoolConnection<Postgres>>,
+}
+
 /// One worker: takes what is queued and commits it as one transaction, until the queue closes.
-async fn work(pool: PgPool, receiver: Arc<Mutex<mpsc::Receiver<Write>>>, deadline: Duration) {
+async fn work(mut batches: Batches, receiver: Arc<Mutex<mpsc::Receiver<Write>>>) {
     loop {
         let mut batch = Vec::new();
         {
-            let mut receiver = receiver.lock().await;
+            let mut receiver = match tokio::time::timeout(QUEUE_LOCK_WAIT, receiver.lock()).await {
+                Ok(receiver) => receiver,
+                // Another worker holds the queue while it waits for writes: nothing is queued.
+                Err(_) => {
+                    batches.kept = None;
+                    receiver.lock().await
+                }
+            };
+            if receiver.is_empty() {
+                // Idle: the connection goes back to the pool (which checks it when it hands it
+                // out again), so a closing pool never waits for a worker that waits for writes.
+                batches.kept = None;
+            }
             if receiver.recv_many(&mut batch, MAX_BATCH).await == 0 {
                 return;
             }
         }
         metrics::histogram!("converger_group_commit_writes").record(batch.len() as f64);
-        commit_batch(&pool, batch, deadline).await;
+        batches.commit(batch).await;
     }
 }
 
-/// Commits `batch` as one statement; when the database refuses it, commits each write alone.
-async fn commit_batch(pool: &PgPool, mut batch: Vec<Write>, deadline: Duration) {
-    if batch.len() == 1 {
-        if let Some(write) = batch.pop() {
-            commit_alone(pool, write, deadline).await;
+impl Batches {
+    /// Keeps the connection of a batch that committed; after any failure it goes back to the
+    /// pool (before a retry asks the pool for another), which checks it before it is used again.
+    fn keep_if_committed<T>(
+        &mut self,
+        connection: PoolConnection<Postgres>,
+        attempt: &Option<Result<(), T>>,
+    ) {
+        if matches!(attempt, Some(Ok(()))) {
+            self.kept = Some(connection);
         }
-        return;
     }
-    batch.sort_by_key(Write::conversation_id);
-    let mut connection = match connection(pool, deadline).await {
-        Ok(connection) => connection,
-        Err(error) => {
-            let message = error.to_string();
-            for write in batch {
-                write.failed(StoreError::GroupCommit(message.clone()));
+
+    /// The kept connection, or one from the pool.
+    async fn connection(&mut self) -> Result<PoolConnection<Postgres>, StoreError> {
+        match self.kept.take() {
+            Some(connection) => Ok(connection),
+            None => connection(&self.pool, self.deadline).await,
+        }
+    }
+
+    /// The node id the batch statement names, or `''` (no node).
+    fn node(&self) -> &str {
+        self.local.get().map_or("", |local| local.node.as_str())
+    }
+
+    /// Hands what `batch` stored to this node (the transaction committed), then each write's
+    /// outcome to its writer.
+    fn committed(&self, batch: Vec<Write>) {
+        if let Some(local) = self.local.get() {
+            for event in local_events(&batch) {
+                let _ = local.events.send(event);
+            }
+        }
+        batch.into_iter().for_each(Write::committed);
+    }
+
+    /// Commits `batch` as one statement; when the database refuses it, commits each write
+    /// alone.
+    async fn commit(&mut self, mut batch: Vec<Write>) {
+        if batch.len() == 1 {
+            if let Some(write) = batch.pop() {
+                self.commit_alone(write).await;
             }
             return;
         }
-    };
-    let attempt = within_deadline(
-        deadline,
-        OPERATION,
-        run_together(&mut connection, &mut batch),
-    )
-    .await;
-    drop(connection);
-    match attempt {
-        Some(Ok(())) => batch.into_iter().for_each(Write::committed),
-        // A statement failed (a racing idempotency key, say): nothing of the batch is stored,
-        // so the batch runs once more with each write isolated, and each gets its own outcome.
-        Some(Err(BatchError::Statement(error))) => {
-            tracing::debug!(%error, writes = batch.len(), "batch refused; committing it again with each write isolated");
-            commit_isolated(pool, batch, deadline).await;
-        }
-        // Whether the batch landed is unknown, so every writer hears the error and resends
-        // with its idempotency key.
-        Some(Err(BatchError::Commit(error))) => {
-            let message = error.to_string();
-            for write in batch {
-                write.failed(StoreError::GroupCommit(message.clone()));
+        batch.sort_by_key(Write::conversation_id);
+        let mut connection = match self.connection().await {
+            Ok(connection) => connection,
+            Err(error) => return fail_all(batch, &error.to_string()),
+        };
+        let attempt = within_deadline(
+            self.deadline,
+            OPERATION,
+            run_batch(&mut connection, &mut batch, BATCH, self.node()),
+        )
+        .await;
+        self.keep_if_committed(connection, &attempt);
+        match attempt {
+            Some(Ok(())) => self.committed(batch),
+            // A statement failed (a racing idempotency key, say): nothing of the batch is
+            // stored, so the batch runs once more with each write isolated, and each gets its
+            // own outcome.
+            Some(Err(BatchError::Statement(error))) => {
+                tracing::debug!(%error, writes = batch.len(), "batch refused; committing it again with each write isolated");
+                self.commit_isolated(batch).await;
             }
+            // Whether the batch landed is unknown, so every writer hears the error and resends
+            // with its idempotency key.
+            Some(Err(BatchError::Commit(error))) => fail_all(batch, &error.to_string()),
+            // The server stopped answering: the fate is unknown too.
+            None => batch
+                .into_iter()
+                .for_each(|write| write.failed(timed_out())),
         }
-        // The server stopped answering: the fate is unknown too.
-        None => batch
-            .into_iter()
-            .for_each(|write| write.failed(timed_out())),
+    }
+
+    /// Commits a refused batch again with each write in a subtransaction of its own: the
+    /// writes the database accepts commit together, each refused one gets its own error.
+    async fn commit_isolated(&self, mut batch: Vec<Write>) {
+        metrics::counter!("converger_group_commit_isolated_total").increment(1);
+        let mut connection = match connection(&self.pool, self.deadline).await {
+            Ok(connection) => connection,
+            Err(error) => return fail_all(batch, &error.to_string()),
+        };
+        let attempt = within_deadline(
+            self.deadline,
+            OPERATION,
+            run_batch(&mut connection, &mut batch, ISOLATED_BATCH, self.node()),
+        )
+        .await;
+        drop(connection);
+        match attempt {
+            Some(Ok(())) => self.committed(batch),
+            Some(Err(BatchError::Statement(error) | BatchError::Commit(error))) => {
+                fail_all(batch, &error.to_string());
+            }
+            None => batch
+                .into_iter()
+                .for_each(|write| write.failed(timed_out())),
+        }
+    }
+
+    /// Commits one write as a statement of its own; the writer gets its own error (a unique
+    /// violation is answered as a duplicate).
+    async fn commit_alone(&mut self, mut write: Write) {
+        let mut connection = match self.connection().await {
+            Ok(connection) => connection,
+            Err(error) => return write.failed(error),
+        };
+        let alone = std::slice::from_mut(&mut write);
+        let attempt = within_deadline(
+            self.deadline,
+            OPERATION,
+            run_batch(&mut connection, alone, BATCH, self.node()),
+        )
+        .await;
+        self.keep_if_committed(connection, &attempt);
+        match attempt {
+            Some(Ok(())) => self.committed(vec![write]),
+            Some(Err(BatchError::Statement(error) | BatchError::Commit(error))) => {
+                write.failed(StoreError::Database(error));
+            }
+            None => write.failed(timed_out()),
+        }
     }
 }
 
-/// Commits a refused batch again with each write in a subtransaction of its own: the writes the
-/// database accepts commit together, each refused one gets its own error.
-async fn commit_isolated(pool: &PgPool, mut batch: Vec<Write>, deadline: Duration) {
-    metrics::counter!("converger_group_commit_isolated_total").increment(1);
-    let mut connection = match connection(pool, deadline).await {
-        Ok(connection) => connection,
-        Err(error) => {
-            let message = error.to_string();
-            for write in batch {
-                write.failed(StoreError::GroupCommit(message.clone()));
-            }
-            return;
-        }
-    };
-    let attempt = within_deadline(
-        deadline,
-        OPERATION,
-        run_batch(&mut connection, &mut batch, ISOLATED_BATCH),
-    )
-    .await;
-    drop(connection);
-    match attempt {
-        Some(Ok(())) => batch.into_iter().for_each(Write::committed),
-        Some(Err(BatchError::Statement(error) | BatchError::Commit(error))) => {
-            let message = error.to_string();
-            for write in batch {
-                write.failed(StoreError::GroupCommit(message.clone()));
-            }
-        }
-        None => batch
-            .into_iter()
-            .for_each(|write| write.failed(timed_out())),
+/// Every writer of `batch` hears that it did not commit.
+fn fail_all(batch: Vec<Write>, message: &str) {
+    for write in batch {
+        write.failed(StoreError::GroupCommit(message.to_owned()));
     }
 }
 
-/// Commits one write as a statement of its own; the writer gets its own error (a unique
-/// violation is answered as a duplicate).
-async fn commit_alone(pool: &PgPool, mut write: Write, deadline: Duration) {
-    let mut connection = match connection(pool, deadline).await {
-        Ok(connection) => connection,
-        Err(error) => return write.failed(error),
-    };
-    let alone = std::slice::from_mut(&mut write);
-    match within_deadline(deadline, OPERATION, run_together(&mut connection, alone)).await {
-        Some(Ok(())) => write.committed(),
-        Some(Err(BatchError::Statement(error) | BatchError::Commit(error))) => {
-            write.failed(StoreError::Database(error));
+/// What a committed batch stored, as this node's bus events: one per run of consecutive seqs of
+/// one conversation (the batch runs in conversation order, frames before answers), the frames
+/// attached, the channel left to the receiver.
+fn local_events(batch: &[Write]) -> Vec<BusEvent> {
+    let mut events: Vec<BusEvent> = Vec::new();
+    for frame in batch.iter().flat_map(Write::stored_frames) {
+        if let Some(BusEvent::Committed {
+            conversation_id,
+            seq,
+            frames,
+            ..
+        }) = events.last_mut()
+            && *conversation_id == frame.conversation_id
+            && *seq + 1 == frame.seq
+        {
+            *seq = frame.seq;
+            frames.push(frame.clone());
+            continue;
         }
-        None => write.failed(timed_out()),
+        events.push(BusEvent::Committed {
+            conversation_id: frame.conversation_id,
+            first_seq: frame.seq,
+            seq: frame.seq,
+            channel_id: None,
+            frames: vec![frame.clone()],
+        });
     }
+    events
 }
 
 /// A pooled connection, waited for under its own deadline. The statement then gets a whole
@@ -474,29 +647,27 @@ impl BatchError {
     }
 }
 
-/// The batch statement.
-const BATCH: &str = "SELECT converger_commit_batch($1)";
+/// The batch statement, naming the committing node (`$2`) for its notifications. The setting is
+/// made in a `FROM` subquery, which runs before the batch function: Postgres does not pull a
+/// subquery with a volatile function into its parent.
+const BATCH: &str = "SELECT converger_commit_batch($1) \
+     FROM (SELECT set_config('converger.node', $2, true)) AS node";
 
 /// The batch statement with each write in a subtransaction of its own (after `BATCH` failed).
-const ISOLATED_BATCH: &str = "SELECT converger_commit_batch_isolated($1)";
-
-/// Runs the whole batch as one statement and keeps each write's outcome.
-async fn run_together(
-    connection: &mut PgConnection,
-    batch: &mut [Write],
-) -> Result<(), BatchError> {
-    run_batch(connection, batch, BATCH).await
-}
+const ISOLATED_BATCH: &str = "SELECT converger_commit_batch_isolated($1) \
+     FROM (SELECT set_config('converger.node', $2, true)) AS node";
 
 /// Runs `statement` over the batch and keeps each write's outcome.
 async fn run_batch(
     connection: &mut PgConnection,
     batch: &mut [Write],
     statement: &'static str,
+    node: &str,
 ) -> Result<(), BatchError> {
     let entries: Vec<BatchEntry<'_>> = batch.iter().map(Write::batch_entry).collect();
-    let Json(outcomes): Json<Vec<Value>> = sqlx::query_scalar(statement)
+    let Json(outcomes): Json<Vec<Box<RawValue>>> = sqlx::query_scalar(statement)
         .bind(Json(&entries))
+        .bind(node)
         .fetch_one(&mut *connection)
         .await
         .map_err(BatchError::classify)?;
@@ -509,7 +680,7 @@ async fn run_batch(
     }
     for (write, outcome) in batch.iter_mut().zip(outcomes) {
         write
-            .keep_batch_outcome(outcome)
+            .keep_batch_outcome(&outcome)
             .map_err(BatchError::Commit)?;
     }
     Ok(())

@@ -32,6 +32,10 @@ use crate::state::AppState;
 /// Initial read buffer of a socket.
 const READ_BUFFER_BYTES: usize = 1024;
 
+/// Bytes the writer encodes before they go to the kernel: the frames of one wake-up leave in
+/// one write. The buffer is allocated on first use and stays, so it is kept small.
+const WRITE_BUFFER_BYTES: usize = 8 * 1024;
+
 /// What the upgrade request carried besides the socket.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct UpgradeRequest {
@@ -99,10 +103,10 @@ pub(crate) async fn upgrade(
     };
     let limits = &state.config.limits;
     // Small buffers: an idle session should cost kilobytes, not the 128 KiB defaults. Reads
-    // grow the buffer as needed; writes go straight to the socket (each send is flushed anyway).
+    // grow the buffer as needed; the writer flushes once per wake-up (`writer.rs`).
     upgrade
         .read_buffer_size(READ_BUFFER_BYTES)
-        .write_buffer_size(0)
+        .write_buffer_size(WRITE_BUFFER_BYTES)
         .max_message_size(limits.hard_frame_bytes)
         .max_frame_size(limits.hard_frame_bytes)
         .on_upgrade(move |socket| async move {

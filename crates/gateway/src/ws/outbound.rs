@@ -176,14 +176,28 @@ impl Outbound {
     }
 
     /// Waits for the next item.
+    #[cfg(test)]
     pub async fn next(&self) -> Outgoing {
+        let mut items = Vec::with_capacity(1);
+        self.next_batch(&mut items, 1).await;
+        items.pop().expect("next_batch takes at least one item")
+    }
+
+    /// Waits until something is queued, then moves up to `max` items, oldest first, into
+    /// `items`: the writer sends them with one socket write.
+    pub async fn next_batch(&self, items: &mut Vec<Outgoing>, max: usize) {
         loop {
             // Register interest before looking, so a push between the look and the wait is seen.
             let notified = self.ready.notified();
-            let popped = self.state().queue.pop_front();
-            if let Some(item) = popped {
-                self.space.notify_one();
-                return item;
+            {
+                let mut state = self.state();
+                let take = state.queue.len().min(max.max(1));
+                items.extend(state.queue.drain(..take));
+            }
+            if !items.is_empty() {
+                // Every waiting replay may find room now.
+                self.space.notify_waiters();
+                return;
             }
             notified.await;
         }

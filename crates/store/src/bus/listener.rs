@@ -9,6 +9,7 @@ use tokio::sync::{mpsc, oneshot};
 use uuid::Uuid;
 
 use super::{BusEvent, CATCH_UP_MARGIN, Payload, to_event, to_events};
+use crate::group_commit::LocalCommits;
 use crate::{NOTIFY_CHANNEL, Store, StoreError};
 
 impl Store {
@@ -68,20 +69,42 @@ impl Store {
         Ok(payload.and_then(|payload| serde_json::from_value(payload).ok()))
     }
 
-    /// Starts this node's listener; events arrive on the returned channel until it is dropped.
-    /// The oneshot fires once the first LISTEN is in place.
-    pub fn spawn_bus_listener(&self) -> (mpsc::UnboundedReceiver<BusEvent>, oneshot::Receiver<()>) {
+    /// Starts node `node_id`'s listener; events arrive on the returned channel until it is
+    /// dropped. The oneshot fires once the first LISTEN is in place.
+    ///
+    /// The first listener of a store also receives that store's own committed batches, from
+    /// the committing worker, before their writers hear of them; the batches' notifications
+    /// then name `node_id`, and this listener skips them without decoding them.
+    pub fn spawn_bus_listener(
+        &self,
+        node_id: &str,
+    ) -> (mpsc::UnboundedReceiver<BusEvent>, oneshot::Receiver<()>) {
         let (events, receiver) = mpsc::unbounded_channel();
         let (listening, ready) = oneshot::channel();
-        tokio::spawn(run_listener(self.clone(), events, listening));
+        let local = LocalCommits {
+            node: node_id.to_owned(),
+            events: events.clone(),
+        };
+        let own_echo = self
+            .group_commit
+            .announce_locally(local)
+            .then(|| own_echo_prefix(node_id));
+        tokio::spawn(run_listener(self.clone(), events, listening, own_echo));
         (receiver, ready)
     }
+}
+
+/// How the notifications of batches this node committed begin (migration 20261202000002).
+fn own_echo_prefix(node_id: &str) -> String {
+    let node = serde_json::Value::from(node_id);
+    format!(r#"{{"k":"cb","n":{node},"#)
 }
 
 async fn run_listener(
     store: Store,
     events: mpsc::UnboundedSender<BusEvent>,
     listening: oneshot::Sender<()>,
+    own_echo: Option<String>,
 ) {
     let mut backoff = Duration::from_millis(100);
     // Set when the connection was (or may have been) lost; the catch-up covers since then.
@@ -125,7 +148,17 @@ async fn run_listener(
         match listener.try_recv().await {
             Ok(Some(notification)) => {
                 backoff = Duration::from_millis(100);
-                for event in decode(&store, notification.payload()).await {
+                let payload = notification.payload();
+                // This node's own batches were handed over by their worker already.
+                let own = own_echo
+                    .as_deref()
+                    .is_some_and(|prefix| payload.starts_with(prefix));
+                let decoded = if own {
+                    Vec::new()
+                } else {
+                    decode(&store, payload).await
+                };
+                for event in decoded {
                     if events.send(event).is_err() {
                         return;
                     }

@@ -6,8 +6,8 @@
 use std::collections::HashMap;
 
 use chrono::{DateTime, Utc};
-use serde::Deserialize;
-use serde_json::{Map, Value, json};
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 use uuid::Uuid;
 
@@ -82,19 +82,55 @@ impl TurnAnswer {
     /// A stable digest of what the answer says (frames and runtime), so a resend is recognised
     /// and a different answer is a conflict.
     pub fn fingerprint(&self) -> String {
-        let frames: Vec<Value> = self
-            .frames
-            .iter()
-            .map(|frame| json!({"id": frame.id, "type": frame.kind, "data": frame.data, "metadata": frame.metadata, "extra": frame.extra}))
-            .collect();
-        let runtime = self
-            .runtime
-            .as_ref()
-            .map(|runtime| json!({"version": runtime.version, "state": runtime.state}));
-        // serde_json maps are ordered by key, so equal answers serialize identically.
-        let canonical = json!({"frames": frames, "runtime": runtime}).to_string();
-        hex::encode(Sha256::digest(canonical.as_bytes()))
+        let canonical = CanonicalAnswer {
+            frames: self
+                .frames
+                .iter()
+                .map(|frame| CanonicalFrame {
+                    data: &frame.data,
+                    extra: &frame.extra,
+                    id: frame.id.as_deref(),
+                    metadata: frame.metadata.as_ref(),
+                    kind: &frame.kind,
+                })
+                .collect(),
+            runtime: self.runtime.as_ref().map(|runtime| CanonicalRuntime {
+                state: &runtime.state,
+                version: runtime.version,
+            }),
+        };
+        let mut hasher = Sha256::new();
+        // Writing into a hasher cannot fail, and neither can serializing these types.
+        if let Err(error) = serde_json::to_writer(&mut hasher, &canonical) {
+            tracing::error!(%error, "answer fingerprint: serialization failed");
+        }
+        hex::encode(hasher.finalize())
     }
+}
+
+/// The digested form of an answer, borrowed from it. Stored fingerprints depend on its bytes:
+/// compact JSON with every object's keys in sorted order (serde_json's maps are sorted), absent
+/// values as `null`. Fields are declared in that order.
+#[derive(Serialize)]
+struct CanonicalAnswer<'a> {
+    frames: Vec<CanonicalFrame<'a>>,
+    runtime: Option<CanonicalRuntime<'a>>,
+}
+
+#[derive(Serialize)]
+struct CanonicalFrame<'a> {
+    data: &'a Value,
+    extra: &'a Map<String, Value>,
+    id: Option<&'a str>,
+    metadata: Option<&'a Value>,
+    #[serde(rename = "type")]
+    kind: &'a str,
+}
+
+#[derive(Serialize)]
+struct CanonicalRuntime<'a> {
+    state: &'a Value,
+    version: i64,
 }
 
 /// What became of an answer.
@@ -186,7 +222,7 @@ impl Store {
 
 /// The runtime of a conversation that has none stored: version 0, state `{}`.
 pub fn initial_runtime() -> (i64, Value) {
-    (0, json!({}))
+    (0, serde_json::json!({}))
 }
 
 /// What `converger_answer_turn` returns (migration 20261130000003), as `converger_commit_batch`
@@ -256,4 +292,87 @@ pub(crate) fn answer_outcome(
             )));
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// The fingerprint as the first version computed it (through a `Value` tree); stored
+    /// fingerprints were made this way, so the borrowed form must give the same digest.
+    fn fingerprint_through_values(answer: &TurnAnswer) -> String {
+        let frames: Vec<Value> = answer
+            .frames
+            .iter()
+            .map(|frame| json!({"id": frame.id, "type": frame.kind, "data": frame.data, "metadata": frame.metadata, "extra": frame.extra}))
+            .collect();
+        let runtime = answer
+            .runtime
+            .as_ref()
+            .map(|runtime| json!({"version": runtime.version, "state": runtime.state}));
+        let canonical = json!({"frames": frames, "runtime": runtime}).to_string();
+        hex::encode(Sha256::digest(canonical.as_bytes()))
+    }
+
+    fn answer(frames: Vec<AnswerFrame>, runtime: Option<RuntimeWrite>) -> TurnAnswer {
+        TurnAnswer {
+            conversation_id: Uuid::nil(),
+            seq: 1,
+            revision: 0,
+            fence: None,
+            sender: crate::Sender {
+                id: "agent-1".into(),
+                role: crate::SenderRole::Agent,
+            },
+            frames,
+            runtime,
+        }
+    }
+
+    #[test]
+    fn fingerprints_match_the_first_versions_digests() {
+        let mut extra = Map::new();
+        extra.insert("zeta".into(), json!([1, "two", null]));
+        extra.insert("alpha".into(), json!({"b": 1, "a": "é\"\\\n\u{1}"}));
+        let cases = [
+            answer(Vec::new(), None),
+            answer(
+                vec![AnswerFrame {
+                    id: None,
+                    kind: "text".into(),
+                    data: json!({"text": "hello"}),
+                    metadata: None,
+                    extra: Map::new(),
+                }],
+                None,
+            ),
+            answer(
+                vec![
+                    AnswerFrame {
+                        id: Some("f-1".into()),
+                        kind: "genui".into(),
+                        data: json!({"z": [1.5, -2, 1e300], "a": {"y": true, "x": "\u{2028}"}}),
+                        metadata: Some(json!({"model": "m", "tokens": 12})),
+                        extra,
+                    },
+                    AnswerFrame {
+                        id: Some("f-2".into()),
+                        kind: "text".into(),
+                        data: json!("plain"),
+                        metadata: Some(Value::Null),
+                        extra: Map::new(),
+                    },
+                ],
+                Some(RuntimeWrite {
+                    version: 7,
+                    state: json!({"step": 3, "notes": ["a", "b"]}),
+                }),
+            ),
+        ];
+        for case in &cases {
+            assert_eq!(case.fingerprint(), fingerprint_through_values(case));
+        }
+        assert_ne!(cases[0].fingerprint(), cases[1].fingerprint());
+    }
 }
