@@ -9,6 +9,7 @@ mod support;
 
 use std::time::Duration;
 
+use converger_store::bus::{BusEvent, TransientFrame};
 use converger_store::{
     AnswerFrame, AnswerOutcome, CommitOutcome, NewActivity, RuntimeWrite, Sender, SenderRole,
     Store, StoreError, StoreOptions, TurnAnswer,
@@ -521,4 +522,81 @@ async fn a_batch_reads_through_indexes_on_an_empty_and_on_a_large_table() {
         "the batches read {entries_read} index entries of the large tables: whole indexes, not their keys"
     );
     store.pool().close().await;
+}
+
+/// Events of `events` up to the transient frame `marker` published after them: notifications
+/// arrive in commit order, so whatever a commit before the marker notified has arrived by then.
+async fn bus_events_until(
+    events: &mut tokio::sync::mpsc::UnboundedReceiver<BusEvent>,
+    marker: &str,
+) -> Vec<BusEvent> {
+    let mut seen = Vec::new();
+    loop {
+        let event = tokio::time::timeout(Duration::from_secs(10), events.recv())
+            .await
+            .expect("bus events keep coming")
+            .expect("the bus stays open");
+        if matches!(&event, BusEvent::Transient(transient) if transient.node == marker) {
+            return seen;
+        }
+        seen.push(event);
+    }
+}
+
+#[tokio::test]
+async fn a_node_hears_its_own_batch_once_from_its_worker_and_other_nodes_from_the_notification() {
+    let db = TestDb::create().await;
+    let store = db.store().await;
+    let other_node = db.store().await;
+    let channel = web_channel(&store).await;
+    let conversation = alice_conversation(&store, channel).await;
+    let (mut own_events, listening) = store.spawn_bus_listener("node-a");
+    listening.await.unwrap();
+    let (mut other_events, listening) = other_node.spawn_bus_listener("node-b");
+    listening.await.unwrap();
+
+    let committed = store
+        .commit_activity(&frame(conversation, "hello", "c-1"))
+        .await
+        .unwrap();
+    let seq = committed.activity.seq;
+    other_node
+        .publish_transient(&TransientFrame {
+            node: "marker".into(),
+            channel_id: None,
+            conversation_id: conversation,
+            frame: json!({"type": "typing"}),
+            origin: None,
+            agents_only: false,
+        })
+        .await
+        .unwrap();
+
+    let committed_events = |events: Vec<BusEvent>| -> Vec<BusEvent> {
+        events
+            .into_iter()
+            .filter(|event| matches!(event, BusEvent::Committed { .. }))
+            .collect()
+    };
+    // The committing node: once, from its worker, frame attached and the channel left to the
+    // bridge (only the notification names it); its own notification is skipped.
+    let own = committed_events(bus_events_until(&mut own_events, "marker").await);
+    assert_eq!(
+        own.len(),
+        1,
+        "one event for the commit, not its echo too: {own:?}"
+    );
+    assert!(matches!(
+        &own[0],
+        BusEvent::Committed { first_seq, seq: last, channel_id: None, frames, .. }
+            if *first_seq == seq && *last == seq && frames.len() == 1 && frames[0].seq == seq
+    ));
+    // Another node decodes the notification, which names the channel.
+    let other = committed_events(bus_events_until(&mut other_events, "marker").await);
+    assert_eq!(other.len(), 1, "{other:?}");
+    assert!(matches!(
+        &other[0],
+        BusEvent::Committed { seq: last, channel_id: Some(named), frames, .. }
+            if *last == seq && *named == channel && frames.len() == 1
+    ));
 }

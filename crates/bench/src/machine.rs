@@ -38,13 +38,7 @@ pub fn rss_kib(pid: u32) -> Option<u64> {
 
 /// User plus system CPU time of a process, in clock ticks.
 pub fn cpu_ticks(pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // Fields after the command name (which may contain spaces) start after the last ')'.
-    let after = stat.rsplit_once(')')?.1;
-    let fields: Vec<&str> = after.split_whitespace().collect();
-    let user: u64 = fields.get(11)?.parse().ok()?;
-    let system: u64 = fields.get(12)?.parse().ok()?;
-    Some(user + system)
+    process_times(pid).map(|times| times.own_ticks)
 }
 
 /// A process's command name, parent and CPU time, from `/proc/<pid>/stat`.
@@ -63,6 +57,7 @@ pub struct ProcessTimes {
 /// The command name, parent and CPU times of a process.
 pub fn process_times(pid: u32) -> Option<ProcessTimes> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name (which may contain spaces) start after the last ')'.
     let (head, after) = stat.rsplit_once(')')?;
     let command = head.split_once('(')?.1.to_owned();
     let fields: Vec<&str> = after.split_whitespace().collect();

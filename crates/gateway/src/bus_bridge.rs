@@ -38,23 +38,22 @@ pub fn spawn(
     });
 }
 
-/// The channel of each conversation the bridge saw events of: a conversation never changes
-/// channel, and this node's own commits and the catch-ups arrive without it.
+/// The channel of each conversation whose events arrived without it (this node's own commits,
+/// catch-ups): a conversation never changes channel, so one read per conversation is enough.
 #[derive(Default)]
 struct ChannelsOf {
-    known: HashMap<Uuid, Uuid>,
+    looked_up: HashMap<Uuid, Uuid>,
 }
 
 impl ChannelsOf {
-    /// `named` when the event named it (remembered), else the remembered or stored one.
+    /// `named` when the event named it, else the one looked up before, else the stored one.
     async fn channel(
         &mut self,
         store: &Store,
         conversation_id: Uuid,
         named: Option<Uuid>,
     ) -> Option<Uuid> {
-        if let Some(channel_id) = named.or_else(|| self.known.get(&conversation_id).copied()) {
-            self.remember(conversation_id, channel_id);
+        if let Some(channel_id) = named.or_else(|| self.looked_up.get(&conversation_id).copied()) {
             return Some(channel_id);
         }
         let channel_id = store
@@ -63,15 +62,11 @@ impl ChannelsOf {
             .ok()
             .flatten()
             .map(|conversation| conversation.channel_id)?;
-        self.remember(conversation_id, channel_id);
-        Some(channel_id)
-    }
-
-    fn remember(&mut self, conversation_id: Uuid, channel_id: Uuid) {
-        if self.known.len() >= REMEMBERED_CHANNELS && !self.known.contains_key(&conversation_id) {
-            self.known.clear();
+        if self.looked_up.len() >= REMEMBERED_CHANNELS {
+            self.looked_up.clear();
         }
-        self.known.insert(conversation_id, channel_id);
+        self.looked_up.insert(conversation_id, channel_id);
+        Some(channel_id)
     }
 }
 

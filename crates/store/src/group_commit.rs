@@ -390,29 +390,30 @@ async fn work(mut batches: Batches, receiver: Arc<Mutex<mpsc::Receiver<Write>>>)
 }
 
 impl Batches {
-    /// Keeps the connection of a batch that committed; after any failure it goes back to the
-    /// pool (before a retry asks the pool for another), which checks it before it is used again.
-    fn keep_if_committed<T>(
+    /// Runs `statement` over `batch` on the kept connection or one from the pool, and keeps the
+    /// connection when the batch committed. After any failure the connection goes back to the
+    /// pool (before a retry asks it for another), which checks it before it is used again.
+    /// `Err` when no connection came in time.
+    async fn run(
         &mut self,
-        connection: PoolConnection<Postgres>,
-        attempt: &Option<Result<(), T>>,
-    ) {
+        batch: &mut [Write],
+        statement: &'static str,
+    ) -> Result<Option<Result<(), BatchError>>, StoreError> {
+        let mut connection = match self.kept.take() {
+            Some(connection) => connection,
+            None => connection(&self.pool, self.deadline).await?,
+        };
+        let node = self.local.get().map_or("", |local| local.node.as_str());
+        let attempt = within_deadline(
+            self.deadline,
+            OPERATION,
+            run_batch(&mut connection, batch, statement, node),
+        )
+        .await;
         if matches!(attempt, Some(Ok(()))) {
             self.kept = Some(connection);
         }
-    }
-
-    /// The kept connection, or one from the pool.
-    async fn connection(&mut self) -> Result<PoolConnection<Postgres>, StoreError> {
-        match self.kept.take() {
-            Some(connection) => Ok(connection),
-            None => connection(&self.pool, self.deadline).await,
-        }
-    }
-
-    /// The node id the batch statement names, or `''` (no node).
-    fn node(&self) -> &str {
-        self.local.get().map_or("", |local| local.node.as_str())
+        Ok(attempt)
     }
 
     /// Hands what `batch` stored to this node (the transaction committed), then each write's
@@ -436,31 +437,21 @@ impl Batches {
             return;
         }
         batch.sort_by_key(Write::conversation_id);
-        let mut connection = match self.connection().await {
-            Ok(connection) => connection,
-            Err(error) => return fail_all(batch, &error.to_string()),
-        };
-        let attempt = within_deadline(
-            self.deadline,
-            OPERATION,
-            run_batch(&mut connection, &mut batch, BATCH, self.node()),
-        )
-        .await;
-        self.keep_if_committed(connection, &attempt);
-        match attempt {
-            Some(Ok(())) => self.committed(batch),
+        match self.run(&mut batch, BATCH).await {
+            Err(error) => fail_all(batch, &error.to_string()),
+            Ok(Some(Ok(()))) => self.committed(batch),
             // A statement failed (a racing idempotency key, say): nothing of the batch is
             // stored, so the batch runs once more with each write isolated, and each gets its
             // own outcome.
-            Some(Err(BatchError::Statement(error))) => {
+            Ok(Some(Err(BatchError::Statement(error)))) => {
                 tracing::debug!(%error, writes = batch.len(), "batch refused; committing it again with each write isolated");
                 self.commit_isolated(batch).await;
             }
             // Whether the batch landed is unknown, so every writer hears the error and resends
             // with its idempotency key.
-            Some(Err(BatchError::Commit(error))) => fail_all(batch, &error.to_string()),
+            Ok(Some(Err(BatchError::Commit(error)))) => fail_all(batch, &error.to_string()),
             // The server stopped answering: the fate is unknown too.
-            None => batch
+            Ok(None) => batch
                 .into_iter()
                 .for_each(|write| write.failed(timed_out())),
         }
@@ -468,25 +459,15 @@ impl Batches {
 
     /// Commits a refused batch again with each write in a subtransaction of its own: the
     /// writes the database accepts commit together, each refused one gets its own error.
-    async fn commit_isolated(&self, mut batch: Vec<Write>) {
+    async fn commit_isolated(&mut self, mut batch: Vec<Write>) {
         metrics::counter!("converger_group_commit_isolated_total").increment(1);
-        let mut connection = match connection(&self.pool, self.deadline).await {
-            Ok(connection) => connection,
-            Err(error) => return fail_all(batch, &error.to_string()),
-        };
-        let attempt = within_deadline(
-            self.deadline,
-            OPERATION,
-            run_batch(&mut connection, &mut batch, ISOLATED_BATCH, self.node()),
-        )
-        .await;
-        drop(connection);
-        match attempt {
-            Some(Ok(())) => self.committed(batch),
-            Some(Err(BatchError::Statement(error) | BatchError::Commit(error))) => {
+        match self.run(&mut batch, ISOLATED_BATCH).await {
+            Err(error) => fail_all(batch, &error.to_string()),
+            Ok(Some(Ok(()))) => self.committed(batch),
+            Ok(Some(Err(BatchError::Statement(error) | BatchError::Commit(error)))) => {
                 fail_all(batch, &error.to_string());
             }
-            None => batch
+            Ok(None) => batch
                 .into_iter()
                 .for_each(|write| write.failed(timed_out())),
         }
@@ -495,24 +476,13 @@ impl Batches {
     /// Commits one write as a statement of its own; the writer gets its own error (a unique
     /// violation is answered as a duplicate).
     async fn commit_alone(&mut self, mut write: Write) {
-        let mut connection = match self.connection().await {
-            Ok(connection) => connection,
-            Err(error) => return write.failed(error),
-        };
-        let alone = std::slice::from_mut(&mut write);
-        let attempt = within_deadline(
-            self.deadline,
-            OPERATION,
-            run_batch(&mut connection, alone, BATCH, self.node()),
-        )
-        .await;
-        self.keep_if_committed(connection, &attempt);
-        match attempt {
-            Some(Ok(())) => self.committed(vec![write]),
-            Some(Err(BatchError::Statement(error) | BatchError::Commit(error))) => {
+        match self.run(std::slice::from_mut(&mut write), BATCH).await {
+            Err(error) => write.failed(error),
+            Ok(Some(Ok(()))) => self.committed(vec![write]),
+            Ok(Some(Err(BatchError::Statement(error) | BatchError::Commit(error)))) => {
                 write.failed(StoreError::Database(error));
             }
-            None => write.failed(timed_out()),
+            Ok(None) => write.failed(timed_out()),
         }
     }
 }

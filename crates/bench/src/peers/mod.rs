@@ -499,15 +499,14 @@ fn print_usage(systems: &[(&str, &Outcome)], p_us: Option<f64>) {
         let Some(cpu) = usage["cpu_us"].as_object() else {
             continue;
         };
+        let in_p = p_us.map_or(Value::Null, |p_us| crate::usage::in_p(usage, p_us));
         let parts: Vec<String> = cpu
             .iter()
             .map(|(group, micros)| {
                 let micros = micros.as_f64().unwrap_or(0.0);
-                match p_us {
-                    Some(p_us) if p_us > 0.0 => {
-                        format!("{group} {micros:.0} ({:.2}P)", micros / p_us)
-                    }
-                    _ => format!("{group} {micros:.0}"),
+                match in_p[group].as_f64() {
+                    Some(in_p) => format!("{group} {micros:.0} ({in_p:.2}P)"),
+                    None => format!("{group} {micros:.0}"),
                 }
             })
             .collect();

@@ -8,7 +8,7 @@ use sqlx::postgres::PgListener;
 use tokio::sync::{mpsc, oneshot};
 use uuid::Uuid;
 
-use super::{BusEvent, CATCH_UP_MARGIN, Payload, to_event, to_events};
+use super::{BusEvent, CATCH_UP_MARGIN, Payload, to_events};
 use crate::group_commit::LocalCommits;
 use crate::{NOTIFY_CHANNEL, Store, StoreError};
 
@@ -40,18 +40,18 @@ impl Store {
                 .await
             })
             .await?;
-        let events = rows.into_iter().filter_map(|row| match row {
-            (Some(conversation_id), Some(seq), _) => Some(BusEvent::Committed {
+        let events = rows.into_iter().flat_map(|row| match row {
+            (Some(conversation_id), Some(seq), _) => vec![BusEvent::Committed {
                 conversation_id,
                 first_seq: seq,
                 seq,
                 channel_id: None,
                 frames: Vec::new(),
-            }),
+            }],
             (_, _, Some(payload)) => serde_json::from_value::<Payload>(payload)
-                .ok()
-                .and_then(to_event),
-            _ => None,
+                .map(to_events)
+                .unwrap_or_default(),
+            _ => Vec::new(),
         });
         Ok(events.collect())
     }

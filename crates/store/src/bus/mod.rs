@@ -201,10 +201,36 @@ where
 /// The events of one payload: one, or one per conversation of a batch, or none (a reference to
 /// a payload read elsewhere).
 fn to_events(payload: Payload) -> Vec<BusEvent> {
-    match payload {
-        Payload::CommittedBatch { events } => events.into_iter().map(committed).collect(),
-        payload => to_event(payload).into_iter().collect(),
-    }
+    let event = match payload {
+        Payload::CommittedBatch { events } => return events.into_iter().map(committed).collect(),
+        Payload::TransientRef { .. } => return Vec::new(),
+        Payload::Committed(event) => committed(event),
+        Payload::Transient(transient) => BusEvent::Transient(transient),
+        Payload::Regenerated {
+            node,
+            channel_id,
+            conversation_id,
+            seq,
+            revision,
+        } => BusEvent::Regenerated {
+            node,
+            channel_id,
+            conversation_id,
+            seq,
+            revision,
+        },
+        Payload::ChannelStatus {
+            node,
+            channel_id,
+            status,
+        } => BusEvent::ChannelStatus {
+            node,
+            channel_id,
+            status,
+        },
+        Payload::Streams { node, events } => BusEvent::Streams { node, events },
+    };
+    vec![event]
 }
 
 /// The event of one conversation's commit; its first seq is the one it names, else its first
@@ -223,38 +249,6 @@ fn committed(event: CommittedEvent) -> BusEvent {
     }
 }
 
-fn to_event(payload: Payload) -> Option<BusEvent> {
-    match payload {
-        Payload::Committed(event) => Some(committed(event)),
-        Payload::CommittedBatch { .. } => None,
-        Payload::Transient(transient) => Some(BusEvent::Transient(transient)),
-        Payload::Regenerated {
-            node,
-            channel_id,
-            conversation_id,
-            seq,
-            revision,
-        } => Some(BusEvent::Regenerated {
-            node,
-            channel_id,
-            conversation_id,
-            seq,
-            revision,
-        }),
-        Payload::ChannelStatus {
-            node,
-            channel_id,
-            status,
-        } => Some(BusEvent::ChannelStatus {
-            node,
-            channel_id,
-            status,
-        }),
-        Payload::Streams { node, events } => Some(BusEvent::Streams { node, events }),
-        Payload::TransientRef { .. } => None,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -267,7 +261,7 @@ mod tests {
         ))
         .unwrap();
         assert_eq!(
-            to_event(committed),
+            to_events(committed).pop(),
             Some(BusEvent::Committed {
                 conversation_id,
                 first_seq: 3,
@@ -281,7 +275,7 @@ mod tests {
             r#"{{"k":"c","e":8,"c":"{conversation_id}","s":4,"h":"{conversation_id}","f":[{{"id":"f4","seq":4,"data":{{"text":"hi"}},"type":"text","extra":null,"metadata":null,"turn_seq":null,"client_id":"c4","sender_id":"u","created_at":"2026-11-30T06:51:21.903868+00:00","sender_role":"user","turn_revision":null,"conversation_id":"{conversation_id}"}}]}}"#
         ))
         .unwrap();
-        let Some(BusEvent::Committed { frames, .. }) = to_event(carried) else {
+        let Some(BusEvent::Committed { frames, .. }) = to_events(carried).pop() else {
             panic!("a committed event");
         };
         assert_eq!(frames.len(), 1);
@@ -316,7 +310,7 @@ mod tests {
         ))
         .unwrap();
         assert!(matches!(
-            to_event(odd),
+            to_events(odd).pop(),
             Some(BusEvent::Committed { seq: 5, ref frames, .. }) if frames.is_empty()
         ));
         let transient = TransientFrame {
@@ -330,7 +324,7 @@ mod tests {
         let text = serde_json::to_string(&Payload::Transient(transient.clone())).unwrap();
         assert!(text.contains(r#""k":"t""#));
         let back: Payload = serde_json::from_str(&text).unwrap();
-        assert_eq!(to_event(back), Some(BusEvent::Transient(transient)));
+        assert_eq!(to_events(back).pop(), Some(BusEvent::Transient(transient)));
         let regenerated = Payload::Regenerated {
             node: "n1".into(),
             channel_id: conversation_id,
@@ -341,7 +335,7 @@ mod tests {
         let text = serde_json::to_string(&regenerated).unwrap();
         let back: Payload = serde_json::from_str(&text).unwrap();
         assert!(matches!(
-            to_event(back),
+            to_events(back).pop(),
             Some(BusEvent::Regenerated {
                 seq: 4,
                 revision: 2,

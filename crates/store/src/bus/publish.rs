@@ -209,7 +209,7 @@ fn pack_stream_events(node: &str, events: &[Value]) -> Result<Vec<Packed>, Store
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bus::{BusEvent, to_event};
+    use crate::bus::{BusEvent, to_events};
 
     #[test]
     fn stream_events_pack_in_order_within_the_notification_size() {
@@ -227,7 +227,7 @@ mod tests {
                 assert!(text.len() <= INLINE_PAYLOAD_LIMIT);
             }
             let Some(BusEvent::Streams { node, events }) =
-                to_event(serde_json::from_str::<Payload>(text).unwrap())
+                to_events(serde_json::from_str::<Payload>(text).unwrap()).pop()
             else {
                 panic!("a streams payload");
             };
