@@ -5,7 +5,7 @@
 
 mod support;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -17,34 +17,12 @@ use support::cluster::{
     NodeProcess, eventually, live_nodes, wait_for_live_nodes, wait_for_members,
 };
 use support::effects::Effects;
-use support::history::History;
+use support::load::{
+    Channel, Endpoints, Running, answers_and_completed, channel, stored_sends, turn_of,
+    turn_result, unanswered,
+};
 use support::ws::WsClient;
 use uuid::Uuid;
-
-/// A tenant and channel created through one node, and an agent token for the channel.
-struct Channel {
-    secret: String,
-    agent_token: String,
-}
-
-async fn channel(node: &NodeProcess) -> Channel {
-    let client = RestClient::new(&node.base_url).unwrap();
-    let admin = support::test_config().admin_token;
-    let tenant = client.create_tenant(&admin, "acme").await.unwrap();
-    let channel = client
-        .create_channel(&tenant.api_key, "acme-web")
-        .await
-        .unwrap();
-    let agent_token = client
-        .generate_token(&channel.secret, &TokenRequest::channel_scope())
-        .await
-        .unwrap()
-        .token;
-    Channel {
-        secret: channel.secret,
-        agent_token,
-    }
-}
 
 async fn three_nodes(db: &TestDb) -> (NodeProcess, NodeProcess, NodeProcess) {
     let a = NodeProcess::start(&db.url, "a", &[]).await;
@@ -121,16 +99,6 @@ async fn say(client: &mut WsClient, client_id: &str, text: &str) -> Value {
     client.recv_until("ack").await.pop().unwrap()
 }
 
-/// A delivered turn: (conversation, seq).
-fn turn_of(envelope: &Value) -> Option<(Uuid, i64)> {
-    let frame = envelope.get("frame")?;
-    if frame["type"] != "text" || frame["meta"]["turn"].is_null() {
-        return None;
-    }
-    let conversation_id = envelope["conversationId"].as_str()?.parse().ok()?;
-    Some((conversation_id, frame["meta"]["turn"]["seq"].as_i64()?))
-}
-
 /// Reads turns from several members until `count` have arrived in all; returns who got what.
 async fn collect_turns(members: &mut [&mut WsClient], count: usize) -> Vec<Vec<(Uuid, i64)>> {
     let mut got: Vec<Vec<(Uuid, i64)>> = vec![Vec::new(); members.len()];
@@ -154,15 +122,6 @@ async fn collect_turns(members: &mut [&mut WsClient], count: usize) -> Vec<Vec<(
         got[index].extend(member.barrier().await.iter().filter_map(turn_of));
     }
     got
-}
-
-fn turn_result(client_id: &str, seq: i64, text: &str) -> Value {
-    json!({
-        "type": "turnResult",
-        "clientId": client_id,
-        "turn": {"seq": seq, "revision": 0},
-        "frames": [{"type": "text", "data": {"text": text}}],
-    })
 }
 
 /// Answers each turn and waits for the acks.
@@ -473,212 +432,6 @@ async fn a_killed_nodes_stream_is_aborted_for_viewers_and_the_takeover_streams_a
     drop(on_a);
 }
 
-/// The nodes clients may connect to right now.
-type Endpoints = Arc<Mutex<Vec<String>>>;
-
-fn pick(endpoints: &Endpoints, n: usize) -> String {
-    let endpoints = endpoints.lock().unwrap();
-    endpoints[n % endpoints.len()].clone()
-}
-
-/// An agent of group "bot" that answers every turn after performing its side effect (keyed by
-/// `meta.turn.key`), resends unacked results now and then (a rate limit or a lost connection
-/// drops them), and reconnects to another node when its node goes away, until `stop`.
-async fn answering_agent(
-    endpoints: Endpoints,
-    token: String,
-    effects_url: String,
-    history: Arc<History>,
-    stop: tokio::sync::watch::Receiver<bool>,
-    offset: usize,
-) {
-    let http = reqwest::Client::new();
-    let mut attempt = offset;
-    // Results sent and not acked yet, with when they were last sent.
-    let mut unacked: BTreeMap<String, (tokio::time::Instant, Value)> = BTreeMap::new();
-    'connect: while !*stop.borrow() {
-        attempt += 1;
-        let Ok(mut client) = WsClient::try_connect(&pick(&endpoints, attempt)).await else {
-            continue;
-        };
-        let hello =
-            json!({"type": "hello", "protocol": "converger/1", "token": token, "group": "bot"});
-        if !client.try_send(hello).await {
-            continue;
-        }
-        let mut last_resend = tokio::time::Instant::now();
-        while !*stop.borrow() {
-            if last_resend.elapsed() > Duration::from_millis(300) {
-                last_resend = tokio::time::Instant::now();
-                // A few at a time: a burst would run into the frame rate limit again.
-                let due: Vec<String> = unacked
-                    .iter()
-                    .filter(|(_, (sent, _))| sent.elapsed() > Duration::from_secs(1))
-                    .map(|(client_id, _)| client_id.clone())
-                    .take(10)
-                    .collect();
-                for client_id in due {
-                    let Some((sent, answer)) = unacked.get_mut(&client_id) else {
-                        continue;
-                    };
-                    *sent = tokio::time::Instant::now();
-                    if !client.try_send(answer.clone()).await {
-                        continue 'connect;
-                    }
-                }
-            }
-            let envelope = match client.poll_event(Duration::from_millis(100)).await {
-                None => continue,
-                Some(Err(_closed)) => continue 'connect,
-                Some(Ok(envelope)) => envelope,
-            };
-            let frame = &envelope["frame"];
-            if frame["type"] == "ack" && frame["turn"].is_object() {
-                let conversation_id: Uuid = envelope["conversationId"]
-                    .as_str()
-                    .unwrap()
-                    .parse()
-                    .unwrap();
-                let key = (
-                    conversation_id,
-                    frame["turn"]["seq"].as_i64().unwrap(),
-                    frame["turn"]["revision"].as_i64().unwrap_or(0),
-                );
-                if frame["duplicate"] != true {
-                    let seqs = frame["seqs"]
-                        .as_array()
-                        .unwrap()
-                        .iter()
-                        .filter_map(Value::as_i64)
-                        .collect();
-                    history.result_committed(key, seqs);
-                }
-                if let Some(client_id) = frame["clientId"].as_str() {
-                    unacked.remove(client_id);
-                }
-                continue;
-            }
-            if frame["type"] == "error" {
-                // Refused for good (another member answered first): done; otherwise resent.
-                if let Some(client_id) = frame["data"]["clientId"].as_str()
-                    && frame["data"]["retryable"] != true
-                {
-                    unacked.remove(client_id);
-                }
-                continue;
-            }
-            let Some((conversation_id, seq)) = turn_of(&envelope) else {
-                continue;
-            };
-            let revision = frame["meta"]["turn"]["revision"].as_i64().unwrap_or(0);
-            history.delivered((conversation_id, seq, revision));
-            let key = frame["meta"]["turn"]["key"].as_str().unwrap().to_owned();
-            let effect = http
-                .post(&effects_url)
-                .header("idempotency-key", &key)
-                .send()
-                .await;
-            assert!(
-                effect.is_ok_and(|answer| answer.status().is_success()),
-                "the effect service answers"
-            );
-            let client_id = format!("r-{conversation_id}-{seq}");
-            let result = turn_result(&client_id, seq, "done");
-            let answer = json!({"conversationId": conversation_id, "frame": result});
-            unacked.insert(client_id, (tokio::time::Instant::now(), answer.clone()));
-            if !client.try_send(answer).await {
-                continue 'connect;
-            }
-        }
-    }
-}
-
-/// An end user that sends turns one after another, reconnecting to another node when its node
-/// goes away: it resumes from the highest seq it knows (hello `watermark`) and resends its
-/// unacked turn with the same client id, until `stop`. It records what it saw in `history`.
-async fn steady_user(
-    endpoints: Endpoints,
-    conversation: (Uuid, String),
-    name: String,
-    history: Arc<History>,
-    stop: tokio::sync::watch::Receiver<bool>,
-) {
-    let (conversation_id, token) = conversation;
-    let mut attempt = name.len();
-    let mut next = 0usize;
-    // Seqs seen (received or acked) above `known`, the highest with nothing missing below it:
-    // resuming from a higher seq could skip a frame still in flight when the socket broke.
-    let mut known = 0i64;
-    let mut above: BTreeSet<i64> = BTreeSet::new();
-    'connect: while !*stop.borrow() {
-        attempt += 1;
-        let Ok(mut client) = WsClient::try_connect(&pick(&endpoints, attempt)).await else {
-            continue;
-        };
-        let hello =
-            json!({"type": "hello", "protocol": "converger/1", "token": token, "watermark": known});
-        if !client.try_send(hello).await {
-            continue;
-        }
-        while !*stop.borrow() {
-            let client_id = format!("{name}-{next}");
-            let turn = json!({"type": "text", "clientId": client_id, "data": {"text": "load"}});
-            if !client.try_send(turn).await {
-                continue 'connect;
-            }
-            loop {
-                let frame = match client.poll_event(Duration::from_secs(5)).await {
-                    None | Some(Err(_)) => continue 'connect,
-                    Some(Ok(frame)) => frame,
-                };
-                if frame["type"] == "ack" && frame["clientId"] == client_id.as_str() {
-                    let seq = frame["seq"].as_i64().expect("ack seq");
-                    history.acked(&name, &client_id, conversation_id, seq);
-                    advance(&mut known, &mut above, seq);
-                    next += 1;
-                    break;
-                }
-                if frame["type"] == "error" && frame["data"]["clientId"] == client_id.as_str() {
-                    continue 'connect;
-                }
-                if frame["type"] != "ack"
-                    && let Some(seq) = frame["seq"].as_i64()
-                {
-                    history.received(&name, conversation_id, seq);
-                    advance(&mut known, &mut above, seq);
-                }
-            }
-            // A steady pace, well under the agents' frame rate limit.
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    }
-}
-
-/// Records `seq` as seen and moves `known` up over every contiguous seq.
-fn advance(known: &mut i64, above: &mut BTreeSet<i64>, seq: i64) {
-    if seq > *known {
-        above.insert(seq);
-    }
-    while above.remove(&(*known + 1)) {
-        *known += 1;
-    }
-}
-
-/// Turns among `acked` whose latest revision is not completed yet.
-async fn unanswered(db: &TestDb, acked: &BTreeMap<String, (Uuid, i64)>) -> usize {
-    let mut connection = db.connect().await;
-    let completed: Vec<(Uuid, i64)> =
-        sqlx::query_as("SELECT conversation_id, seq FROM turns WHERE status = 'completed'")
-            .fetch_all(&mut connection)
-            .await
-            .unwrap();
-    let completed: BTreeSet<(Uuid, i64)> = completed.into_iter().collect();
-    acked
-        .values()
-        .filter(|turn| !completed.contains(turn))
-        .count()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rolling_restart_under_load_loses_no_acked_turn_and_answers_none_twice() {
     let db = TestDb::create().await;
@@ -686,40 +439,9 @@ async fn a_rolling_restart_under_load_loses_no_acked_turn_and_answers_none_twice
     let channel = channel(&a).await;
     let effects = Effects::start().await.expect("the effects fixture starts");
     let endpoints: Endpoints = Arc::new(Mutex::new(vec![a.ws_url(), b.ws_url(), c.ws_url()]));
-    let history = Arc::new(History::default());
-    let (stop_agents, agents_stopped) = tokio::sync::watch::channel(false);
-    let (stop_users, users_stopped) = tokio::sync::watch::channel(false);
-    let mut agents = Vec::new();
-    for offset in 0..2 {
-        agents.push(tokio::spawn(answering_agent(
-            endpoints.clone(),
-            channel.agent_token.clone(),
-            effects.url.clone(),
-            history.clone(),
-            agents_stopped.clone(),
-            offset,
-        )));
-    }
-    let mut users = Vec::new();
-    let rest = RestClient::new(&a.base_url).unwrap();
-    for n in 0..6 {
-        let name = format!("user-{n}");
-        let token = rest
-            .generate_token(&channel.secret, &TokenRequest::for_user(&name))
-            .await
-            .unwrap();
-        let created = rest.create_conversation(&token.token).await.unwrap();
-        users.push(tokio::spawn(steady_user(
-            endpoints.clone(),
-            (created.conversation_id, created.token),
-            name,
-            history.clone(),
-            users_stopped.clone(),
-        )));
-    }
-    let acked_so_far = |history: &History| history.acked_sends().len();
+    let mut running = Running::start(&a, &channel, &endpoints, &effects.url, (2, 6)).await;
     eventually("load is flowing", Duration::from_secs(20), || async {
-        acked_so_far(&history) >= 20
+        running.acked() >= 20
     })
     .await;
 
@@ -729,7 +451,7 @@ async fn a_rolling_restart_under_load_loses_no_acked_turn_and_answers_none_twice
         let old = nodes.remove(index);
         let name = old.name.clone();
         endpoints.lock().unwrap().retain(|url| *url != old.ws_url());
-        let before = acked_so_far(&history);
+        let before = running.acked();
         old.terminate().await;
         let seeds: Vec<String> = nodes.iter().map(|node| node.gossip_addr.clone()).collect();
         let new = NodeProcess::start(&db.url, &name, &seeds).await;
@@ -740,18 +462,15 @@ async fn a_rolling_restart_under_load_loses_no_acked_turn_and_answers_none_twice
         eventually(
             "load goes on after the restart",
             Duration::from_secs(20),
-            || async { acked_so_far(&history) >= before + 10 },
+            || async { running.acked() >= before + 10 },
         )
         .await;
     }
-    stop_users.send(true).unwrap();
-    for user in users {
-        user.await.unwrap();
-    }
+    running.stop_users().await;
     // The agents go on until every acked turn has its answer: none was lost on the way.
-    let acked = history.acked_sends();
+    let acked = running.history.acked_sends();
     let answered = tokio::time::timeout(Duration::from_secs(30), async {
-        while unanswered(&db, &acked).await > 0 {
+        while unanswered(&mut db.connect().await, &acked).await > 0 {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     })
@@ -759,40 +478,19 @@ async fn a_rolling_restart_under_load_loses_no_acked_turn_and_answers_none_twice
     assert!(
         answered.is_ok(),
         "{} acked turns never answered",
-        unanswered(&db, &acked).await
+        unanswered(&mut db.connect().await, &acked).await
     );
-    stop_agents.send(true).unwrap();
-    for agent in agents {
-        agent.await.unwrap();
-    }
+    running.stop_agents().await;
 
     // The checker: nothing acked lost, no turn key with two results, every user saw its
     // conversation once and in order; duplicate deliveries are counted.
     let mut connection = db.connect().await;
-    let stored: Vec<(String, Uuid, i64)> = sqlx::query_as(
-        "SELECT client_id, conversation_id, seq FROM activities WHERE sender_role = 'user' AND client_id IS NOT NULL",
-    )
-    .fetch_all(&mut connection)
-    .await
-    .unwrap();
-    let stored: BTreeMap<String, (Uuid, i64)> = stored
-        .into_iter()
-        .map(|(client_id, conversation_id, seq)| (client_id, (conversation_id, seq)))
-        .collect();
-    let verdict = history.verdict(&stored);
+    let stored = stored_sends(&mut connection, None).await;
+    let verdict = running.history.verdict(&stored);
     println!("rolling restart: {verdict:?}");
     assert!(verdict.holds(), "{verdict:?}");
     // The registry agrees: one stored answer per completed turn.
-    let answers: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM activities WHERE sender_role = 'agent'")
-            .fetch_one(&mut connection)
-            .await
-            .unwrap();
-    let completed: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM turns WHERE status = 'completed'")
-            .fetch_one(&mut connection)
-            .await
-            .unwrap();
+    let (answers, completed) = answers_and_completed(&mut connection).await;
     assert_eq!(answers, completed, "one stored answer per completed turn");
     // One external effect per turn key, however often a turn was delivered.
     assert_eq!(

@@ -8,6 +8,7 @@
 
 pub mod browser;
 pub mod cluster;
+pub mod load;
 pub mod mekik;
 pub mod schemas;
 pub mod ws;

@@ -201,6 +201,20 @@ impl Cluster {
 
     /// Starts the server on a free loopback port and returns that port.
     pub(crate) async fn start_server(&self) -> Result<u16, EmbeddedError> {
+        self.start_server_with("").await
+    }
+
+    /// As [`Cluster::start_server`], with more server options (`-c name=value ...`).
+    pub(crate) async fn start_server_with(&self, options: &str) -> Result<u16, EmbeddedError> {
+        self.start_server_at(None, options).await
+    }
+
+    /// Starts the server on `port`, or on a free port when `None`, and returns the port.
+    pub(crate) async fn start_server_at(
+        &self,
+        requested: Option<u16>,
+        options: &str,
+    ) -> Result<u16, EmbeddedError> {
         let log_file = self.log_file();
         self.prepare_log_file().await?;
         let data_dir = self.data_dir();
@@ -210,10 +224,14 @@ impl Cluster {
 
         let mut attempt = 1;
         loop {
-            let port = pick_free_port()?;
+            let port = match requested {
+                Some(port) => port,
+                None => pick_free_port()?,
+            };
             let log_offset = file_length(&log_file).await;
-            let server_options =
-                format!("-p {port} -c listen_addresses=127.0.0.1 -c unix_socket_directories=''");
+            let server_options = format!(
+                "-p {port} -c listen_addresses=127.0.0.1 -c unix_socket_directories='' {options}"
+            );
             let mut command = self.command(&self.binaries.pg_ctl());
             command
                 .arg("-D")
@@ -234,7 +252,7 @@ impl Cluster {
 
             // The port was free when we probed it, but another process may bind it first.
             let new_log = read_file_from(&log_file, log_offset).await;
-            if attempt < PORT_ATTEMPTS && mentions_port_in_use(&new_log) {
+            if requested.is_none() && attempt < PORT_ATTEMPTS && mentions_port_in_use(&new_log) {
                 warn!(
                     port,
                     attempt,
@@ -278,11 +296,20 @@ impl Cluster {
     }
 
     pub(crate) async fn stop_server(&self) -> Result<(), EmbeddedError> {
+        self.stop_server_in_mode("fast").await
+    }
+
+    /// Stops the server without a shutdown checkpoint, for clusters nobody reuses.
+    pub(crate) async fn stop_server_immediately(&self) -> Result<(), EmbeddedError> {
+        self.stop_server_in_mode("immediate").await
+    }
+
+    async fn stop_server_in_mode(&self, mode: &str) -> Result<(), EmbeddedError> {
         let mut command = self.command(&self.binaries.pg_ctl());
         command
             .arg("-D")
             .arg(self.data_dir())
-            .args(["-m", "fast", "-w", "-t"])
+            .args(["-m", mode, "-w", "-t"])
             .arg(PG_CTL_STOP_WAIT_SECONDS.to_string())
             .arg("stop");
         let output = run_command(command, "pg_ctl stop", STOP_TIMEOUT).await?;

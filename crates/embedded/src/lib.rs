@@ -15,7 +15,11 @@
 //! never matter. PostgreSQL refuses to run as root, so a root process runs the server as the
 //! `postgres` user (or `nobody`).
 //!
-//! The crate is a process manager: it runs the machine's `initdb` and `pg_ctl` and speaks no SQL.
+//! [`ReplicatedPair`] starts a primary and a synchronous standby the same way, for failover
+//! tests.
+//!
+//! The crate is a process manager: it runs the machine's `initdb`, `pg_ctl` and
+//! `pg_basebackup` and speaks no SQL.
 #![forbid(unsafe_code)]
 
 mod binaries;
@@ -23,11 +27,13 @@ mod cluster;
 mod error;
 mod lock;
 mod process;
+mod replication;
 mod server_user;
 #[cfg(test)]
 mod tests;
 
 pub use error::EmbeddedError;
+pub use replication::{PairMember, ReplicatedPair};
 
 use std::fmt;
 use std::path::Path;

@@ -3,20 +3,36 @@
 use axum::Json;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use converger_protocol::ErrorCode;
+use converger_protocol::{ErrorCode, ErrorFrame};
 use converger_store::StoreError;
 use serde_json::json;
 
+/// How long a client is asked to wait before it resends a write refused as `unavailable`: a
+/// Postgres failover takes seconds, and a resend with the same key is harmless.
+pub const UNAVAILABLE_RETRY_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// The wire code of a failed write: what the client can act on. A write the database refused
-/// for what it holds is the client's (`invalid_message`, not retryable); a timeout is
-/// `unavailable`; only what remains is `internal`.
+/// for what it holds is the client's (`invalid_message`, not retryable); a timeout, a lost
+/// database connection or a read-only database is `unavailable`; only what remains is
+/// `internal`.
 pub fn write_error_code(error: &StoreError) -> ErrorCode {
     match error {
         StoreError::ConversationClosed => ErrorCode::ConversationClosed,
         StoreError::ConversationNotFound => ErrorCode::ConversationNotFound,
-        StoreError::Timeout { .. } => ErrorCode::Unavailable,
+        unavailable if unavailable.is_unavailable() => ErrorCode::Unavailable,
         refused if refused.is_refused_input() => ErrorCode::InvalidMessage,
         _ => ErrorCode::Internal,
+    }
+}
+
+/// The error frame of a failed write: its code, and for `unavailable` when to resend.
+pub fn write_error_frame(error: &StoreError, message: &str) -> ErrorFrame {
+    let code = write_error_code(error);
+    let retry_after_ms = (code == ErrorCode::Unavailable)
+        .then(|| u64::try_from(UNAVAILABLE_RETRY_AFTER.as_millis()).unwrap_or(u64::MAX));
+    ErrorFrame {
+        retry_after_ms,
+        ..ErrorFrame::new(code, message)
     }
 }
 
@@ -146,13 +162,16 @@ impl From<StoreError> for ApiError {
                     "the database cannot store this frame",
                 )
             }
-            StoreError::Timeout { operation } => {
-                tracing::warn!(operation, "database timeout");
-                ApiError::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    ErrorCode::Unavailable,
-                    "database timeout",
-                )
+            unavailable if unavailable.is_unavailable() => {
+                tracing::warn!(error = %unavailable, "database unavailable");
+                ApiError {
+                    retry_after_secs: Some(UNAVAILABLE_RETRY_AFTER.as_secs()),
+                    ..ApiError::new(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        ErrorCode::Unavailable,
+                        "database unavailable; retry",
+                    )
+                }
             }
             other => {
                 tracing::error!(error = %other, "store error");

@@ -45,6 +45,10 @@ pub enum StoreError {
         /// The database's message.
         message: String,
     },
+    /// No writable database answered (it is down, or failing over), so this write did not
+    /// commit, or its fate is unknown: the writer resends with its idempotency key later.
+    #[error("database unavailable: {0}")]
+    Unavailable(String),
     /// A test switched a failpoint on here (`failpoints` builds only).
     #[error("fault injected at {0}")]
     Injected(&'static str),
@@ -69,6 +73,12 @@ impl StoreError {
         }
     }
 
+    /// True when the database could not be reached, dropped the connection, or is read-only
+    /// (a standby): the client may retry once a primary answers.
+    pub fn is_unavailable(&self) -> bool {
+        is_connection_failure(self)
+    }
+
     /// True when the database refused the write for what it holds (a data exception or a
     /// program limit: SQLSTATE classes 22 and 54): sending it again cannot succeed.
     pub fn is_refused_input(&self) -> bool {
@@ -81,5 +91,34 @@ impl StoreError {
             _ => return false,
         };
         sqlstate.starts_with("22") || sqlstate.starts_with("54")
+    }
+}
+
+/// SQLSTATEs of a server that went away or cannot take writes: connection exceptions (class
+/// 08), an administrator's or a crash's shutdown, a server starting up or in recovery, and a
+/// write sent to a read-only server.
+const UNAVAILABLE_SQLSTATES: [&str; 4] = ["57P01", "57P02", "57P03", "25006"];
+
+/// True when `error` says the database host failed, rather than the query.
+pub(crate) fn is_connection_failure(error: &StoreError) -> bool {
+    match error {
+        StoreError::Timeout { .. } | StoreError::Unavailable(_) => true,
+        StoreError::Database(error) => is_sqlx_connection_failure(error),
+        _ => false,
+    }
+}
+
+/// As [`is_connection_failure`], for a driver error.
+pub(crate) fn is_sqlx_connection_failure(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::Protocol(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::WorkerCrashed => true,
+        sqlx::Error::Database(database) => database.code().is_some_and(|code| {
+            code.starts_with("08") || UNAVAILABLE_SQLSTATES.contains(&code.as_ref())
+        }),
+        _ => false,
     }
 }

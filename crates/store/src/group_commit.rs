@@ -32,8 +32,9 @@ use uuid::Uuid;
 
 use crate::activities::{Activity, CommitOutcome, NewActivity, stored_extra, stored_id};
 use crate::bus::BusEvent;
+use crate::primary::Follower;
 use crate::turns::{AnswerOutcome, AnswerRow, TurnAnswer, answer_outcome};
-use crate::{StoreError, within_deadline};
+use crate::{StoreError, is_connection_failure, is_sqlx_connection_failure, within_deadline};
 
 /// The operation name in metrics and timeouts.
 const OPERATION: &str = "group_commit";
@@ -267,7 +268,12 @@ impl GroupCommit {
     /// Starts the workers on `pool`; they stop when the last handle is dropped.
     /// `workers` batches are in progress at once: while one waits for its flush, another runs
     /// its statement (`database.commit_workers`, chosen by measurement in ADR 0020).
-    pub(crate) fn start(pool: PgPool, deadline: Duration, workers: usize) -> GroupCommit {
+    pub(crate) fn start(
+        pool: PgPool,
+        deadline: Duration,
+        workers: usize,
+        follower: Follower,
+    ) -> GroupCommit {
         let (queue, receiver) = mpsc::channel(QUEUE);
         let receiver = Arc::new(Mutex::new(receiver));
         let local = LocalCommitsCell::default();
@@ -277,6 +283,7 @@ impl GroupCommit {
                 deadline,
                 local: Arc::clone(&local),
                 kept: None,
+                follower: follower.clone(),
             };
             tokio::spawn(work(batches, Arc::clone(&receiver)));
         }
@@ -360,6 +367,8 @@ struct Batches {
     /// connection it hands out with a round trip (`test_before_acquire`), which a busy worker
     /// would otherwise pay once per batch.
     kept: Option<PoolConnection<Postgres>>,
+    /// Told when the database host fails, so the pool can move to the writable one.
+    follower: Follower,
 }
 
 /// One worker: takes what is queued and commits it as one transaction, until the queue closes.
@@ -401,7 +410,13 @@ impl Batches {
     ) -> Result<Option<Result<(), BatchError>>, StoreError> {
         let mut connection = match self.kept.take() {
             Some(connection) => connection,
-            None => connection(&self.pool, self.deadline).await?,
+            None => match connection(&self.pool, self.deadline).await {
+                Ok(connection) => connection,
+                Err(error) => {
+                    self.follower.saw(&error);
+                    return Err(error);
+                }
+            },
         };
         let node = self.local.get().map_or("", |local| local.node.as_str());
         let attempt = within_deadline(
@@ -410,8 +425,14 @@ impl Batches {
             run_batch(&mut connection, batch, statement, node),
         )
         .await;
-        if matches!(attempt, Some(Ok(()))) {
-            self.kept = Some(connection);
+        match &attempt {
+            Some(Ok(())) => self.kept = Some(connection),
+            Some(Err(BatchError::Statement(error) | BatchError::Commit(error))) => {
+                if is_sqlx_connection_failure(error) {
+                    self.follower.host_failed();
+                }
+            }
+            None => self.follower.host_failed(),
         }
         Ok(attempt)
     }
@@ -438,7 +459,7 @@ impl Batches {
         }
         batch.sort_by_key(Write::conversation_id);
         match self.run(&mut batch, BATCH).await {
-            Err(error) => fail_all(batch, &error.to_string()),
+            Err(error) => fail_all(batch, is_connection_failure(&error), &error.to_string()),
             Ok(Some(Ok(()))) => self.committed(batch),
             // A statement failed (a racing idempotency key, say): nothing of the batch is
             // stored, so the batch runs once more with each write isolated, and each gets its
@@ -449,7 +470,13 @@ impl Batches {
             }
             // Whether the batch landed is unknown, so every writer hears the error and resends
             // with its idempotency key.
-            Ok(Some(Err(BatchError::Commit(error)))) => fail_all(batch, &error.to_string()),
+            Ok(Some(Err(BatchError::Commit(error)))) => {
+                fail_all(
+                    batch,
+                    is_sqlx_connection_failure(&error),
+                    &error.to_string(),
+                );
+            }
             // The server stopped answering: the fate is unknown too.
             Ok(None) => batch
                 .into_iter()
@@ -462,10 +489,14 @@ impl Batches {
     async fn commit_isolated(&mut self, mut batch: Vec<Write>) {
         metrics::counter!("converger_group_commit_isolated_total").increment(1);
         match self.run(&mut batch, ISOLATED_BATCH).await {
-            Err(error) => fail_all(batch, &error.to_string()),
+            Err(error) => fail_all(batch, is_connection_failure(&error), &error.to_string()),
             Ok(Some(Ok(()))) => self.committed(batch),
             Ok(Some(Err(BatchError::Statement(error) | BatchError::Commit(error)))) => {
-                fail_all(batch, &error.to_string());
+                fail_all(
+                    batch,
+                    is_sqlx_connection_failure(&error),
+                    &error.to_string(),
+                );
             }
             Ok(None) => batch
                 .into_iter()
@@ -487,10 +518,16 @@ impl Batches {
     }
 }
 
-/// Every writer of `batch` hears that it did not commit.
-fn fail_all(batch: Vec<Write>, message: &str) {
+/// Every writer of `batch` hears that it did not commit, or that its fate is unknown;
+/// `unavailable` when the database host failed rather than the batch.
+fn fail_all(batch: Vec<Write>, unavailable: bool, message: &str) {
     for write in batch {
-        write.failed(StoreError::GroupCommit(message.to_owned()));
+        let error = if unavailable {
+            StoreError::Unavailable(message.to_owned())
+        } else {
+            StoreError::GroupCommit(message.to_owned())
+        };
+        write.failed(error);
     }
 }
 

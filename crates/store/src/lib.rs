@@ -10,11 +10,14 @@ mod conversations;
 mod error;
 pub mod faults;
 mod group_commit;
+pub mod hosts;
+mod primary;
 mod secrets;
 mod tenants;
 mod turns;
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
@@ -23,6 +26,7 @@ pub use activities::{Activity, CommitOutcome, NewActivity, Sender, SenderRole};
 pub use channels::{Channel, ChannelStatus};
 pub use conversations::{ChannelCatalogs, Conversation, PendingInterrupt};
 pub use error::StoreError;
+pub(crate) use error::{is_connection_failure, is_sqlx_connection_failure};
 pub use secrets::{generate_secret, hash_secret};
 pub use tenants::Tenant;
 pub use turns::{
@@ -38,7 +42,8 @@ static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations");
 /// How to reach the database and how long to wait for it.
 #[derive(Debug, Clone)]
 pub struct StoreOptions {
-    /// Postgres connection URL.
+    /// Postgres connection URL; it may name several hosts (`postgres://u@h1:5432,h2:5432/db`),
+    /// of which the store uses the writable one.
     pub url: String,
     /// Upper bound of pooled connections.
     pub max_connections: u32,
@@ -57,6 +62,8 @@ pub struct Store {
     query_deadline: Duration,
     /// Frames and answers, committed many to a transaction.
     group_commit: group_commit::GroupCommit,
+    /// Which database host the pool uses, and the search for another after a failure.
+    follower: primary::Follower,
 }
 
 /// What `Store::migrate` did.
@@ -67,20 +74,37 @@ pub struct MigrationReport {
 }
 
 impl Store {
-    /// Connects a pool; fails fast when the database does not answer.
+    /// Connects a pool; fails fast when the database does not answer. With several hosts, it
+    /// connects to the writable one (a primary), and fails fast when none is.
     pub async fn connect(options: &StoreOptions) -> Result<Store, StoreError> {
         let statement_timeout_ms = options.statement_timeout.as_millis().to_string();
-        let connect_options: PgConnectOptions = options
-            .url
-            .parse::<PgConnectOptions>()
-            .map_err(|source| StoreError::Config(format!("invalid database url: {source}")))?
-            .application_name("converger")
-            .options([("statement_timeout", statement_timeout_ms.as_str())]);
-        let pool = PgPoolOptions::new()
+        let configure = |url: &str| {
+            url.parse::<PgConnectOptions>()
+                .map_err(|source| StoreError::Config(format!("invalid database url: {source}")))
+                .map(|parsed| {
+                    parsed
+                        .application_name("converger")
+                        .options([("statement_timeout", statement_timeout_ms.as_str())])
+                })
+        };
+        let host_list = hosts::split_hosts(&options.url)?;
+        let hosts = Arc::new(primary::Hosts::new(&host_list, configure)?);
+        if hosts.several() {
+            let Some(writable) = hosts.find_writable().await else {
+                return Err(StoreError::Unavailable(format!(
+                    "no writable host among {}",
+                    host_list.names.join(", ")
+                )));
+            };
+            hosts.start_at(writable);
+        }
+        let pool_options = PgPoolOptions::new()
             .max_connections(options.max_connections)
-            .acquire_timeout(options.acquire_timeout)
-            .connect_with(connect_options)
+            .acquire_timeout(options.acquire_timeout);
+        let pool = primary::Follower::pool_options(&hosts, pool_options)
+            .connect_with(hosts.current_options())
             .await?;
+        let follower = primary::Follower::new(hosts, pool.clone());
         // The server cancels a statement at statement_timeout; the client deadline adds slack
         // for the network so both rarely race.
         let query_deadline = options.statement_timeout + Duration::from_secs(1);
@@ -89,9 +113,11 @@ impl Store {
                 pool.clone(),
                 query_deadline,
                 options.commit_workers.max(1),
+                follower.clone(),
             ),
             pool,
             query_deadline,
+            follower,
         })
     }
 
@@ -133,13 +159,22 @@ impl Store {
         .await
     }
 
-    /// One round trip to the database; readiness uses it.
+    /// One round trip to the database, which must accept writes (not a standby, not
+    /// read-only); readiness uses it.
     pub async fn ping(&self) -> Result<(), StoreError> {
-        self.timed("ping", async {
-            sqlx::query("SELECT 1").execute(&self.pool).await
-        })
-        .await
-        .map(|_| ())
+        let writable: bool = self
+            .timed("ping", async {
+                sqlx::query_scalar(primary::WRITABLE)
+                    .fetch_one(&self.pool)
+                    .await
+            })
+            .await?;
+        if !writable {
+            let error = StoreError::Unavailable("the database is read-only".into());
+            self.follower.saw(&error);
+            return Err(error);
+        }
+        Ok(())
     }
 
     /// Publishes pool gauges; called when metrics are scraped.
@@ -158,9 +193,31 @@ impl Store {
         operation: &'static str,
         query: impl Future<Output = Result<T, sqlx::Error>>,
     ) -> Result<T, StoreError> {
-        match within_deadline(self.query_deadline, operation, query).await {
+        let outcome = match within_deadline(self.query_deadline, operation, query).await {
             Some(result) => result.map_err(StoreError::from),
             None => Err(StoreError::Timeout { operation }),
+        };
+        if let Err(error) = &outcome {
+            self.follower.saw(error);
+        }
+        outcome
+    }
+
+    /// The longest a caller can wait before a lost connection surfaces as an error: the pool's
+    /// acquire timeout (it retries a refused connection until then), then a query's deadline.
+    pub(crate) fn failure_notice_lag(&self) -> Duration {
+        self.pool.options().get_acquire_timeout() + self.query_deadline
+    }
+
+    /// Looks for the writable host when `error` says the current one failed.
+    pub(crate) fn failed_with(&self, error: &StoreError) {
+        self.follower.saw(error);
+    }
+
+    /// Looks for the writable host after the `LISTEN` connection failed with `error`.
+    pub(crate) fn listener_failed(&self, error: &sqlx::Error) {
+        if is_sqlx_connection_failure(error) {
+            self.follower.host_failed();
         }
     }
 }

@@ -12,7 +12,9 @@ use sqlx::Connection;
 use sqlx::postgres::PgConnection;
 use tokio::time::Instant;
 
-use super::load::Agents;
+use converger_embedded::{PairMember, ReplicatedPair};
+
+use super::load::{Agents, Counters, Load};
 use super::nodes::Cluster;
 
 /// Longest a database call of the injector may take.
@@ -44,6 +46,26 @@ pub struct FaultPlan {
     pub every: Duration,
     /// A killed node stays down between half of this and all of it.
     pub node_down: Duration,
+    /// Postgres failovers, when the soak runs on a primary and a standby.
+    pub failover: Option<FailoverPlan>,
+}
+
+/// A failover: kill -9 the primary, promote the standby after `promote_after` (what failure
+/// detection takes in a real deployment), rebuild the old primary as the new standby.
+pub struct FailoverPlan {
+    /// Time between failovers.
+    pub every: Duration,
+    /// From the primary's death to the standby's promotion.
+    pub promote_after: Duration,
+}
+
+/// What one failover cost the users.
+#[derive(Debug, Clone, Copy)]
+pub struct FailoverFigures {
+    /// From the primary's death to the first turn acked after the promotion.
+    pub to_first_ack: Duration,
+    /// Sends the users saw refused as `unavailable` from the kill to the first ack.
+    pub refused_unavailable: u64,
 }
 
 /// Faults injected, by kind, and what they hit.
@@ -63,6 +85,8 @@ pub struct FaultCounts {
     pub socket_drops: u64,
     /// Client connections cut in all.
     pub sockets_dropped: u64,
+    /// Postgres failovers, in order.
+    pub failovers: Vec<FailoverFigures>,
     /// Faults that could not be carried out (logged).
     pub failed: u64,
 }
@@ -70,7 +94,11 @@ pub struct FaultCounts {
 impl FaultCounts {
     /// Faults injected, all kinds.
     pub fn total(&self) -> u64 {
-        self.agents_killed + self.nodes_killed + self.backend_terminations + self.socket_drops
+        self.agents_killed
+            + self.nodes_killed
+            + self.backend_terminations
+            + self.socket_drops
+            + self.failovers.len() as u64
     }
 
     /// The counts as JSON.
@@ -84,6 +112,17 @@ impl FaultCounts {
             "listen_backends_terminated": self.listen_backends_terminated,
             "drop_sockets": self.socket_drops,
             "sockets_dropped": self.sockets_dropped,
+            "failovers": self.failovers.len(),
+            "failover_to_first_ack_ms": self
+                .failovers
+                .iter()
+                .map(|failover| failover.to_first_ack.as_millis() as u64)
+                .collect::<Vec<_>>(),
+            "failover_refused_unavailable": self
+                .failovers
+                .iter()
+                .map(|failover| failover.refused_unavailable)
+                .collect::<Vec<_>>(),
             "failed": self.failed,
         })
     }
@@ -94,18 +133,38 @@ impl FaultCounts {
 pub async fn inject(
     cluster: &mut Cluster,
     agents: &mut Agents,
+    mut pair: Option<&mut ReplicatedPair>,
+    load: &Load,
     plan: &FaultPlan,
     rng: &mut StdRng,
     until: Instant,
 ) -> anyhow::Result<FaultCounts> {
     let mut counts = FaultCounts::default();
     let every_ms = plan.every.as_millis().max(1) as u64;
+    let mut next_failover = plan
+        .failover
+        .as_ref()
+        .map(|failover| Instant::now() + failover.every);
+    // Drawn ahead, so a failover due first leaves the sequence of other faults as the seed
+    // gives it.
+    let mut next_fault = Instant::now() + pause_between(every_ms, rng);
     loop {
-        let pause = Duration::from_millis(every_ms / 2 + rng.random_range(0..=every_ms));
-        if Instant::now() + pause >= until {
+        let failover_first = next_failover.filter(|due| *due < next_fault);
+        let wake = failover_first.unwrap_or(next_fault);
+        if wake >= until {
             return Ok(counts);
         }
-        tokio::time::sleep(pause).await;
+        tokio::time::sleep_until(wake).await;
+        if let (Some(_), Some(failover), Some(pair)) =
+            (failover_first, &plan.failover, pair.as_deref_mut())
+        {
+            let figures = fail_over(cluster, pair, load, failover).await?;
+            counts.failovers.push(figures);
+            next_failover = Some(Instant::now() + failover.every);
+            next_fault = next_fault.max(Instant::now());
+            continue;
+        }
+        next_fault = Instant::now() + pause_between(every_ms, rng);
         let fault = FAULTS[rng.random_range(0..FAULTS.len())];
         match fault {
             Fault::KillAgent => {
@@ -188,6 +247,54 @@ pub async fn inject(
             }
         }
     }
+}
+
+/// A pause drawn between half and one and a half times `every_ms`.
+fn pause_between(every_ms: u64, rng: &mut StdRng) -> Duration {
+    Duration::from_millis(every_ms / 2 + rng.random_range(0..=every_ms))
+}
+
+/// Kills the primary, promotes the standby after the plan's delay, points the checker at it,
+/// waits for the first ack after the promotion, then rebuilds the old primary as the standby.
+async fn fail_over(
+    cluster: &mut Cluster,
+    pair: &mut ReplicatedPair,
+    load: &Load,
+    plan: &FailoverPlan,
+) -> anyhow::Result<FailoverFigures> {
+    let refused_before = Counters::get(&load.counters.unavailable_refusals);
+    tracing::info!(
+        fault = "failover",
+        port = pair.port(PairMember::Primary),
+        "kill -9 the primary"
+    );
+    pair.kill_primary().await?;
+    let killed = Instant::now();
+    tokio::time::sleep(plan.promote_after).await;
+    pair.promote_standby().await?;
+    cluster.set_server_url(pair.member_url(PairMember::Primary, "postgres"));
+    let acked_at_promotion = Counters::get(&load.counters.turns_acked);
+    let first_ack = async {
+        while Counters::get(&load.counters.turns_acked) == acked_at_promotion {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(60), first_ack)
+        .await
+        .context("no turn acked within 60 s of the promotion")?;
+    let to_first_ack = killed.elapsed();
+    let refused_unavailable = Counters::get(&load.counters.unavailable_refusals) - refused_before;
+    tracing::info!(
+        fault = "failover",
+        to_first_ack_ms = to_first_ack.as_millis() as u64,
+        refused_unavailable,
+        "the new primary acks"
+    );
+    pair.rebuild_standby().await?;
+    Ok(FailoverFigures {
+        to_first_ack,
+        refused_unavailable,
+    })
 }
 
 /// Terminates the backends of `database` other than our own: all of them, or each with even

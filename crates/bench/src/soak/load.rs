@@ -58,6 +58,8 @@ pub struct Counters {
     pub user_reconnects: AtomicU64,
     /// Errors `next_frame` returned to users.
     pub user_errors: AtomicU64,
+    /// Users' sends refused as `unavailable` (no database answered; resent by the client).
+    pub unavailable_refusals: AtomicU64,
     /// Agent connections opened (first ones and replacements).
     pub agent_connections: AtomicU64,
     /// Results acked as newly committed.
@@ -277,6 +279,9 @@ pub async fn user(load: Arc<Load>, index: usize, conversation_id: Uuid, token: S
                 }
             }
             Ok(ServerFrame::Welcome(_)) => Counters::bump(&load.counters.user_reconnects),
+            Ok(ServerFrame::Error(error)) if error.code == "unavailable" => {
+                Counters::bump(&load.counters.unavailable_refusals);
+            }
             Ok(_) => {}
             Err(error) => {
                 Counters::bump(&load.counters.user_errors);

@@ -2,7 +2,9 @@
 //! and M lease-mode agents of one group over three `converger serve` processes (one fresh
 //! database, real gossip, every client connection through a per-node proxy) for S seconds, with
 //! a random fault every X ms on average: kill an agent, `kill -9` a node and restart it, terminate
-//! database backends, cut client sockets without a close frame. Then the faults stop, the run
+//! database backends, cut client sockets without a close frame; with `--failover-every-secs`,
+//! also a Postgres failover (kill -9 of the primary, promotion of the synchronous standby) that
+//! often. Then the faults stop, the run
 //! settles (every committed turn answered, every user caught up with its conversation), and the
 //! history checker gives its verdict. Exits non-zero on a breach, so CI fails on it.
 
@@ -22,6 +24,7 @@ use anyhow::{Context, bail};
 use converger_checker::effects::{EffectFigures, Effects};
 use converger_checker::history::Verdict;
 use converger_client::{RestClient, TokenRequest};
+use converger_embedded::{PairMember, ReplicatedPair};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use serde_json::{Value, json};
@@ -31,7 +34,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use uuid::Uuid;
 
-use self::faults::FaultPlan;
+use self::faults::{FailoverPlan, FaultPlan};
 use self::load::{Agents, Counters, Load, LoadSettings, Phase};
 use self::nodes::{Cluster, NodeSettings};
 use self::report::{Printed, print_report};
@@ -81,9 +84,18 @@ pub struct SoakArgs {
     /// Keep the database and the node logs of a green run too (a breach always keeps them).
     #[arg(long)]
     keep: bool,
-    /// Postgres server to create the soak database on.
+    /// Postgres server to create the soak database on (unused with `--failover-every-secs`).
     #[arg(long, default_value = DEFAULT_DATABASE_URL)]
     database_url: String,
+    /// Seconds between Postgres failovers: the soak then runs on its own primary and
+    /// synchronous standby (started from the machine's server binaries), kills the primary
+    /// with SIGKILL, promotes the standby and rebuilds the old primary as the new standby.
+    /// 0: no failovers, one Postgres (`--database-url`).
+    #[arg(long, default_value_t = 0)]
+    failover_every_secs: u64,
+    /// From the primary's death to the standby's promotion, in ms (failure detection).
+    #[arg(long, default_value_t = 1000)]
+    promote_after_ms: u64,
     /// The `converger` binary (default: next to this one).
     #[arg(long)]
     binary: Option<PathBuf>,
@@ -110,7 +122,21 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
             .unwrap_or_default()
     });
     let binary = args.binary.clone().unwrap_or_else(default_binary);
-    let database = create_database(&args.database_url).await?;
+    let mut pair = if args.failover_every_secs > 0 {
+        let dir = std::env::temp_dir().join(format!("converger-soak-pair-{seed}"));
+        Some(
+            ReplicatedPair::start(&dir)
+                .await
+                .context("starting a primary and a standby")?,
+        )
+    } else {
+        None
+    };
+    let server_url = match &pair {
+        Some(pair) => pair.member_url(PairMember::Primary, "postgres"),
+        None => args.database_url.clone(),
+    };
+    let database = create_database(&server_url).await?;
     let logs_dir = args
         .logs_dir
         .clone()
@@ -118,34 +144,44 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(&logs_dir).with_context(|| format!("create {}", logs_dir.display()))?;
     tracing::info!(seed, database = %database, logs = %logs_dir.display(), "soak starting");
     let token_ttl_secs = (args.duration + 3600).min(2_592_000);
+    let mut env = vec![
+        ("CONVERGER_LEASE_MS", args.lease_ms.to_string()),
+        // Users read a frame at least this often, so they notice when to stop waiting.
+        ("CONVERGER_LIMITS__HEARTBEAT_INTERVAL_MS", "2000".to_owned()),
+        ("CONVERGER_TOKEN_TTL_SECS", token_ttl_secs.to_string()),
+    ];
+    if let Some(pair) = &pair {
+        // Both hosts: the nodes follow the promotions by themselves.
+        env.push(("CONVERGER_DATABASE_URL", pair.url_for(&database)));
+    }
     let settings = NodeSettings {
         binary,
-        server_url: args.database_url.clone(),
+        server_url: server_url.clone(),
         database: database.clone(),
-        env: vec![
-            ("CONVERGER_LEASE_MS", args.lease_ms.to_string()),
-            // Users read a frame at least this often, so they notice when to stop waiting.
-            ("CONVERGER_LIMITS__HEARTBEAT_INTERVAL_MS", "2000".to_owned()),
-            ("CONVERGER_TOKEN_TTL_SECS", token_ttl_secs.to_string()),
-        ],
+        env,
         logs_dir: logs_dir.clone(),
     };
     let mut cluster = match Cluster::start(settings, args.nodes).await {
         Ok(cluster) => cluster,
         Err(error) => {
-            let _ = crate::gateway::drop_database(&args.database_url, &database).await;
+            let _ = crate::gateway::drop_database(&server_url, &database).await;
             return Err(error.context("starting the nodes"));
         }
     };
-    let outcome = soak(&args, seed, &mut cluster).await;
+    let outcome = soak(&args, seed, &mut cluster, pair.as_mut()).await;
     let keep = args.keep || !matches!(&outcome, Ok(report) if report.breaches.is_empty());
     let logs = cluster.logs_dir().to_owned();
+    let database_url = cluster.database_url();
     cluster.shutdown(keep).await?;
+    if let Some(pair) = pair
+        && !keep
+    {
+        pair.stop().await?;
+    }
     let kept = || {
         print_node_warnings(&logs);
         eprintln!(
-            "kept for investigation: database {database} on {}, node logs in {}",
-            args.database_url,
+            "kept for investigation: database {database_url}, node logs in {}",
             logs.display()
         );
     };
@@ -201,7 +237,12 @@ struct Report {
     breaches: Vec<String>,
 }
 
-async fn soak(args: &SoakArgs, seed: u64, cluster: &mut Cluster) -> anyhow::Result<Report> {
+async fn soak(
+    args: &SoakArgs,
+    seed: u64,
+    cluster: &mut Cluster,
+    pair: Option<&mut ReplicatedPair>,
+) -> anyhow::Result<Report> {
     let effects = Effects::start().await?;
     let rest = RestClient::new(cluster.base_url(0))?;
     let (channel, agent_token) =
@@ -247,10 +288,14 @@ async fn soak(args: &SoakArgs, seed: u64, cluster: &mut Cluster) -> anyhow::Resu
     let plan = FaultPlan {
         every: Duration::from_millis(args.fault_every_ms),
         node_down: Duration::from_millis(args.node_down_ms),
+        failover: (args.failover_every_secs > 0).then(|| FailoverPlan {
+            every: Duration::from_secs(args.failover_every_secs),
+            promote_after: Duration::from_millis(args.promote_after_ms),
+        }),
     };
     let mut rng = StdRng::seed_from_u64(seed);
     let until = started + Duration::from_secs(args.duration);
-    let injected = faults::inject(cluster, &mut agents, &plan, &mut rng, until).await;
+    let injected = faults::inject(cluster, &mut agents, pair, &load, &plan, &mut rng, until).await;
     progress.abort();
     let faults = match injected {
         Ok(faults) => faults,

@@ -118,6 +118,12 @@ impl Cluster {
         &self.nodes[index].proxy
     }
 
+    /// Points the checker and the fault injector at another Postgres server (a promoted
+    /// standby); the nodes find it by themselves.
+    pub fn set_server_url(&mut self, server_url: String) {
+        self.settings.server_url = server_url;
+    }
+
     /// URL of the soak database.
     pub fn database_url(&self) -> String {
         database_url(&self.settings.server_url, &self.settings.database)

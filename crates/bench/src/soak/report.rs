@@ -104,9 +104,29 @@ pub(super) fn print_report(printed: &Printed<'_>) {
         ("    of them LISTEN", faults.listen_backends_terminated),
         ("  drop sockets", faults.socket_drops),
         ("    connections cut", faults.sockets_dropped),
+        ("  Postgres failovers", faults.failovers.len() as u64),
         ("  failed to inject", faults.failed),
     ] {
         println!("{name:<34} {value:>10}");
+    }
+    if !faults.failovers.is_empty() {
+        let mut waits: Vec<u128> = faults
+            .failovers
+            .iter()
+            .map(|failover| failover.to_first_ack.as_millis())
+            .collect();
+        waits.sort_unstable();
+        let refused: Vec<u64> = faults
+            .failovers
+            .iter()
+            .map(|failover| failover.refused_unavailable)
+            .collect();
+        println!(
+            "{:<34} {:>10}",
+            "    death to first ack, p50 / max",
+            format!("{} / {} ms", waits[waits.len() / 2], waits[waits.len() - 1])
+        );
+        println!("{:<34} {refused:?}", "    sends refused unavailable");
     }
     println!("{:<34} {:>10}", "checker", "");
     for (name, value) in [

@@ -15,7 +15,11 @@ pub(crate) async fn live() -> Json<serde_json::Value> {
     Json(json!({"status": "ok"}))
 }
 
-/// `GET /health/ready`: 200 when the database answers and the node is not draining.
+/// Longest a readiness check waits for the database.
+const READINESS_DEADLINE: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// `GET /health/ready`: 200 when the database answers and accepts writes and the node is not
+/// draining.
 pub(crate) async fn ready(State(state): State<AppState>) -> Response {
     if state.is_draining() {
         return (
@@ -24,7 +28,12 @@ pub(crate) async fn ready(State(state): State<AppState>) -> Response {
         )
             .into_response();
     }
-    match state.store.ping().await {
+    // A load balancer's check has a deadline of its own: answer 503 before it, rather than
+    // wait for the pool's acquire timeout on a database that went away.
+    let ping = tokio::time::timeout(READINESS_DEADLINE, state.store.ping()).await;
+    match ping.unwrap_or(Err(converger_store::StoreError::Timeout {
+        operation: "ping",
+    })) {
         Ok(()) => Json(json!({"status": "ready"})).into_response(),
         Err(error) => {
             tracing::warn!(%error, "readiness: database unavailable");

@@ -1,7 +1,9 @@
 //! `hello` → an end user's session in one conversation, an agent's session on the channel, or
 //! the documented refusal.
 
-use converger_protocol::{CloseCode, ErrorCode, ErrorFrame, Hello, Profile, is_valid_user_id};
+use converger_protocol::{
+    CloseCode, ErrorCode, ErrorFrame, Hello, Profile, is_valid_user_id, retry_close_reason,
+};
 use converger_store::Conversation;
 use serde_json::json;
 use uuid::Uuid;
@@ -286,7 +288,22 @@ async fn adoptable(
     }))
 }
 
+/// A store failure during the handshake: `unavailable` with a hint and close 1012 when no
+/// database answers (it may be failing over), else `internal` and close 1011.
 fn internal(error: converger_store::StoreError) -> Refused {
+    if error.is_unavailable() {
+        tracing::warn!(%error, "handshake: database unavailable");
+        let retry_after_ms =
+            u64::try_from(crate::error::UNAVAILABLE_RETRY_AFTER.as_millis()).unwrap_or(u64::MAX);
+        return Refused {
+            error: ErrorFrame {
+                retry_after_ms: Some(retry_after_ms),
+                ..ErrorFrame::new(ErrorCode::Unavailable, "database unavailable; retry")
+            },
+            close: Some(CloseCode::Draining),
+            reason: Some(retry_close_reason(ErrorCode::Unavailable, retry_after_ms)),
+        };
+    }
     tracing::error!(%error, "handshake: store error");
     Refused::closing(ErrorCode::Internal, "internal error", CloseCode::Internal)
 }

@@ -109,19 +109,8 @@ async fn run_listener(
     let mut backoff = Duration::from_millis(100);
     // Set when the connection was (or may have been) lost; the catch-up covers since then.
     let mut trouble_since: Option<Instant> = None;
-    let mut listener = loop {
-        match connect_listener(&store).await {
-            Ok(listener) => break listener,
-            Err(StoreError::Database(sqlx::Error::PoolClosed)) => return,
-            Err(error) => {
-                tracing::warn!(%error, "event bus: cannot listen yet");
-                if events.is_closed() {
-                    return;
-                }
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_secs(5));
-            }
-        }
+    let Some(mut listener) = listen_until_connected(&store, &events, &mut backoff).await else {
+        return;
     };
     tracing::info!(channel = NOTIFY_CHANNEL, "event bus listening");
     let _ = listening.send(());
@@ -134,14 +123,9 @@ async fn run_listener(
             trouble_since.get_or_insert_with(Instant::now);
             drop(listener);
             tokio::time::sleep(Duration::from_millis(500)).await;
-            listener = loop {
-                match connect_listener(&store).await {
-                    Ok(listener) => break listener,
-                    Err(error) => {
-                        tracing::warn!(%error, "event bus: cannot listen again yet");
-                        tokio::time::sleep(backoff).await;
-                    }
-                }
+            listener = match listen_until_connected(&store, &events, &mut backoff).await {
+                Some(listener) => listener,
+                None => return,
             };
             recover(&store, &events, &mut trouble_since).await;
         }
@@ -174,15 +158,19 @@ async fn run_listener(
             Err(sqlx::Error::PoolClosed) => return,
             Err(error) => {
                 trouble_since.get_or_insert_with(Instant::now);
+                store.listener_failed(&error);
                 tracing::warn!(%error, "event bus: listener error");
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(5));
-                // Reconnect now rather than at the next notification, so the catch-up below is
-                // not delayed until traffic resumes.
-                if let Err(error) = relisten(&mut listener).await {
-                    tracing::warn!(%error, "event bus: cannot listen again yet");
-                    continue;
-                }
+                // A new listener, now rather than at the next notification, so the catch-up
+                // below is not delayed until traffic resumes. Not UNLISTEN and LISTEN on the old
+                // one: a LISTEN that fails leaves the channel out of its list, and it would
+                // reconnect to hear nothing.
+                drop(listener);
+                listener = match listen_until_connected(&store, &events, &mut backoff).await {
+                    Some(listener) => listener,
+                    None => return,
+                };
                 metrics::counter!("converger_bus_reconnects_total").increment(1);
             }
         }
@@ -199,7 +187,11 @@ async fn recover(
     let Some(since) = *trouble_since else {
         return;
     };
-    match catch_up(store, events, since.elapsed() + CATCH_UP_MARGIN).await {
+    // The listener hears of a lost connection only once the pool gave up reconnecting it, so
+    // the window reaches back over that wait too: a commit made just before the loss (whose
+    // notification never came) is inside it.
+    let window = since.elapsed() + CATCH_UP_MARGIN + store.failure_notice_lag();
+    match catch_up(store, events, window).await {
         Ok(()) => *trouble_since = None,
         Err(error) => {
             tracing::warn!(%error, "event bus: catch-up failed; retrying after the next event")
@@ -207,10 +199,27 @@ async fn recover(
     }
 }
 
-/// Re-establishes the connection (if it is gone) and the LISTEN.
-async fn relisten(listener: &mut PgListener) -> Result<(), sqlx::Error> {
-    listener.unlisten(NOTIFY_CHANNEL).await?;
-    listener.listen(NOTIFY_CHANNEL).await
+/// A listening connection, retried with backoff; `None` when the store or the bridge closed.
+async fn listen_until_connected(
+    store: &Store,
+    events: &mpsc::UnboundedSender<BusEvent>,
+    backoff: &mut Duration,
+) -> Option<PgListener> {
+    loop {
+        match connect_listener(store).await {
+            Ok(listener) => return Some(listener),
+            Err(StoreError::Database(sqlx::Error::PoolClosed)) => return None,
+            Err(error) => {
+                store.failed_with(&error);
+                tracing::warn!(%error, "event bus: cannot listen yet");
+                if events.is_closed() {
+                    return None;
+                }
+                tokio::time::sleep(*backoff).await;
+                *backoff = (*backoff * 2).min(Duration::from_secs(5));
+            }
+        }
+    }
 }
 
 /// Turns a notification payload into its events (reading large transient payloads back).

@@ -299,7 +299,7 @@ impl AgentSession<'_> {
                     }
                     let error = ErrorFrame {
                         client_id: message.client_id,
-                        ..ErrorFrame::new(code, "the frame was not stored")
+                        ..crate::error::write_error_frame(&error, "the frame was not stored")
                     };
                     return self.enveloped_error(conversation_id, error);
                 }

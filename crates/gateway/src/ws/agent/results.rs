@@ -164,7 +164,7 @@ fn reply_to(
             };
             return ErrorFrame {
                 client_id,
-                ..ErrorFrame::new(code, message)
+                ..crate::error::write_error_frame(&error, message)
             }
             .to_json();
         }

@@ -99,7 +99,7 @@ impl Session<'_> {
                 return self.push_error(ErrorFrame {
                     client_id,
                     frame_type: Some(frame_type),
-                    ..ErrorFrame::new(code, "the frame was not stored")
+                    ..crate::error::write_error_frame(&error, "the frame was not stored")
                 });
             }
         };
