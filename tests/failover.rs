@@ -3,7 +3,8 @@
 //! and agents on both. The primary is killed with SIGKILL and the standby promoted; the nodes
 //! find the new primary by themselves. Afterwards every acked frame is stored exactly once, no
 //! turn has two results, every user saw its conversation in order, a send during the outage
-//! was refused as `unavailable` on a socket that stayed open, and readiness went 503 and back,
+//! was refused as `unavailable` on a socket that stayed open (and over REST with 503 and
+//! `Retry-After`), and readiness went 503 and back,
 //! as it does for a primary fenced read-only.
 
 mod support;
@@ -40,8 +41,8 @@ async fn watch_readiness(
     }
 }
 
-/// A connected end user of a new conversation on `node`: (socket, conversation).
-async fn probe_user(node: &NodeProcess, secret: &str) -> (WsClient, Uuid) {
+/// A connected end user of a new conversation on `node`: (socket, conversation, token).
+async fn probe_user(node: &NodeProcess, secret: &str) -> (WsClient, Uuid, String) {
     let rest = RestClient::new(&node.base_url).unwrap();
     let token = rest
         .generate_token(secret, &TokenRequest::for_user("probe"))
@@ -50,7 +51,7 @@ async fn probe_user(node: &NodeProcess, secret: &str) -> (WsClient, Uuid) {
     let created = rest.create_conversation(&token.token).await.unwrap();
     let mut client = WsClient::connect(&node.ws_url()).await;
     client.hello(&created.token, json!({})).await;
-    (client, created.conversation_id)
+    (client, created.conversation_id, created.token)
 }
 
 fn text(client_id: &str) -> Value {
@@ -103,7 +104,7 @@ async fn a_primary_killed_under_load_and_its_promoted_standby_lose_no_acked_fram
     let effects = Effects::start().await.expect("the effects fixture starts");
     let endpoints: Endpoints = Arc::new(Mutex::new(vec![a.ws_url(), b.ws_url()]));
     let mut running = Running::start(&a, &channel, &endpoints, &effects.url, (2, 4)).await;
-    let (mut probe, probe_conversation) = probe_user(&b, &channel.secret).await;
+    let (mut probe, probe_conversation, probe_token) = probe_user(&b, &channel.secret).await;
     let readiness = Arc::new(Mutex::new(Vec::new()));
     let (stop_watch, watch_stopped) = tokio::sync::watch::channel(false);
     let watcher = tokio::spawn(watch_readiness(
@@ -164,6 +165,22 @@ async fn a_primary_killed_under_load_and_its_promoted_standby_lose_no_acked_fram
         "{refused}"
     );
 
+    // And over REST: 503 with a Retry-After.
+    let over_rest = reqwest::Client::new()
+        .post(format!(
+            "{}/api/v1/converger/conversations/{probe_conversation}/activities",
+            b.base_url
+        ))
+        .bearer_auth(&probe_token)
+        .json(&json!({"type": "text", "data": {"text": "over REST"}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(over_rest.status(), 503);
+    assert!(over_rest.headers().contains_key("retry-after"));
+    let body: Value = over_rest.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "unavailable", "{body}");
+
     pair.promote_standby().await.unwrap();
     eventually(
         "load goes on on the new primary",
@@ -171,7 +188,20 @@ async fn a_primary_killed_under_load_and_its_promoted_standby_lose_no_acked_fram
         || async { running.acked() >= at_kill + 20 },
     )
     .await;
-    // The refused send, sent again with its client id, commits once.
+    // The refused send, sent again with its client id once its node writes again, commits
+    // once.
+    let http = reqwest::Client::new();
+    eventually(
+        "the probe's node is ready again",
+        Duration::from_secs(30),
+        || async {
+            http.get(format!("{}/health/ready", b.base_url))
+                .send()
+                .await
+                .is_ok_and(|response| response.status() == 200)
+        },
+    )
+    .await;
     probe.send(text("during-1")).await;
     let acked = answer_to(&mut probe, "during-1").await;
     assert_eq!(acked["type"], "ack", "{acked}");

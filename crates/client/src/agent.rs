@@ -20,6 +20,14 @@ pub type AgentError = ClientError;
 
 /// Wait before resending a result the server failed to store (`internal`) without a delay.
 const DEFAULT_RETRY_AFTER: Duration = Duration::from_secs(1);
+/// Refusals of a result that say nothing about the result itself: it is resent (as the Python
+/// SDK does).
+const RESENT_CODES: [&str; 4] = [
+    "internal",
+    "unavailable",
+    "rate_limited",
+    "too_many_in_flight",
+];
 
 /// One user turn delivered to this agent.
 #[derive(Debug, Clone, PartialEq)]
@@ -236,8 +244,9 @@ impl Agent {
     /// state (written against the version the turn was delivered with). The same clientId is
     /// resent until the server acknowledges, on this connection every `ack_timeout` and after
     /// every reconnect, so a lost ack never produces a second answer. A refusal is returned as
-    /// [`ClientError::Refused`] (`turn_conflict`, `stale_runtime`, …), except `internal`, which
-    /// is resent. When the session itself fails ([`ClientError::GaveUp`], [`ClientError::Closed`])
+    /// [`ClientError::Refused`] (`turn_conflict`, `stale_runtime`, …), except the server's own
+    /// failures and pacing (`internal`, `unavailable`, `rate_limited`, `too_many_in_flight`),
+    /// which are resent after their `retryAfterMs`. When the session itself fails ([`ClientError::GaveUp`], [`ClientError::Closed`])
     /// the result stays queued and goes out again after the next successful reconnect.
     pub async fn reply(
         &mut self,
@@ -274,7 +283,10 @@ impl Agent {
                 return Ok(reply_ack(frame));
             }
             let data = &frame["data"];
-            if data["code"] == "internal" {
+            if data["code"]
+                .as_str()
+                .is_some_and(|code| RESENT_CODES.contains(&code))
+            {
                 let after = data["retryAfterMs"]
                     .as_u64()
                     .map_or(DEFAULT_RETRY_AFTER, Duration::from_millis);

@@ -342,3 +342,54 @@ async fn an_agent_resumes_with_watermarks_and_resends_its_reply() {
     agent.close().await;
     timeout(LIMIT, server).await.unwrap().unwrap();
 }
+
+#[tokio::test]
+async fn a_reply_refused_as_unavailable_is_resent_after_its_retry_after() {
+    let (listener, url) = listen().await;
+    let server = tokio::spawn(async move {
+        let mut socket = accept(&listener).await;
+        receive(&mut socket).await;
+        send(&mut socket, agent_welcome()).await;
+        send(&mut socket, turn(5, 0)).await;
+        let result = receive(&mut socket).await;
+        let client_id = result["frame"]["clientId"].clone();
+        // No database answers (a failover): refused, retryable, with a hint.
+        send(
+            &mut socket,
+            json!({"conversationId": CONVERSATION, "frame": {"type": "error", "data": {
+                "code": "unavailable", "message": "database unavailable; retry", "number": 9001,
+                "retryable": true, "retryAfterMs": 50, "clientId": client_id}}}),
+        )
+        .await;
+        let refused_at = Instant::now();
+        let resent = receive(&mut socket).await;
+        assert!(
+            refused_at.elapsed() >= Duration::from_millis(50),
+            "not before the hint"
+        );
+        assert_eq!(resent, result, "the same result with the same clientId");
+        send(
+            &mut socket,
+            json!({"conversationId": CONVERSATION, "frame": {"type": "ack",
+                "clientId": client_id, "turn": {"seq": 5, "revision": 0}, "ids": ["a6"],
+                "seqs": [6], "timestamp": 2}}),
+        )
+        .await;
+        while socket.next().await.is_some() {}
+    });
+
+    let options = AgentOptions {
+        session: fast_session(),
+        ..AgentOptions::default()
+    };
+    let mut agent = Agent::connect_with(&url, "token", options).await.unwrap();
+    let turn = timeout(LIMIT, agent.next_turn()).await.unwrap().unwrap();
+    let frames = vec![json!({"type": "text", "data": {"text": "pong"}})];
+    let ack = timeout(LIMIT, agent.reply(&turn, frames, None))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((ack.seqs, ack.duplicate), (vec![6], false));
+    agent.close().await;
+    timeout(LIMIT, server).await.unwrap().unwrap();
+}

@@ -28,12 +28,26 @@ pub fn write_error_code(error: &StoreError) -> ErrorCode {
 /// The error frame of a failed write: its code, and for `unavailable` when to resend.
 pub fn write_error_frame(error: &StoreError, message: &str) -> ErrorFrame {
     let code = write_error_code(error);
-    let retry_after_ms = (code == ErrorCode::Unavailable)
-        .then(|| u64::try_from(UNAVAILABLE_RETRY_AFTER.as_millis()).unwrap_or(u64::MAX));
     ErrorFrame {
-        retry_after_ms,
+        retry_after_ms: retry_hint(code),
         ..ErrorFrame::new(code, message)
     }
+}
+
+/// The code of a store failure that is not the client's doing: `unavailable` when no writable
+/// database answers (it may be failing over), else `internal`.
+pub fn failure_code(error: &StoreError) -> ErrorCode {
+    if error.is_unavailable() {
+        ErrorCode::Unavailable
+    } else {
+        ErrorCode::Internal
+    }
+}
+
+/// When to retry after an error with `code`: set for `unavailable` only.
+pub fn retry_hint(code: ErrorCode) -> Option<u64> {
+    (code == ErrorCode::Unavailable)
+        .then(|| u64::try_from(UNAVAILABLE_RETRY_AFTER.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// An error answered over HTTP.

@@ -111,9 +111,10 @@ pub(crate) fn is_connection_failure(error: &StoreError) -> bool {
 /// As [`is_connection_failure`], for a driver error.
 pub(crate) fn is_sqlx_connection_failure(error: &sqlx::Error) -> bool {
     match error {
+        // Not `Protocol`: the store raises it for its own broken invariants, which a retry
+        // does not mend.
         sqlx::Error::Io(_)
         | sqlx::Error::Tls(_)
-        | sqlx::Error::Protocol(_)
         | sqlx::Error::PoolTimedOut
         | sqlx::Error::WorkerCrashed => true,
         sqlx::Error::Database(database) => database.code().is_some_and(|code| {

@@ -366,7 +366,9 @@ struct Batches {
     /// The connection of the last batch, kept while writes are queued: the pool checks every
     /// connection it hands out with a round trip (`test_before_acquire`), which a busy worker
     /// would otherwise pay once per batch.
-    kept: Option<PoolConnection<Postgres>>,
+    /// With the pool's move count when it was taken: a connection from before a move is
+    /// given up.
+    kept: Option<(PoolConnection<Postgres>, u64)>,
     /// Told when the database host fails, so the pool can move to the writable one.
     follower: Follower,
 }
@@ -408,9 +410,10 @@ impl Batches {
         batch: &mut [Write],
         statement: &'static str,
     ) -> Result<Option<Result<(), BatchError>>, StoreError> {
+        let moves = self.follower.moves();
         let mut connection = match self.kept.take() {
-            Some(connection) => connection,
-            None => match connection(&self.pool, self.deadline).await {
+            Some((connection, taken_at)) if taken_at == moves => connection,
+            _ => match connection(&self.pool, self.deadline).await {
                 Ok(connection) => connection,
                 Err(error) => {
                     self.follower.saw(&error);
@@ -426,7 +429,7 @@ impl Batches {
         )
         .await;
         match &attempt {
-            Some(Ok(())) => self.kept = Some(connection),
+            Some(Ok(())) => self.kept = Some((connection, moves)),
             Some(Err(BatchError::Statement(error) | BatchError::Commit(error))) => {
                 if is_sqlx_connection_failure(error) {
                     self.follower.host_failed();

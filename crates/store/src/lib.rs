@@ -214,6 +214,11 @@ impl Store {
         self.follower.saw(error);
     }
 
+    /// Changes whenever the pool moves to another database host.
+    pub(crate) fn host_moves(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.follower.watch_moves()
+    }
+
     /// Looks for the writable host after the `LISTEN` connection failed with `error`.
     pub(crate) fn listener_failed(&self, error: &sqlx::Error) {
         if is_sqlx_connection_failure(error) {

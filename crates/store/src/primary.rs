@@ -45,6 +45,9 @@ pub(crate) struct Hosts {
     moved_at: Mutex<Option<Instant>>,
     /// A search is running; failures meanwhile add nothing.
     searching: AtomicBool,
+    /// How many times the pool moved: connections kept outside the pool (the `LISTEN`
+    /// connection, a worker's) are given up when it changes.
+    moves: tokio::sync::watch::Sender<u64>,
 }
 
 impl Hosts {
@@ -64,6 +67,7 @@ impl Hosts {
             current: AtomicUsize::new(0),
             moved_at: Mutex::new(None),
             searching: AtomicBool::new(false),
+            moves: tokio::sync::watch::Sender::new(0),
         })
     }
 
@@ -105,8 +109,10 @@ impl Hosts {
         if self.current.swap(index, Ordering::AcqRel) == index {
             return;
         }
-        pool.set_connect_options(self.options[index].clone());
+        // Stamped first: a connection handed out between the two lines is dropped, not kept.
         *self.moved_at.lock().expect("moved_at lock poisoned") = Some(Instant::now());
+        pool.set_connect_options(self.options[index].clone());
+        self.moves.send_modify(|moves| *moves += 1);
         metrics::counter!("converger_db_host_moves_total").increment(1);
         tracing::warn!(host = %self.names[index], "database: moved to the writable host");
     }
@@ -193,7 +199,13 @@ impl Follower {
             match tokio::time::timeout(WATCH_TIMEOUT, check).await {
                 Ok(Ok(true)) => {}
                 Ok(Err(sqlx::Error::PoolClosed)) => return,
-                _ => self.host_failed(),
+                Ok(Ok(false)) => self.host_failed(),
+                // A busy pool is slow too: only a host that fails a probe of its own counts.
+                Ok(Err(_)) | Err(_) => {
+                    if probe(&self.hosts.current_options()).await != HostProbe::Writable {
+                        self.host_failed();
+                    }
+                }
             }
         }
     }
@@ -213,9 +225,20 @@ impl Follower {
         }
         let follower = self.clone();
         tokio::spawn(async move {
+            // Reset however the search ends, so a later failure can start another.
+            let _searching = SearchFlag(Arc::clone(&follower.hosts));
             follower.search().await;
-            follower.hosts.searching.store(false, Ordering::Release);
         });
+    }
+
+    /// How many times the pool moved so far.
+    pub(crate) fn moves(&self) -> u64 {
+        *self.hosts.moves.borrow()
+    }
+
+    /// Changes whenever the pool moves to another host.
+    pub(crate) fn watch_moves(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.hosts.moves.subscribe()
     }
 
     async fn search(&self) {
@@ -231,6 +254,15 @@ impl Follower {
             }
             tokio::time::sleep(RETRY_PAUSE).await;
         }
+    }
+}
+
+/// Clears `Hosts::searching` when dropped.
+struct SearchFlag(Arc<Hosts>);
+
+impl Drop for SearchFlag {
+    fn drop(&mut self) {
+        self.0.searching.store(false, Ordering::Release);
     }
 }
 

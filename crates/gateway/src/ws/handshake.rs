@@ -293,8 +293,7 @@ async fn adoptable(
 fn internal(error: converger_store::StoreError) -> Refused {
     if error.is_unavailable() {
         tracing::warn!(%error, "handshake: database unavailable");
-        let retry_after_ms =
-            u64::try_from(crate::error::UNAVAILABLE_RETRY_AFTER.as_millis()).unwrap_or(u64::MAX);
+        let retry_after_ms = crate::error::retry_hint(ErrorCode::Unavailable).unwrap_or(1000);
         return Refused {
             error: ErrorFrame {
                 retry_after_ms: Some(retry_after_ms),

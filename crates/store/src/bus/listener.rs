@@ -114,6 +114,8 @@ async fn run_listener(
     };
     tracing::info!(channel = NOTIFY_CHANNEL, "event bus listening");
     let _ = listening.send(());
+    let mut moves = store.host_moves();
+    let mut moves_open = true;
     loop {
         if events.is_closed() {
             return;
@@ -129,7 +131,27 @@ async fn run_listener(
             };
             recover(&store, &events, &mut trouble_since).await;
         }
-        match listener.try_recv().await {
+        let received = tokio::select! {
+            received = listener.try_recv() => received,
+            moved = moves.changed(), if moves_open => {
+                if moved.is_err() {
+                    moves_open = false;
+                    continue;
+                }
+                // The pool moved to another host, but this connection may still be on the old
+                // one, which no longer hears the commits: listen anew, and read back the gap.
+                tracing::warn!("event bus: the database host changed; listening again");
+                trouble_since.get_or_insert_with(Instant::now);
+                drop(listener);
+                listener = match listen_until_connected(&store, &events, &mut backoff).await {
+                    Some(listener) => listener,
+                    None => return,
+                };
+                recover(&store, &events, &mut trouble_since).await;
+                continue;
+            }
+        };
+        match received {
             Ok(Some(notification)) => {
                 backoff = Duration::from_millis(100);
                 let payload = notification.payload();

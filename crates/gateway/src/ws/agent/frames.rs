@@ -121,8 +121,8 @@ impl AgentSession<'_> {
             .await
         {
             tracing::warn!(%error, "catalog not stored");
-            return self.push_error(ErrorFrame::new(
-                ErrorCode::Internal,
+            return self.push_error(crate::error::write_error_frame(
+                &error,
                 "catalog not stored; retry",
             ));
         }

@@ -93,6 +93,7 @@ impl AgentSession<'_> {
         let refuse = |code: ErrorCode, message: &str, details: serde_json::Value| ErrorFrame {
             frame_type: Some("streamChunk".into()),
             details: Some(details),
+            retry_after_ms: crate::error::retry_hint(code),
             ..ErrorFrame::new(code, message)
         };
         let stream = json!({"streamId": chunk.stream_id, "index": chunk.index,
@@ -115,7 +116,7 @@ impl AgentSession<'_> {
             Err(error) => {
                 tracing::warn!(%error, %conversation_id, "stream: turn unreadable");
                 return Some(refuse(
-                    ErrorCode::Internal,
+                    crate::error::failure_code(&error),
                     "the turn cannot be checked now; retry",
                     stream,
                 ));

@@ -190,7 +190,11 @@ impl Session<'_> {
             Ok(None) => return Err(internal_close(self.outbound)),
             Err(error) => {
                 tracing::warn!(%error, "sync: cannot read the head");
-                return self.push_error(ErrorFrame::new(ErrorCode::Internal, "try again"));
+                let code = crate::error::failure_code(&error);
+                return self.push_error(ErrorFrame {
+                    retry_after_ms: crate::error::retry_hint(code),
+                    ..ErrorFrame::new(code, "try again")
+                });
             }
         };
         if watermark > head {

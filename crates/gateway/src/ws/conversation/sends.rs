@@ -146,6 +146,7 @@ impl Session<'_> {
         let refuse = |code: ErrorCode, message: &str| ErrorFrame {
             client_id: client_id.clone(),
             frame_type: Some(frame_type.into()),
+            retry_after_ms: crate::error::retry_hint(code),
             ..ErrorFrame::new(code, message)
         };
         let seq = target.seq.and_then(|seq| i64::try_from(seq).ok());
@@ -166,7 +167,7 @@ impl Session<'_> {
             }
             Err(error) => {
                 tracing::warn!(%error, "revision target unreadable");
-                return self.push_error(refuse(ErrorCode::Internal, "try again"));
+                return self.push_error(refuse(crate::error::failure_code(&error), "try again"));
             }
         };
         let edit = data
@@ -187,7 +188,10 @@ impl Session<'_> {
             }
             Err(error) => {
                 tracing::warn!(%error, "revision not stored");
-                return self.push_error(refuse(ErrorCode::Internal, "the revision was not stored"));
+                return self.push_error(refuse(
+                    crate::error::failure_code(&error),
+                    "the revision was not stored",
+                ));
             }
         };
         let mut ack = Ack {

@@ -67,8 +67,8 @@ impl Session<'_> {
             Ok(moved) => moved,
             Err(error) => {
                 tracing::warn!(%error, "read position not stored");
-                return self.push_error(ErrorFrame::new(
-                    ErrorCode::Internal,
+                return self.push_error(crate::error::write_error_frame(
+                    &error,
                     "read position not stored; retry",
                 ));
             }
