@@ -46,8 +46,12 @@ pub fn failure_code(error: &StoreError) -> ErrorCode {
 
 /// When to retry after an error with `code`: set for `unavailable` only.
 pub fn retry_hint(code: ErrorCode) -> Option<u64> {
-    (code == ErrorCode::Unavailable)
-        .then(|| u64::try_from(UNAVAILABLE_RETRY_AFTER.as_millis()).unwrap_or(u64::MAX))
+    (code == ErrorCode::Unavailable).then(unavailable_retry_ms)
+}
+
+/// [`UNAVAILABLE_RETRY_AFTER`] in milliseconds, as `retryAfterMs` carries it.
+pub fn unavailable_retry_ms() -> u64 {
+    u64::try_from(UNAVAILABLE_RETRY_AFTER.as_millis()).unwrap_or(u64::MAX)
 }
 
 /// An error answered over HTTP.

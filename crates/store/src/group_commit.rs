@@ -462,7 +462,7 @@ impl Batches {
         }
         batch.sort_by_key(Write::conversation_id);
         match self.run(&mut batch, BATCH).await {
-            Err(error) => fail_all(batch, is_connection_failure(&error), &error.to_string()),
+            Err(error) => fail_all(batch, &error),
             Ok(Some(Ok(()))) => self.committed(batch),
             // A statement failed (a racing idempotency key, say): nothing of the batch is
             // stored, so the batch runs once more with each write isolated, and each gets its
@@ -474,11 +474,7 @@ impl Batches {
             // Whether the batch landed is unknown, so every writer hears the error and resends
             // with its idempotency key.
             Ok(Some(Err(BatchError::Commit(error)))) => {
-                fail_all(
-                    batch,
-                    is_sqlx_connection_failure(&error),
-                    &error.to_string(),
-                );
+                fail_all(batch, &StoreError::Database(error));
             }
             // The server stopped answering: the fate is unknown too.
             Ok(None) => batch
@@ -492,14 +488,10 @@ impl Batches {
     async fn commit_isolated(&mut self, mut batch: Vec<Write>) {
         metrics::counter!("converger_group_commit_isolated_total").increment(1);
         match self.run(&mut batch, ISOLATED_BATCH).await {
-            Err(error) => fail_all(batch, is_connection_failure(&error), &error.to_string()),
+            Err(error) => fail_all(batch, &error),
             Ok(Some(Ok(()))) => self.committed(batch),
             Ok(Some(Err(BatchError::Statement(error) | BatchError::Commit(error)))) => {
-                fail_all(
-                    batch,
-                    is_sqlx_connection_failure(&error),
-                    &error.to_string(),
-                );
+                fail_all(batch, &StoreError::Database(error));
             }
             Ok(None) => batch
                 .into_iter()
@@ -521,14 +513,16 @@ impl Batches {
     }
 }
 
-/// Every writer of `batch` hears that it did not commit, or that its fate is unknown;
+/// Every writer of `batch` hears that it did not commit, or that its fate is unknown:
 /// `unavailable` when the database host failed rather than the batch.
-fn fail_all(batch: Vec<Write>, unavailable: bool, message: &str) {
+fn fail_all(batch: Vec<Write>, error: &StoreError) {
+    let unavailable = is_connection_failure(error);
+    let message = error.to_string();
     for write in batch {
         let error = if unavailable {
-            StoreError::Unavailable(message.to_owned())
+            StoreError::Unavailable(message.clone())
         } else {
-            StoreError::GroupCommit(message.to_owned())
+            StoreError::GroupCommit(message.clone())
         };
         write.failed(error);
     }

@@ -293,7 +293,7 @@ async fn adoptable(
 fn internal(error: converger_store::StoreError) -> Refused {
     if error.is_unavailable() {
         tracing::warn!(%error, "handshake: database unavailable");
-        let retry_after_ms = crate::error::retry_hint(ErrorCode::Unavailable).unwrap_or(1000);
+        let retry_after_ms = crate::error::unavailable_retry_ms();
         return Refused {
             error: ErrorFrame {
                 retry_after_ms: Some(retry_after_ms),
