@@ -10,15 +10,14 @@
 //! is read off one clock. The last stdout line is one JSON object.
 
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use converger_client::{RestClient, TokenRequest};
 use futures_util::{SinkExt, StreamExt};
 use serde_json::{Value, json};
-use tokio::sync::Mutex;
 use tokio::task::JoinSet;
 use tokio_tungstenite::tungstenite::Message;
 
@@ -94,22 +93,30 @@ fn read_chunk(text: &str) -> Option<(usize, u64)> {
     Some((phase.checked_sub(1)?, sent))
 }
 
-/// A shared record of what the tabs saw.
+/// A shared record of what the tabs saw (a plain mutex, held for a few instructions: the
+/// tally must cost the receivers as little as it can, since they share the machine with the
+/// systems measured).
 #[derive(Default)]
 struct Tally {
     same: Mutex<Seen>,
     cross: Mutex<Seen>,
 }
 
+fn seen(place: &Mutex<Seen>) -> MutexGuard<'_, Seen> {
+    place
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 impl Tally {
-    async fn take(&self, place: Place, text: &str, clock: &Clock) {
+    fn take(&self, place: Place, text: &str, clock: &Clock) {
         let Some((phase, sent)) = read_chunk(text) else {
             return;
         };
         let latency = crate::peers::millis_between(sent, clock.now_us());
         let mut seen = match place {
-            Place::SameNode => self.same.lock().await,
-            Place::CrossNode => self.cross.lock().await,
+            Place::SameNode => seen(&self.same),
+            Place::CrossNode => seen(&self.cross),
         };
         if let Some(count) = seen.delivered.get_mut(phase) {
             *count += 1;
@@ -119,10 +126,15 @@ impl Tally {
         }
     }
 
+    /// Chunks delivered in `phase`, over both places.
+    fn delivered_in(&self, phase: usize) -> u64 {
+        seen(&self.same).delivered[phase] + seen(&self.cross).delivered[phase]
+    }
+
     /// Chunks delivered so far, over both places and phases.
-    async fn total(&self) -> u64 {
-        let same = self.same.lock().await.delivered.iter().sum::<u64>();
-        let cross = self.cross.lock().await.delivered.iter().sum::<u64>();
+    fn total(&self) -> u64 {
+        let same = seen(&self.same).delivered.iter().sum::<u64>();
+        let cross = seen(&self.cross).delivered.iter().sum::<u64>();
         same + cross
     }
 
@@ -130,10 +142,10 @@ impl Tally {
     /// 60 s.
     async fn settle(&self) {
         let deadline = Instant::now() + Duration::from_secs(60);
-        let mut last = self.total().await;
+        let mut last = self.total();
         while Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(500)).await;
-            let now = self.total().await;
+            let now = self.total();
             if now == last {
                 return;
             }
@@ -141,9 +153,9 @@ impl Tally {
         }
     }
 
-    async fn figures(&self, phase_secs: [f64; 2]) -> Value {
-        let mut same = self.same.lock().await;
-        let mut cross = self.cross.lock().await;
+    fn figures(&self, phase_secs: [f64; 2]) -> Value {
+        let mut same = seen(&self.same);
+        let mut cross = seen(&self.cross);
         let delivered = |phase: usize| {
             (same.delivered[phase] + cross.delivered[phase]) as f64 / phase_secs[phase].max(1e-9)
         };
@@ -155,6 +167,60 @@ impl Tally {
             "cross_node_ms": stats::percentiles(&mut cross.latencies_ms),
         })
     }
+}
+
+/// CPU time that processes spent over phase 1 (as fast as possible), per chunk delivered:
+/// what each part of the relay costs, the bench's own clients included (they share the two
+/// cores with the system measured).
+struct CpuMeter {
+    processes: Vec<(String, u32, u64)>,
+}
+
+impl CpuMeter {
+    fn start(processes: Vec<(String, u32)>) -> CpuMeter {
+        CpuMeter {
+            processes: processes
+                .into_iter()
+                .map(|(name, pid)| {
+                    let ticks = machine::cpu_ticks(pid).unwrap_or(0);
+                    (name, pid, ticks)
+                })
+                .collect(),
+        }
+    }
+
+    /// `{name: CPU µs per chunk}` for `chunks` delivered since the start.
+    fn per_chunk_us(&self, chunks: u64) -> Value {
+        let mut figures = serde_json::Map::new();
+        for (name, pid, before) in &self.processes {
+            let spent = machine::cpu_ticks(*pid)
+                .unwrap_or(0)
+                .saturating_sub(*before);
+            let micros = spent as f64 / machine::ticks_per_second() * 1e6;
+            figures.insert(name.clone(), json!(micros / chunks.max(1) as f64));
+        }
+        Value::Object(figures)
+    }
+}
+
+/// The pid of the first process whose command name is `command` (a peer's server).
+fn pid_of(command: &str) -> Option<u32> {
+    std::fs::read_dir("/proc")
+        .ok()?
+        .flatten()
+        .find_map(|entry| {
+            let pid = entry.file_name().to_str()?.parse::<u32>().ok()?;
+            (machine::process_times(pid)?.command == command).then_some(pid)
+        })
+}
+
+/// The bench itself and, when found, the peer's server.
+fn peer_processes(server: &str) -> Vec<(String, u32)> {
+    let mut processes = vec![("bench_clients".to_owned(), std::process::id())];
+    if let Some(pid) = pid_of(server) {
+        processes.push((server.to_owned(), pid));
+    }
+    processes
 }
 
 /// The pace of one phase: chunks round robin over the streams until the deadline, as fast as
@@ -239,6 +305,20 @@ pub async fn run(args: StreamsArgs) -> anyhow::Result<()> {
             figures["cross_node_ms"]["p99"].as_f64().unwrap_or(0.0),
         );
     }
+    println!("CPU µs per chunk delivered at full speed, by process:");
+    for (name, figures) in [
+        ("converger", &converger),
+        ("redis", &redis),
+        ("nats", &nats),
+    ] {
+        let parts: Vec<String> = figures["cpu_us_per_chunk_at_full_speed"]
+            .as_object()
+            .into_iter()
+            .flatten()
+            .map(|(process, micros)| format!("{process} {:.1}", micros.as_f64().unwrap_or(0.0)))
+            .collect();
+        println!("  {name:<10} {}", parts.join(", "));
+    }
     let mut line = converger.clone();
     line["bench"] = json!("streams");
     line["machine"] = machine::describe();
@@ -266,7 +346,7 @@ async fn measure_converger(args: &StreamsArgs) -> anyhow::Result<Value> {
         ),
         (
             "CONVERGER_LIMITS__MAX_STREAM_BYTES",
-            (256u64 << 20).to_string(),
+            converger_protocol::MAX_STREAM_BYTES_CEILING.to_string(),
         ),
         ("CONVERGER_LIMITS__OUTBOUND_QUEUE_FRAMES", "8192".to_owned()),
         ("CONVERGER_GROUP_SETTLE_MS", "100".to_owned()),
@@ -318,19 +398,28 @@ async fn hello(socket: &mut Socket, hello: Value) -> anyhow::Result<Value> {
     }
 }
 
+/// The two fields of an end user's frame a tab reads (the rest is skipped, not built).
+#[derive(serde::Deserialize)]
+struct ChunkView<'a> {
+    #[serde(rename = "type", borrow)]
+    kind: &'a str,
+    #[serde(default, borrow)]
+    text: Option<&'a str>,
+}
+
 /// One tab: reads frames until the socket closes, tallying stream chunks.
 async fn tab(mut socket: Socket, place: Place, tally: Arc<Tally>, clock: Clock) {
     while let Some(Ok(message)) = socket.next().await {
         let Message::Text(text) = message else {
             continue;
         };
-        let Ok(frame) = serde_json::from_str::<Value>(text.as_str()) else {
+        let Ok(frame) = serde_json::from_str::<ChunkView<'_>>(text.as_str()) else {
             continue;
         };
-        if frame["type"] == "streamChunk"
-            && let Some(text) = frame["text"].as_str()
+        if frame.kind == "streamChunk"
+            && let Some(text) = frame.text
         {
-            tally.take(place, text, &clock).await;
+            tally.take(place, text, &clock);
         }
     }
 }
@@ -432,9 +521,19 @@ async fn converger_phases(
     let mut indices = vec![0u64; args.streams];
     let mut phase_secs = [0.0; 2];
     let mut rss_open = 0;
+    let mut rss_after_burst = 0;
     let mut buffered = 0u64;
     let mut phase_rate = 0.0;
+    let mut processes = vec![
+        ("bench_clients".to_owned(), std::process::id()),
+        ("node_1".to_owned(), first.pid()),
+    ];
+    if let Some(second) = second {
+        processes.push(("node_2".to_owned(), second.pid()));
+    }
+    let mut cpu = Value::Null;
     for phase in 0..2u8 {
+        let meter = CpuMeter::start(processes.clone());
         let rate = if phase == 0 {
             0.0
         } else if args.rate > 0.0 {
@@ -466,10 +565,12 @@ async fn converger_phases(
         tally.settle().await;
         phase_secs[usize::from(phase)] = pacer.elapsed_secs() - 0.5;
         if phase == 0 {
-            rss_open = machine::rss_kib(first.pid()).unwrap_or(0);
+            cpu = meter.per_chunk_us(tally.delivered_in(0));
+            rss_after_burst = machine::rss_kib(first.pid()).unwrap_or(0);
+            rss_open = settled_rss_kib(first.pid()).await;
             // Every chunk of an open stream is held until the stream ends.
             buffered = indices.iter().sum::<u64>() * args.chunk_bytes as u64;
-            phase_rate = tally.figures(phase_secs).await["chunks_per_sec"]
+            phase_rate = tally.figures(phase_secs)["chunks_per_sec"]
                 .as_f64()
                 .unwrap_or(0.0);
         }
@@ -477,20 +578,36 @@ async fn converger_phases(
     }
     drain.abort();
     tabs.abort_all();
-    let mut figures = tally.figures(phase_secs).await;
+    let mut figures = tally.figures(phase_secs);
     figures["refused"] = json!(refused.load(Ordering::Relaxed));
-    figures["rss_kib"] = json!({"before": rss_before, "streams_open": rss_open});
+    figures["cpu_us_per_chunk_at_full_speed"] = cpu;
+    figures["rss_kib"] = json!({"before": rss_before, "streams_open": rss_open,
+        "right_after_the_burst": rss_after_burst});
     figures["buffered_bytes"] = json!(buffered);
-    figures["rss_per_stream_bytes_over_buffered"] = json!(
-        ((rss_open.saturating_sub(rss_before) * 1024) as f64 - buffered as f64).max(0.0)
+    let per_stream = |rss: u64| {
+        ((rss.saturating_sub(rss_before) * 1024) as f64 - buffered as f64).max(0.0)
             / args.streams as f64
-    );
+    };
+    figures["rss_per_stream_bytes_over_buffered"] = json!(per_stream(rss_open));
+    figures["rss_per_stream_bytes_over_buffered_right_after_the_burst"] =
+        json!(per_stream(rss_after_burst));
     figures["round_trip"] = json!(
         "agent streamChunk on node 1 → gateway registry → hub → tab socket (same node); → \
          coalesced pg_notify → node 2 → tab socket (cross node)"
     );
     Ok(figures)
 }
+
+/// The node's RSS once the allocator has returned what the burst freed: jemalloc purges freed
+/// pages over its decay time (10 s by default), so RSS right after a burst still counts the
+/// burst's drained queues. Measured after waiting out that decay time.
+async fn settled_rss_kib(pid: u32) -> u64 {
+    tokio::time::sleep(ALLOCATOR_DECAY + Duration::from_secs(2)).await;
+    machine::rss_kib(pid).unwrap_or(0)
+}
+
+/// jemalloc's default `dirty_decay_ms`, which the node keeps.
+const ALLOCATOR_DECAY: Duration = Duration::from_secs(10);
 
 fn chrono_now_ms() -> i64 {
     std::time::SystemTime::now()
@@ -532,14 +649,16 @@ async fn measure_redis(args: &StreamsArgs, paced: f64) -> anyhow::Result<Value> 
             let mut messages = pubsub.into_on_message();
             while let Some(message) = messages.next().await {
                 if let Ok(text) = message.get_payload::<String>() {
-                    tally.take(place, &text, &clock).await;
+                    tally.take(place, &text, &clock);
                 }
             }
         });
     }
     let publisher = client.get_multiplexed_async_connection().await?;
     let mut phase_secs = [0.0; 2];
+    let mut cpu = Value::Null;
     for phase in 0..2u8 {
+        let meter = CpuMeter::start(peer_processes("redis-server"));
         let rate = if phase == 0 { 0.0 } else { paced };
         let mut pacer = Pacer::new(rate, Duration::from_secs(args.duration));
         // Publishes pipeline on the multiplexed connection: up to 256 in flight.
@@ -558,9 +677,13 @@ async fn measure_redis(args: &StreamsArgs, paced: f64) -> anyhow::Result<Value> 
         while in_flight.next().await.is_some() {}
         tally.settle().await;
         phase_secs[usize::from(phase)] = pacer.elapsed_secs() - 0.5;
+        if phase == 0 {
+            cpu = meter.per_chunk_us(tally.delivered_in(0));
+        }
     }
     tasks.abort_all();
-    let mut figures = tally.figures(phase_secs).await;
+    let mut figures = tally.figures(phase_secs);
+    figures["cpu_us_per_chunk_at_full_speed"] = cpu;
     figures["round_trip"] =
         json!("PUBLISH (256 in flight) → Redis → one SUBSCRIBE connection per tab");
     Ok(figures)
@@ -585,7 +708,7 @@ async fn measure_nats(args: &StreamsArgs, paced: f64) -> anyhow::Result<Value> {
         tasks.spawn(async move {
             while let Some(message) = subscription.next().await {
                 if let Ok(text) = std::str::from_utf8(&message.payload) {
-                    tally.take(place, text, &clock).await;
+                    tally.take(place, text, &clock);
                 }
             }
         });
@@ -594,7 +717,9 @@ async fn measure_nats(args: &StreamsArgs, paced: f64) -> anyhow::Result<Value> {
         subscriber_client.flush().await?;
     }
     let mut phase_secs = [0.0; 2];
+    let mut cpu = Value::Null;
     for phase in 0..2u8 {
+        let meter = CpuMeter::start(peer_processes("nats-server"));
         let rate = if phase == 0 { 0.0 } else { paced };
         let mut pacer = Pacer::new(rate, Duration::from_secs(args.duration));
         while let Some(stream) = pacer.next(args.streams).await {
@@ -608,9 +733,13 @@ async fn measure_nats(args: &StreamsArgs, paced: f64) -> anyhow::Result<Value> {
         client.flush().await?;
         tally.settle().await;
         phase_secs[usize::from(phase)] = pacer.elapsed_secs() - 0.5;
+        if phase == 0 {
+            cpu = meter.per_chunk_us(tally.delivered_in(0));
+        }
     }
     tasks.abort_all();
-    let mut figures = tally.figures(phase_secs).await;
+    let mut figures = tally.figures(phase_secs);
+    figures["cpu_us_per_chunk_at_full_speed"] = cpu;
     figures["round_trip"] =
         json!("publish (flushed every 64, or each when paced) → NATS → one connection per tab");
     Ok(figures)

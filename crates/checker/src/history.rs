@@ -2,7 +2,10 @@
 //! by each subscriber, turns delivered to agents, results acked) and the checker says whether
 //! the promises held: no acked turn lost, at most one committed result per turn key, every
 //! subscriber saw its conversation's frames once and in order, and how many deliveries to
-//! agents were duplicates (allowed, reported).
+//! agents were duplicates (allowed, reported). For streamed answers: what each subscriber
+//! assembled of a stream is what its agent sent, each chunk once per connection and none
+//! skipped, and a stream that ended committed for a subscriber is whole there and equals the
+//! stored answer it received.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
@@ -11,6 +14,20 @@ use uuid::Uuid;
 
 /// A turn key: (conversation, seq, revision).
 pub type TurnKey = (Uuid, i64, i64);
+
+/// A stream: (conversation, stream id).
+pub type StreamKey = (Uuid, String);
+
+/// What one subscriber saw of one stream.
+#[derive(Default)]
+struct StreamView {
+    /// Chunks as they arrived: (connection number, index, text).
+    arrivals: Vec<(u64, u64, String)>,
+    /// How the stream ended for the subscriber: `Some(true)` committed.
+    ended: Option<bool>,
+    /// The text of the stored frame that replaced the stream, when received.
+    stored_text: Option<String>,
+}
 
 #[derive(Default)]
 struct Records {
@@ -24,6 +41,13 @@ struct Records {
     deliveries: BTreeMap<TurnKey, usize>,
     /// First-time (not duplicate) result acks per turn key, with the seqs they name.
     results: BTreeMap<TurnKey, Vec<Vec<i64>>>,
+    /// Chunks agents sent, per stream, by index.
+    streams_sent: BTreeMap<StreamKey, BTreeMap<u64, String>>,
+    /// Per subscriber and stream: what it saw.
+    streams_seen: BTreeMap<(String, StreamKey), StreamView>,
+    /// Per subscriber: its current connection's number (a new connection is shown the open
+    /// streams from their first chunk again).
+    connections: BTreeMap<String, u64>,
 }
 
 /// What the clients of a run saw.
@@ -51,6 +75,16 @@ pub struct Verdict {
     pub deliveries: usize,
     /// Repeated deliveries (allowed, reported).
     pub duplicate_deliveries: usize,
+    /// Streams agents sent chunks of.
+    pub streams: usize,
+    /// Chunks subscribers received, over all streams.
+    pub stream_chunks_seen: usize,
+    /// Streams that ended committed for a subscriber (each subscriber counted).
+    pub streams_seen_committed: usize,
+    /// Breaches of the stream promises, described (a chunk that differs from the one sent or
+    /// was never sent, one skipped, one shown twice on one connection, a committed stream not
+    /// whole, a stored answer that differs from the assembly).
+    pub stream_breaches: Vec<String>,
 }
 
 impl Verdict {
@@ -61,6 +95,7 @@ impl Verdict {
             && self.gaps == 0
             && self.inversions == 0
             && self.doubles == 0
+            && self.stream_breaches.is_empty()
     }
 }
 
@@ -101,6 +136,60 @@ impl History {
     /// A result was acked for the first time (not as a duplicate) with these seqs.
     pub fn result_committed(&self, key: TurnKey, seqs: Vec<i64>) {
         self.records().results.entry(key).or_default().push(seqs);
+    }
+
+    /// An agent sent chunk `index` of a stream (recorded before it is sent).
+    pub fn stream_chunk_sent(&self, stream: StreamKey, index: u64, text: &str) {
+        self.records()
+            .streams_sent
+            .entry(stream)
+            .or_default()
+            .insert(index, text.to_owned());
+    }
+
+    /// The subscriber `who` opened a new connection (it may be shown open streams again).
+    pub fn connected(&self, who: &str) {
+        *self
+            .records()
+            .connections
+            .entry(who.to_owned())
+            .or_default() += 1;
+    }
+
+    /// The subscriber `who` received chunk `index` of a stream.
+    pub fn stream_chunk_seen(&self, who: &str, stream: StreamKey, index: u64, text: &str) {
+        let mut records = self.records();
+        let connection = records.connections.get(who).copied().unwrap_or_default();
+        records
+            .streams_seen
+            .entry((who.to_owned(), stream))
+            .or_default()
+            .arrivals
+            .push((connection, index, text.to_owned()));
+    }
+
+    /// The subscriber `who` received a stream's end.
+    pub fn stream_end_seen(&self, who: &str, stream: StreamKey, committed: bool) {
+        self.records()
+            .streams_seen
+            .entry((who.to_owned(), stream))
+            .or_default()
+            .ended
+            .get_or_insert(committed);
+    }
+
+    /// The subscriber `who` received the stored frame whose id is the stream's (the answer
+    /// that replaces the streamed one).
+    pub fn stream_answer_seen(&self, who: &str, stream: StreamKey, text: &str) {
+        let mut records = self.records();
+        if !records.streams_sent.contains_key(&stream) {
+            return;
+        }
+        records
+            .streams_seen
+            .entry((who.to_owned(), stream))
+            .or_default()
+            .stored_text = Some(text.to_owned());
     }
 
     /// Acked sends recorded so far.
@@ -148,6 +237,11 @@ impl History {
                 .filter(|seq| !once.contains(seq) && !own.contains(seq))
                 .count();
         }
+        verdict.streams = records.streams_sent.len();
+        for ((who, stream), view) in &records.streams_seen {
+            let sent = records.streams_sent.get(stream);
+            check_stream(&mut verdict, who, stream, view, sent);
+        }
         verdict.deliveries = records.deliveries.values().sum();
         verdict.duplicate_deliveries = records
             .deliveries
@@ -155,6 +249,66 @@ impl History {
             .map(|count| count.saturating_sub(1))
             .sum();
         verdict
+    }
+}
+
+/// Checks what subscriber `who` saw of one stream against what was sent.
+fn check_stream(
+    verdict: &mut Verdict,
+    who: &str,
+    stream: &StreamKey,
+    view: &StreamView,
+    sent: Option<&BTreeMap<u64, String>>,
+) {
+    let name = format!("{who} on {}/{}", stream.0, stream.1);
+    let empty = BTreeMap::new();
+    let sent = sent.unwrap_or(&empty);
+    // Per connection: the next index a chunk may have (shown again from 0 on a new one).
+    let mut connection = None;
+    let mut next_on_connection = 0;
+    let mut assembled: BTreeMap<u64, &str> = BTreeMap::new();
+    for (on, index, text) in &view.arrivals {
+        verdict.stream_chunks_seen += 1;
+        if connection != Some(*on) {
+            connection = Some(*on);
+            next_on_connection = 0;
+        }
+        if sent.get(index).map(String::as_str) != Some(text.as_str()) {
+            verdict
+                .stream_breaches
+                .push(format!("{name}: chunk {index} is not the one sent"));
+        }
+        // A connection is shown a stream from its first chunk, each chunk once, in order.
+        if *index < next_on_connection {
+            verdict.stream_breaches.push(format!(
+                "{name}: chunk {index} shown twice on one connection"
+            ));
+        } else if *index > next_on_connection {
+            verdict.stream_breaches.push(format!(
+                "{name}: chunk {index} came before chunk {next_on_connection}"
+            ));
+        }
+        next_on_connection = next_on_connection.max(index + 1);
+        assembled.insert(*index, text);
+    }
+    if view.ended != Some(true) {
+        return;
+    }
+    verdict.streams_seen_committed += 1;
+    if assembled.len() != sent.len() {
+        verdict.stream_breaches.push(format!(
+            "{name}: ended committed with {} of its {} chunks",
+            assembled.len(),
+            sent.len()
+        ));
+    }
+    let text: String = assembled.values().copied().collect();
+    if let Some(stored) = &view.stored_text
+        && *stored != text
+    {
+        verdict.stream_breaches.push(format!(
+            "{name}: assembled {text:?}, the stored answer is {stored:?}"
+        ));
     }
 }
 
@@ -236,6 +390,77 @@ mod tests {
             (0, 1, 1)
         );
         assert!(!verdict.holds());
+    }
+
+    fn stream() -> StreamKey {
+        (CONVERSATION, "s-1".to_owned())
+    }
+
+    fn sent(history: &History, chunks: &[&str]) {
+        for (index, text) in chunks.iter().enumerate() {
+            history.stream_chunk_sent(stream(), index as u64, text);
+        }
+    }
+
+    #[test]
+    fn a_stream_shown_again_to_a_new_connection_and_committed_whole_holds() {
+        let history = History::default();
+        sent(&history, &["answer", " ", "7"]);
+        history.connected("u");
+        history.stream_chunk_seen("u", stream(), 0, "answer");
+        history.stream_chunk_seen("u", stream(), 1, " ");
+        // A reconnect: the open stream is shown from its first chunk again.
+        history.connected("u");
+        for (index, text) in ["answer", " ", "7"].iter().enumerate() {
+            history.stream_chunk_seen("u", stream(), index as u64, text);
+        }
+        history.stream_end_seen("u", stream(), true);
+        history.stream_answer_seen("u", stream(), "answer 7");
+        // Another subscriber saw a prefix, then the abort: allowed.
+        history.stream_chunk_seen("v", stream(), 0, "answer");
+        history.stream_end_seen("v", stream(), false);
+        let verdict = history.verdict(&BTreeMap::new());
+        assert!(verdict.holds(), "{verdict:?}");
+        assert_eq!((verdict.streams, verdict.stream_chunks_seen), (1, 6));
+        assert_eq!(verdict.streams_seen_committed, 1);
+    }
+
+    #[test]
+    fn a_stream_chunk_changed_skipped_or_doubled_is_a_breach() {
+        let history = History::default();
+        sent(&history, &["a", "b", "c"]);
+        history.stream_chunk_seen("changed", stream(), 0, "x");
+        history.stream_chunk_seen("skipped", stream(), 0, "a");
+        history.stream_chunk_seen("skipped", stream(), 2, "c");
+        history.stream_chunk_seen("doubled", stream(), 0, "a");
+        history.stream_chunk_seen("doubled", stream(), 0, "a");
+        let verdict = history.verdict(&BTreeMap::new());
+        assert_eq!(
+            verdict.stream_breaches.len(),
+            3,
+            "{:?}",
+            verdict.stream_breaches
+        );
+        assert!(!verdict.holds());
+    }
+
+    #[test]
+    fn a_committed_stream_must_be_whole_and_equal_the_stored_answer() {
+        let history = History::default();
+        sent(&history, &["a", "b"]);
+        history.stream_chunk_seen("short", stream(), 0, "a");
+        history.stream_end_seen("short", stream(), true);
+        history.stream_chunk_seen("other", stream(), 0, "a");
+        history.stream_chunk_seen("other", stream(), 1, "b");
+        history.stream_end_seen("other", stream(), true);
+        history.stream_answer_seen("other", stream(), "ab!");
+        let verdict = history.verdict(&BTreeMap::new());
+        assert_eq!(
+            verdict.stream_breaches.len(),
+            2,
+            "{:?}",
+            verdict.stream_breaches
+        );
     }
 
     #[test]

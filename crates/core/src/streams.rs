@@ -65,9 +65,42 @@ pub enum StreamEnding {
     Aborted(String),
 }
 
+/// Where an open stream keeps its chunks, in index order: a `Vec` of payloads, or a packed log
+/// that spends a few bytes per chunk beyond its content (a stream may hold thousands).
+pub trait ChunkLog: Clone {
+    /// One chunk as the registry is given it.
+    type Chunk;
+    /// A log holding only `first` (index 0).
+    fn starting_with(first: Self::Chunk) -> Self;
+    /// Appends the next chunk.
+    fn push(&mut self, chunk: Self::Chunk);
+    /// Chunks held.
+    fn len(&self) -> usize;
+    /// True when no chunk is held.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl<P: Clone> ChunkLog for Vec<P> {
+    type Chunk = P;
+
+    fn starting_with(first: P) -> Self {
+        vec![first]
+    }
+
+    fn push(&mut self, chunk: P) {
+        Vec::push(self, chunk);
+    }
+
+    fn len(&self) -> usize {
+        Vec::len(self)
+    }
+}
+
 /// One open stream.
 #[derive(Debug, Clone, PartialEq)]
-pub struct OpenStream<P> {
+pub struct OpenStream<L> {
     /// The agent connection that writes it.
     pub owner: String,
     /// The node that agent connection is on.
@@ -77,7 +110,7 @@ pub struct OpenStream<P> {
     /// The lease fence of the delivery it answers (lease mode).
     pub fence: Option<i64>,
     /// The chunks so far, index = position.
-    pub chunks: Vec<P>,
+    pub chunks: L,
     /// Payload bytes held.
     pub bytes: usize,
 }
@@ -113,19 +146,19 @@ pub struct ChunkIn<'a, P> {
 
 /// The open streams one node knows, by conversation `C`, with payloads `P`.
 #[derive(Debug, Clone)]
-pub struct StreamRegistry<C, P> {
-    open: HashMap<C, HashMap<String, OpenStream<P>>>,
+pub struct StreamRegistry<C, L> {
+    open: HashMap<C, HashMap<String, OpenStream<L>>>,
     ended: VecDeque<(C, String)>,
     ended_memory: usize,
 }
 
-impl<C: Eq + Hash + Clone, P: Clone> Default for StreamRegistry<C, P> {
+impl<C: Eq + Hash + Clone, L: ChunkLog> Default for StreamRegistry<C, L> {
     fn default() -> Self {
         StreamRegistry::with_memory(ENDED_MEMORY)
     }
 }
 
-impl<C: Eq + Hash + Clone, P: Clone> StreamRegistry<C, P> {
+impl<C: Eq + Hash + Clone, L: ChunkLog> StreamRegistry<C, L> {
     /// An empty registry that remembers `ended_memory` ended streams.
     pub fn with_memory(ended_memory: usize) -> Self {
         StreamRegistry {
@@ -141,7 +174,7 @@ impl<C: Eq + Hash + Clone, P: Clone> StreamRegistry<C, P> {
         &mut self,
         conversation: &C,
         stream_id: &str,
-        chunk: ChunkIn<'_, P>,
+        chunk: ChunkIn<'_, L::Chunk>,
         limits: &StreamLimits,
     ) -> Result<Accepted, ChunkRefusal> {
         if let Some(stream) = self
@@ -209,7 +242,7 @@ impl<C: Eq + Hash + Clone, P: Clone> StreamRegistry<C, P> {
                 node: chunk.node.to_owned(),
                 turn,
                 fence: chunk.fence,
-                chunks: vec![chunk.payload],
+                chunks: L::starting_with(chunk.payload),
                 bytes: chunk.bytes,
             },
         );
@@ -220,7 +253,7 @@ impl<C: Eq + Hash + Clone, P: Clone> StreamRegistry<C, P> {
     }
 
     /// Ends a stream; returns it when it was open.
-    pub fn end(&mut self, conversation: &C, stream_id: &str) -> Option<OpenStream<P>> {
+    pub fn end(&mut self, conversation: &C, stream_id: &str) -> Option<OpenStream<L>> {
         let streams = self.open.get_mut(conversation)?;
         let stream = streams.remove(stream_id)?;
         if streams.is_empty() {
@@ -259,7 +292,7 @@ impl<C: Eq + Hash + Clone, P: Clone> StreamRegistry<C, P> {
     }
 
     /// Ends every stream that `matches`; returns (conversation, stream id) of each.
-    pub fn end_where(&mut self, matches: impl Fn(&OpenStream<P>) -> bool) -> Vec<(C, String)> {
+    pub fn end_where(&mut self, matches: impl Fn(&OpenStream<L>) -> bool) -> Vec<(C, String)> {
         let found: Vec<(C, String)> = self
             .open
             .iter()
@@ -277,7 +310,7 @@ impl<C: Eq + Hash + Clone, P: Clone> StreamRegistry<C, P> {
     }
 
     /// The open streams of a conversation (for a connection that joins mid-stream).
-    pub fn snapshot(&self, conversation: &C) -> Vec<(String, OpenStream<P>)> {
+    pub fn snapshot(&self, conversation: &C) -> Vec<(String, OpenStream<L>)> {
         self.open
             .get(conversation)
             .into_iter()
@@ -287,7 +320,7 @@ impl<C: Eq + Hash + Clone, P: Clone> StreamRegistry<C, P> {
     }
 
     /// The open stream, when it is.
-    pub fn get(&self, conversation: &C, stream_id: &str) -> Option<&OpenStream<P>> {
+    pub fn get(&self, conversation: &C, stream_id: &str) -> Option<&OpenStream<L>> {
         self.open.get(conversation)?.get(stream_id)
     }
 
@@ -366,7 +399,13 @@ impl StreamCursor {
         if index > next {
             return ShowChunk::Gap { from: next };
         }
-        self.next.insert(stream_id.to_owned(), next + 1);
+        // The stream's id is copied once, at its first chunk, not at every chunk.
+        match self.next.get_mut(stream_id) {
+            Some(shown) => *shown += 1,
+            None => {
+                self.next.insert(stream_id.to_owned(), 1);
+            }
+        }
         ShowChunk::Show
     }
 
@@ -422,7 +461,7 @@ mod tests {
 
     #[test]
     fn chunks_are_taken_in_order_from_their_owner() {
-        let mut registry = StreamRegistry::<u8, u64>::default();
+        let mut registry = StreamRegistry::<u8, Vec<u64>>::default();
         assert_eq!(
             registry.append(&1, "s", chunk("a", 1, 1), &LIMITS),
             Err(ChunkRefusal::OutOfOrder { expected: 0 })
@@ -460,7 +499,7 @@ mod tests {
 
     #[test]
     fn an_ended_stream_stays_closed() {
-        let mut registry = StreamRegistry::<u8, u64>::default();
+        let mut registry = StreamRegistry::<u8, Vec<u64>>::default();
         registry.append(&1, "s", chunk("a", 0, 1), &LIMITS).unwrap();
         assert!(registry.has_turn(&1, TURN) && registry.is_known(&1, "s"));
         assert_eq!(registry.end_turn(&1, TURN), vec!["s".to_owned()]);
@@ -479,7 +518,7 @@ mod tests {
 
     #[test]
     fn limits_close_or_refuse() {
-        let mut registry = StreamRegistry::<u8, u64>::default();
+        let mut registry = StreamRegistry::<u8, Vec<u64>>::default();
         registry
             .append(&1, "s", chunk("a", 0, 60), &LIMITS)
             .unwrap();
@@ -503,7 +542,7 @@ mod tests {
 
     #[test]
     fn a_newer_fence_takes_the_turn_over() {
-        let mut registry = StreamRegistry::<u8, u64>::default();
+        let mut registry = StreamRegistry::<u8, Vec<u64>>::default();
         let fenced = |owner, fence| ChunkIn {
             fence: Some(fence),
             ..chunk(owner, 0, 1)
@@ -525,7 +564,7 @@ mod tests {
 
     #[test]
     fn ended_memory_is_bounded() {
-        let mut registry = StreamRegistry::<u8, u64>::with_memory(2);
+        let mut registry = StreamRegistry::<u8, Vec<u64>>::with_memory(2);
         for id in ["a", "b", "c"] {
             registry.append(&1, id, chunk("o", 0, 1), &LIMITS).unwrap();
             registry.end(&1, id);
@@ -555,7 +594,7 @@ mod tests {
             deliveries in proptest::collection::vec(0u64..20, 0..80),
             length in 1u64..20,
         ) {
-            let mut registry = StreamRegistry::<u8, u64>::default();
+            let mut registry = StreamRegistry::<u8, Vec<u64>>::default();
             let limits = StreamLimits { max_stream_bytes: usize::MAX, max_streams_per_owner: 1 };
             for index in 0..length {
                 registry.append(&1, "s", chunk("a", index, 1), &limits).unwrap();
@@ -585,8 +624,8 @@ mod tests {
         fn a_replica_equals_the_original(
             sends in proptest::collection::vec((0u8..3, 0u64..6, 0usize..40), 0..60),
         ) {
-            let mut original = StreamRegistry::<u8, u64>::default();
-            let mut replica = StreamRegistry::<u8, u64>::default();
+            let mut original = StreamRegistry::<u8, Vec<u64>>::default();
+            let mut replica = StreamRegistry::<u8, Vec<u64>>::default();
             for (stream, index, bytes) in sends {
                 let id = format!("s{stream}");
                 let accepted = original.append(&1, &id, chunk("a", index, bytes), &LIMITS);

@@ -28,7 +28,7 @@ pub use frame::{
     validate_message_frame,
 };
 pub use ids::{MAX_USER_ID_BYTES, is_valid_client_id, is_valid_group, is_valid_user_id};
-pub use limits::Limits;
+pub use limits::{Limits, MAX_STREAM_BYTES_CEILING};
 pub use persistent::{Participant, PersistentFrame, RenderedFrame, USER_ROLE, Viewer};
 pub use profile::{MEKIK_PROTOCOL_NAME, Profile};
 pub use server_frame::{

@@ -2,6 +2,10 @@
 
 use serde::{Deserialize, Serialize};
 
+/// The largest `max_stream_bytes` a node accepts: a stream's chunk offsets are kept in 32 bits
+/// (a node holds every open stream of the cluster), and no answer streams 64 MiB.
+pub const MAX_STREAM_BYTES_CEILING: usize = 64 * 1024 * 1024;
+
 /// The limits a node enforces. Serde names are the configuration keys (snake_case);
 /// `to_wire` gives the camelCase object of `welcome.data.limits`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -118,6 +122,9 @@ impl Limits {
                 "limits.max_stream_bytes and limits.max_streams_per_connection must be greater than 0"
                     .into(),
             );
+        }
+        if self.max_stream_bytes > MAX_STREAM_BYTES_CEILING {
+            return Err("limits.max_stream_bytes must be at most 67108864 (64 MiB)".into());
         }
         if self.hello_timeout_ms == 0 {
             return Err("limits.hello_timeout_ms must be greater than 0".into());

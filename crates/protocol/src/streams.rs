@@ -170,7 +170,9 @@ fn refusal(code: ErrorCode, message: &str, frame_type: &str) -> Refusal {
     }
 }
 
-/// A chunk as an end user of `profile` receives it. `from` is the writing agent's `{id, role}`.
+/// A chunk as an end user of `profile` receives it, encoded. `from` is the writing agent's
+/// `{id, role}`. It is written straight to text (no `Value` tree): a chunk is rendered once per
+/// profile and node, but every chunk of every stream is.
 pub fn end_user_chunk(
     profile: Profile,
     stream_id: &str,
@@ -179,32 +181,85 @@ pub fn end_user_chunk(
     revision: i32,
     content: &StreamContent,
     from: &Value,
-) -> Value {
-    match profile {
+) -> String {
+    let encoded = match profile {
         Profile::Converger => {
-            let mut frame = json!({
-                "type": "streamChunk",
-                "streamId": stream_id,
-                "index": index,
-                "turn": {"seq": seq, "revision": revision},
-                "from": from,
-            });
-            match content {
-                StreamContent::Text(text) => frame["text"] = json!(text),
-                StreamContent::Chunk(chunk) => frame["chunk"] = chunk.clone(),
-            }
-            frame
+            let (text, chunk) = match content {
+                StreamContent::Text(text) => (Some(text.as_str()), None),
+                StreamContent::Chunk(chunk) => (None, Some(chunk)),
+            };
+            serde_json::to_string(&ConvergerChunk {
+                kind: "streamChunk",
+                stream_id,
+                index,
+                turn: ChunkTurn { seq, revision },
+                from,
+                text,
+                chunk,
+            })
         }
         Profile::Mekik => {
             let chunk = match content {
-                StreamContent::Text(text) => {
-                    json!({"type": "text", "content": text, "id": stream_id})
-                }
-                StreamContent::Chunk(chunk) => chunk.clone(),
+                StreamContent::Text(text) => MekikChunkBody::Text {
+                    kind: "text",
+                    content: text,
+                    id: stream_id,
+                },
+                StreamContent::Chunk(chunk) => MekikChunkBody::Chunk(chunk),
             };
-            json!({"type": "genui", "streamId": stream_id, "chunk": chunk, "done": false})
+            serde_json::to_string(&MekikChunk {
+                kind: "genui",
+                stream_id,
+                chunk,
+                done: false,
+            })
         }
-    }
+    };
+    // Strings, numbers and a `Value` (whose map keys are strings) always encode.
+    encoded.unwrap_or_default()
+}
+
+#[derive(serde::Serialize)]
+struct ConvergerChunk<'a> {
+    #[serde(rename = "type")]
+    kind: &'static str,
+    #[serde(rename = "streamId")]
+    stream_id: &'a str,
+    index: u64,
+    turn: ChunkTurn,
+    from: &'a Value,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    text: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    chunk: Option<&'a Value>,
+}
+
+#[derive(serde::Serialize)]
+struct ChunkTurn {
+    seq: i64,
+    revision: i32,
+}
+
+#[derive(serde::Serialize)]
+struct MekikChunk<'a> {
+    #[serde(rename = "type")]
+    kind: &'static str,
+    #[serde(rename = "streamId")]
+    stream_id: &'a str,
+    chunk: MekikChunkBody<'a>,
+    done: bool,
+}
+
+#[derive(serde::Serialize)]
+#[serde(untagged)]
+enum MekikChunkBody<'a> {
+    Text {
+        #[serde(rename = "type")]
+        kind: &'static str,
+        content: &'a str,
+        id: &'a str,
+    },
+    Chunk(&'a Value),
 }
 
 /// The end of a stream as an end user of `profile` receives it: `committed` when the stored
@@ -321,11 +376,17 @@ mod tests {
     fn end_users_see_their_profile_shape() {
         let from = json!({"id": "bot", "role": "agent"});
         let text = StreamContent::Text("he".into());
-        let converger = end_user_chunk(Profile::Converger, "s", 2, 5, 1, &text, &from);
+        let encoded = |profile| -> Value {
+            serde_json::from_str(&end_user_chunk(profile, "s", 2, 5, 1, &text, &from)).unwrap()
+        };
+        let converger = encoded(Profile::Converger);
+        assert_eq!(converger["index"], 2);
+        assert_eq!(converger["from"], from);
+        assert_eq!(converger.get("chunk"), None);
         assert_eq!(converger["type"], "streamChunk");
         assert_eq!(converger["turn"], json!({"seq": 5, "revision": 1}));
         assert_eq!(converger["text"], "he");
-        let mekik = end_user_chunk(Profile::Mekik, "s", 2, 5, 1, &text, &from);
+        let mekik = encoded(Profile::Mekik);
         assert_eq!(
             mekik,
             json!({"type": "genui", "streamId": "s", "done": false,
@@ -336,5 +397,25 @@ mod tests {
             json!({"type": "streamEnd", "streamId": "s", "status": "aborted", "reason": "agent"})
         );
         assert_eq!(end_user_stream_end(Profile::Mekik, "s", None)["done"], true);
+        let card = json!({"type": "card", "title": "x"});
+        let ui = StreamContent::Chunk(card.clone());
+        let converger: Value = serde_json::from_str(&end_user_chunk(
+            Profile::Converger,
+            "s",
+            0,
+            5,
+            0,
+            &ui,
+            &from,
+        ))
+        .unwrap();
+        assert_eq!(
+            (converger["chunk"].clone(), converger.get("text")),
+            (card.clone(), None)
+        );
+        let mekik: Value =
+            serde_json::from_str(&end_user_chunk(Profile::Mekik, "s", 0, 5, 0, &ui, &from))
+                .unwrap();
+        assert_eq!(mekik["chunk"], card);
     }
 }

@@ -1,7 +1,8 @@
 //! The soak's load: end users in closed loop, each in its own conversation (the Rust
 //! `Conversation` client: reconnects, resumes from its watermark, resends unacked turns), and
 //! agents of one group in lease mode (the Rust `Agent` client) that call the effects service
-//! with `meta.turn.key` before answering. Both record what they saw in the history.
+//! with `meta.turn.key` before answering, and stream each answer before committing it. Both
+//! record what they saw in the history.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -12,6 +13,7 @@ use converger_checker::effects::{KEY_HEADER, TURN_HEADER};
 use converger_checker::history::History;
 use converger_client::agent::{Agent, AgentOptions, Turn};
 use converger_client::frames::MessageFrame;
+use converger_client::streams::AnswerStream;
 use converger_client::{
     Backoff, ClientError, Conversation, ConversationOptions, ServerFrame, SessionOptions,
 };
@@ -62,6 +64,8 @@ pub struct Counters {
     pub unavailable_refusals: AtomicU64,
     /// Agent connections opened (first ones and replacements).
     pub agent_connections: AtomicU64,
+    /// Answers streamed whole before their result was sent.
+    pub streams_sent: AtomicU64,
     /// Results acked as newly committed.
     pub results_committed: AtomicU64,
     /// Results acked as duplicates of a committed one.
@@ -213,7 +217,10 @@ pub async fn user(load: Arc<Load>, index: usize, conversation_id: Uuid, token: S
     };
     let mut conversation = loop {
         match Conversation::connect_with(&url, &token, options.clone()).await {
-            Ok(conversation) => break conversation,
+            Ok(conversation) => {
+                load.history.connected(&name);
+                break conversation;
+            }
             Err(error) => {
                 tracing::warn!(user = %name, %error, "connect failed; trying again");
                 if *phase.borrow() == Phase::Stopped {
@@ -274,11 +281,31 @@ pub async fn user(load: Arc<Load>, index: usize, conversation_id: Uuid, token: S
             }
             Ok(ServerFrame::Message(message)) => {
                 load.history.received(&name, conversation_id, message.seq);
+                if let (Some(id), Some(text)) = (&message.id, message.text()) {
+                    load.history
+                        .stream_answer_seen(&name, (conversation_id, id.clone()), text);
+                }
                 if let Some(seq) = answer_to(&message) {
                     answered.insert(seq);
                 }
             }
-            Ok(ServerFrame::Welcome(_)) => Counters::bump(&load.counters.user_reconnects),
+            Ok(ServerFrame::StreamChunk(chunk)) => load.history.stream_chunk_seen(
+                &name,
+                (conversation_id, chunk.stream_id.clone()),
+                chunk.index,
+                chunk.text.as_deref().unwrap_or_default(),
+            ),
+            Ok(ServerFrame::StreamEnd(end)) => {
+                load.history.stream_end_seen(
+                    &name,
+                    (conversation_id, end.stream_id),
+                    end.committed,
+                );
+            }
+            Ok(ServerFrame::Welcome(_)) => {
+                load.history.connected(&name);
+                Counters::bump(&load.counters.user_reconnects);
+            }
             Ok(ServerFrame::Error(error)) if error.code == "unavailable" => {
                 Counters::bump(&load.counters.unavailable_refusals);
             }
@@ -381,6 +408,7 @@ async fn agent(load: Arc<Load>, slot: usize, generation: usize) {
     };
     Counters::bump(&load.counters.agent_connections);
     tracing::debug!(agent = %name, connection = %agent.welcome()["connectionId"], "agent joined");
+    let mut streams_opened = 0u64;
     loop {
         let turn = match agent.next_turn().await {
             Ok(turn) => turn,
@@ -393,8 +421,39 @@ async fn agent(load: Arc<Load>, slot: usize, generation: usize) {
         load.history
             .delivered((turn.conversation_id, turn.seq, turn.revision));
         perform_effect(&load, &turn).await;
-        answer(&load, &mut agent, &turn, &name).await;
+        streams_opened += 1;
+        let stream_id = format!("{name}.{streams_opened}");
+        if stream_answer(&load, &mut agent, &turn, &stream_id).await {
+            answer(&load, &mut agent, &turn, &name, Some(stream_id)).await;
+        } else {
+            answer(&load, &mut agent, &turn, &name, None).await;
+        }
     }
+}
+
+/// The answer's text deltas: `answer <seq>` in three chunks.
+fn answer_chunks(seq: i64) -> [String; 3] {
+    ["answer".to_owned(), " ".to_owned(), seq.to_string()]
+}
+
+/// Streams the answer's chunks under `stream_id`, each recorded before it is sent; false when
+/// a chunk could not be sent (the server then aborts the stream, and the answer is committed
+/// without it).
+async fn stream_answer(load: &Load, agent: &mut Agent, turn: &Turn, stream_id: &str) -> bool {
+    let mut stream = AnswerStream::open(turn, stream_id);
+    for (index, delta) in answer_chunks(turn.seq).iter().enumerate() {
+        load.history.stream_chunk_sent(
+            (turn.conversation_id, stream_id.to_owned()),
+            index as u64,
+            delta,
+        );
+        if let Err(error) = stream.text(agent, delta).await {
+            tracing::debug!(%error, stream_id, "stream chunk not sent");
+            return false;
+        }
+    }
+    Counters::bump(&load.counters.streams_sent);
+    true
 }
 
 /// Calls the effects service for the turn, retrying a failed call a few times.
@@ -418,10 +477,14 @@ async fn perform_effect(load: &Load, turn: &Turn) {
     Counters::bump(&load.counters.effect_failures);
 }
 
-/// Replies to the turn and records a newly committed result in the history.
-async fn answer(load: &Load, agent: &mut Agent, turn: &Turn, name: &str) {
-    let frames: Vec<Value> =
-        vec![json!({"type": "text", "data": {"text": format!("answer {}", turn.seq)}})];
+/// Replies to the turn and records a newly committed result in the history. With a stream,
+/// the stored frame takes the stream's id (it replaces the streamed answer).
+async fn answer(load: &Load, agent: &mut Agent, turn: &Turn, name: &str, stream: Option<String>) {
+    let mut frame = json!({"type": "text", "data": {"text": answer_chunks(turn.seq).concat()}});
+    if let Some(stream_id) = stream {
+        frame["streamId"] = json!(stream_id);
+    }
+    let frames: Vec<Value> = vec![frame];
     for _ in 0..REPLY_ROUNDS {
         match agent.reply(turn, frames.clone(), None).await {
             Ok(ack) if ack.duplicate => {

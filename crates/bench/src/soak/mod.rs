@@ -148,6 +148,9 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
         ("CONVERGER_LEASE_MS", args.lease_ms.to_string()),
         // Users read a frame at least this often, so they notice when to stop waiting.
         ("CONVERGER_LIMITS__HEARTBEAT_INTERVAL_MS", "2000".to_owned()),
+        // Each answer is streamed in three chunks before its result: an agent that takes over
+        // a dead one's users sends more frames than the default 50 a second.
+        ("CONVERGER_LIMITS__MAX_FRAMES_PER_SEC", "1000".to_owned()),
         ("CONVERGER_TOKEN_TTL_SECS", token_ttl_secs.to_string()),
     ];
     if let Some(pair) = &pair {
@@ -518,6 +521,7 @@ fn breaches(
     breach(verdict.gaps == 0, "gaps");
     breach(verdict.inversions == 0, "inversions");
     breach(verdict.doubles == 0, "doubles");
+    breach(verdict.stream_breaches.is_empty(), "streams");
     breach(effects.holds(), "effects_per_turn");
     breach(
         database.unanswered_acked == 0 && settled.pending_turns == 0,

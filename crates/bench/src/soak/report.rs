@@ -138,8 +138,19 @@ pub(super) fn print_report(printed: &Printed<'_>) {
         ("  deliveries to agents", verdict.deliveries),
         ("  duplicate deliveries", verdict.duplicate_deliveries),
         ("  acked turns never answered", database.unanswered_acked),
+        ("  streams (chunks sent)", verdict.streams),
+        (
+            "  — streamed whole",
+            Counters::get(&counters.streams_sent) as usize,
+        ),
+        ("  — chunks seen by users", verdict.stream_chunks_seen),
+        ("  — seen ending committed", verdict.streams_seen_committed),
+        ("  — stream breaches", verdict.stream_breaches.len()),
     ] {
         println!("{name:<34} {value:>10}");
+    }
+    for breach in verdict.stream_breaches.iter().take(10) {
+        println!("    {breach}");
     }
     println!("{:<34} {:>10}", "effects", effects.effects);
     for (name, value) in [
@@ -258,6 +269,11 @@ pub(super) fn print_report(printed: &Printed<'_>) {
             "deliveries": verdict.deliveries,
             "duplicate_deliveries": verdict.duplicate_deliveries,
             "unanswered": database.unanswered_acked,
+            "streams": verdict.streams,
+            "streams_sent_whole": Counters::get(&counters.streams_sent),
+            "stream_chunks_seen": verdict.stream_chunks_seen,
+            "streams_seen_committed": verdict.streams_seen_committed,
+            "stream_breaches": verdict.stream_breaches.len(),
         },
         "effects": {
             "performed": effects.effects,

@@ -74,7 +74,8 @@ impl Store {
     ///
     /// The first listener of a store also receives that store's own committed batches, from
     /// the committing worker, before their writers hear of them; the batches' notifications
-    /// then name `node_id`, and this listener skips them without decoding them.
+    /// then name `node_id`, and this listener skips them without decoding them. It always
+    /// skips the node's own stream events the same way: the node showed them before relaying.
     pub fn spawn_bus_listener(
         &self,
         node_id: &str,
@@ -85,10 +86,10 @@ impl Store {
             node: node_id.to_owned(),
             events: events.clone(),
         };
-        let own_echo = self
-            .group_commit
-            .announce_locally(local)
-            .then(|| own_echo_prefix(node_id));
+        let mut own_echo = vec![own_streams_prefix(node_id)];
+        if self.group_commit.announce_locally(local) {
+            own_echo.push(own_echo_prefix(node_id));
+        }
         tokio::spawn(run_listener(self.clone(), events, listening, own_echo));
         (receiver, ready)
     }
@@ -100,11 +101,17 @@ fn own_echo_prefix(node_id: &str) -> String {
     format!(r#"{{"k":"cb","n":{node},"#)
 }
 
+/// How the notifications of this node's stream events begin (`publish_streams`).
+pub(super) fn own_streams_prefix(node_id: &str) -> String {
+    let node = serde_json::Value::from(node_id);
+    format!(r#"{{"k":"st","n":{node},"#)
+}
+
 async fn run_listener(
     store: Store,
     events: mpsc::UnboundedSender<BusEvent>,
     listening: oneshot::Sender<()>,
-    own_echo: Option<String>,
+    own_echo: Vec<String>,
 ) {
     let mut backoff = Duration::from_millis(100);
     // Set when the connection was (or may have been) lost; the catch-up covers since then.
@@ -155,10 +162,9 @@ async fn run_listener(
             Ok(Some(notification)) => {
                 backoff = Duration::from_millis(100);
                 let payload = notification.payload();
-                // This node's own batches were handed over by their worker already.
-                let own = own_echo
-                    .as_deref()
-                    .is_some_and(|prefix| payload.starts_with(prefix));
+                // This node's own batches were handed over by their worker already, and its
+                // stream events shown before they were relayed.
+                let own = own_echo.iter().any(|prefix| payload.starts_with(prefix));
                 let decoded = if own {
                     Vec::new()
                 } else {

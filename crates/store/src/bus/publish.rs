@@ -62,8 +62,9 @@ impl Store {
     /// Publishes stream events to every node (this one included; it skips its own) with one
     /// statement: the events are packed into as few notifications as their size allows, all
     /// sent by one `pg_notify` over an array, so a flush costs one transaction however many
-    /// chunks it carries. An event too large for a notification travels through the outbox.
-    pub async fn publish_streams(&self, node: &str, events: &[Value]) -> Result<(), StoreError> {
+    /// chunks it carries. Each event is one JSON text; one too large for a notification travels
+    /// through the outbox.
+    pub async fn publish_streams(&self, node: &str, events: &[String]) -> Result<(), StoreError> {
         let mut inline = Vec::new();
         for payload in pack_stream_events(node, events)? {
             match payload {
@@ -171,9 +172,9 @@ enum Packed {
     Outbox(String),
 }
 
-/// Packs stream events, in order, into as few `Payload::Streams` texts as the notification
-/// size allows; each event is serialized once.
-fn pack_stream_events(node: &str, events: &[Value]) -> Result<Vec<Packed>, StoreError> {
+/// Packs stream events (each a JSON text), in order, into as few `Payload::Streams` texts as
+/// the notification size allows.
+fn pack_stream_events(node: &str, events: &[String]) -> Result<Vec<Packed>, StoreError> {
     let node_json =
         serde_json::to_string(node).map_err(|error| StoreError::Config(error.to_string()))?;
     let head = format!(r#"{{"k":"st","n":{node_json},"e":["#);
@@ -181,8 +182,7 @@ fn pack_stream_events(node: &str, events: &[Value]) -> Result<Vec<Packed>, Store
     let fits = |body: usize| head.len() + body + tail.len() <= INLINE_PAYLOAD_LIMIT;
     let mut packed = Vec::new();
     let mut current = String::new();
-    for event in events {
-        let text = event.to_string();
+    for text in events {
         if !fits(text.len()) {
             if !current.is_empty() {
                 packed.push(Packed::Inline(format!("{head}{current}{tail}")));
@@ -198,7 +198,7 @@ fn pack_stream_events(node: &str, events: &[Value]) -> Result<Vec<Packed>, Store
         if !current.is_empty() {
             current.push(',');
         }
-        current.push_str(&text);
+        current.push_str(text);
     }
     if !current.is_empty() {
         packed.push(Packed::Inline(format!("{head}{current}{tail}")));
@@ -218,7 +218,8 @@ mod tests {
             .chain([serde_json::json!({"s": "s-1", "i": 500, "b": {"text": "x".repeat(9_000)}})])
             .chain([serde_json::json!({"s": "s-1", "i": 501})])
             .collect();
-        let packed = pack_stream_events("node-\"1\"", &events).unwrap();
+        let texts: Vec<String> = events.iter().map(Value::to_string).collect();
+        let packed = pack_stream_events("node-\"1\"", &texts).unwrap();
         assert!(packed.len() > 2, "split over several notifications");
         let mut seen = Vec::new();
         for payload in &packed {
@@ -236,5 +237,17 @@ mod tests {
         }
         assert_eq!(seen, events, "every event once, in order");
         assert!(matches!(packed[packed.len() - 2], Packed::Outbox(_)));
+    }
+
+    #[test]
+    fn a_nodes_own_stream_notifications_are_known_by_their_start() {
+        let texts = vec![serde_json::json!({"s": "s-1", "i": 0}).to_string()];
+        for node in ["a", "node-\"1\""] {
+            let Packed::Inline(text) = &pack_stream_events(node, &texts).unwrap()[0] else {
+                panic!("a small event is inline");
+            };
+            assert!(text.starts_with(&super::super::listener::own_streams_prefix(node)));
+            assert!(!text.starts_with(&super::super::listener::own_streams_prefix("b")));
+        }
     }
 }

@@ -3,12 +3,10 @@
 //! that fell behind), then the stream's end. Chunks are never dropped under pressure: a client
 //! that cannot keep up is a slow consumer, and its reconnect resumes the stream.
 
-use std::sync::Arc;
-
-use converger_core::streams::{OpenStream, ShowChunk};
+use converger_core::streams::{ChunkLog, OpenStream, ShowChunk};
 
 use super::Session;
-use crate::streams::{ChunkBody, StreamChange, StreamEvent, chunk_frame};
+use crate::streams::{PackedChunks, StreamChange, StreamEvent, chunk_frame};
 use crate::ws::session::Ending;
 
 impl Session<'_> {
@@ -50,7 +48,7 @@ impl Session<'_> {
     fn show_unseen_chunks(
         &mut self,
         stream_id: &str,
-        stream: &OpenStream<Arc<ChunkBody>>,
+        stream: &OpenStream<PackedChunks>,
     ) -> Result<(), Ending> {
         let from = self.streams_seen.next_index(stream_id);
         for index in from..stream.chunks.len() as u64 {

@@ -7,6 +7,9 @@
 //! per window and node, whatever the number of chunks. A node that sees a stream start late
 //! (it came up mid-stream) cannot show that stream; its sessions get the committed answer.
 
+mod packed;
+mod relay;
+
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -16,17 +19,16 @@ use converger_core::streams::{
 };
 use converger_protocol::{Profile, StreamContent, end_user_chunk, end_user_stream_end};
 use converger_store::Store;
-use serde_json::{Value, json};
+use serde::Serialize;
+use serde_json::Value;
 use tokio::sync::{mpsc, oneshot};
 use uuid::Uuid;
 
+pub use self::packed::PackedChunks;
+use self::relay::{
+    RELAY_TIMEOUT, RelayOrder, RelayedChunk, RelayedEnd, content_from_wire, turn_from_wire,
+};
 use crate::hub::{Hub, HubEvent, lock};
-
-/// Longest wait for one relay notification before its events are given up (transient).
-const RELAY_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// Stream events sent in one relay flush at most.
-const RELAY_BATCH: usize = 1024;
 
 /// What a chunk carries besides its position: shared by the registry and every session.
 #[derive(Debug)]
@@ -82,12 +84,12 @@ impl StreamEvent {
             Profile::Converger => &self.rendered[0],
             Profile::Mekik => &self.rendered[1],
         };
-        slot.get_or_init(|| render(profile, &self.change).to_string().into())
+        slot.get_or_init(|| render(profile, &self.change).into())
             .clone()
     }
 }
 
-fn render(profile: Profile, change: &StreamChange) -> Value {
+fn render(profile: Profile, change: &StreamChange) -> String {
     match change {
         StreamChange::Chunk {
             stream_id,
@@ -104,7 +106,7 @@ fn render(profile: Profile, change: &StreamChange) -> Value {
             &body.from,
         ),
         StreamChange::End { stream_id, aborted } => {
-            end_user_stream_end(profile, stream_id, aborted.as_deref())
+            end_user_stream_end(profile, stream_id, aborted.as_deref()).to_string()
         }
     }
 }
@@ -114,16 +116,19 @@ pub fn chunk_frame(
     profile: Profile,
     stream_id: &str,
     index: u64,
-    stream: &OpenStream<Arc<ChunkBody>>,
+    stream: &OpenStream<PackedChunks>,
 ) -> Option<Utf8Bytes> {
-    let body = stream.chunks.get(usize::try_from(index).ok()?)?;
-    let change = StreamChange::Chunk {
-        stream_id: stream_id.to_owned(),
+    let content = stream.chunks.content(usize::try_from(index).ok()?)?;
+    let frame = end_user_chunk(
+        profile,
+        stream_id,
         index,
-        turn: stream.turn,
-        body: Arc::clone(body),
-    };
-    Some(render(profile, &change).to_string().into())
+        stream.turn.seq,
+        stream.turn.revision,
+        &content,
+        stream.chunks.from(),
+    );
+    Some(frame.into())
 }
 
 /// A chunk an agent connection of this node sent.
@@ -145,15 +150,10 @@ pub struct LocalChunk<'a> {
     pub body: ChunkBody,
 }
 
-enum RelayOrder {
-    Event(Value),
-    Flush(oneshot::Sender<()>),
-}
-
 /// The open streams this node knows and the relay to the other nodes.
 pub struct LiveStreams {
     node_id: String,
-    registry: Mutex<StreamRegistry<Uuid, Arc<ChunkBody>>>,
+    registry: Mutex<StreamRegistry<Uuid, PackedChunks>>,
     relay: mpsc::UnboundedSender<RelayOrder>,
     limits: StreamLimits,
 }
@@ -176,7 +176,7 @@ impl LiveStreams {
         relay_window: Duration,
     ) -> Arc<LiveStreams> {
         let (relay, orders) = mpsc::unbounded_channel();
-        tokio::spawn(run_relay(store, node_id.to_owned(), relay_window, orders));
+        tokio::spawn(relay::run(store, node_id.to_owned(), relay_window, orders));
         Arc::new(LiveStreams {
             node_id: node_id.to_owned(),
             registry: Mutex::new(StreamRegistry::default()),
@@ -231,17 +231,15 @@ impl LiveStreams {
             return Ok(());
         };
         metrics::counter!("converger_stream_chunks_total").increment(1);
-        self.relay_event(|| {
-            json!({
-                "c": chunk.conversation_id,
-                "s": chunk.stream_id,
-                "i": chunk.index,
-                "t": [turn.seq, turn.revision],
-                "x": chunk.fence,
-                "o": chunk.owner,
-                "b": content_to_wire(&body.content),
-                "f": *body.from,
-            })
+        self.relay_event(&RelayedChunk {
+            c: chunk.conversation_id,
+            s: chunk.stream_id,
+            i: chunk.index,
+            t: (turn.seq, turn.revision),
+            x: chunk.fence,
+            o: chunk.owner,
+            b: (&body.content).into(),
+            f: &body.from,
         });
         hub.publish(
             chunk.conversation_id,
@@ -324,7 +322,7 @@ impl LiveStreams {
     }
 
     /// The open streams of a conversation, for a session that joins or fell behind.
-    pub fn snapshot(&self, conversation_id: Uuid) -> Vec<(String, OpenStream<Arc<ChunkBody>>)> {
+    pub fn snapshot(&self, conversation_id: Uuid) -> Vec<(String, OpenStream<PackedChunks>)> {
         lock(&self.registry).snapshot(&conversation_id)
     }
 
@@ -333,7 +331,7 @@ impl LiveStreams {
         &self,
         conversation_id: Uuid,
         stream_id: &str,
-    ) -> Option<OpenStream<Arc<ChunkBody>>> {
+    ) -> Option<OpenStream<PackedChunks>> {
         lock(&self.registry)
             .get(&conversation_id, stream_id)
             .cloned()
@@ -459,11 +457,21 @@ impl LiveStreams {
     }
 
     fn relay_end(&self, conversation_id: Uuid, stream_id: &str, aborted: Option<&str>) {
-        self.relay_event(|| json!({"c": conversation_id, "s": stream_id, "e": aborted}));
+        self.relay_event(&RelayedEnd {
+            c: conversation_id,
+            s: stream_id,
+            e: aborted,
+        });
     }
 
-    fn relay_event(&self, event: impl FnOnce() -> Value) {
-        let _ = self.relay.send(RelayOrder::Event(event()));
+    fn relay_event(&self, event: &impl Serialize) {
+        match serde_json::to_string(event) {
+            Ok(text) => {
+                let _ = self.relay.send(RelayOrder::Event(text));
+            }
+            // Only a map with non-string keys fails to encode, and a chunk holds none.
+            Err(error) => tracing::warn!(%error, "stream event not encoded for the relay"),
+        }
     }
 }
 
@@ -473,72 +481,4 @@ fn publish_end(hub: &Hub, conversation_id: Uuid, stream_id: String, aborted: Opt
         conversation_id,
         HubEvent::Stream(StreamEvent::new(StreamChange::End { stream_id, aborted })),
     );
-}
-
-fn content_to_wire(content: &StreamContent) -> Value {
-    match content {
-        StreamContent::Text(text) => json!({"text": text}),
-        StreamContent::Chunk(chunk) => json!({"chunk": chunk}),
-    }
-}
-
-fn content_from_wire(wire: &Value) -> Option<StreamContent> {
-    if let Some(text) = wire.get("text").and_then(Value::as_str) {
-        return Some(StreamContent::Text(text.to_owned()));
-    }
-    wire.get("chunk").cloned().map(StreamContent::Chunk)
-}
-
-fn turn_from_wire(wire: &Value) -> Option<StreamTurn> {
-    let seq = wire.get(0)?.as_i64()?;
-    let revision = i32::try_from(wire.get(1)?.as_i64()?).ok()?;
-    Some(StreamTurn { seq, revision })
-}
-
-/// Sends queued stream events to the other nodes: from the first event queued, whatever else
-/// comes within `window` (or until a flush is asked for) goes in the same statement, so a node
-/// costs at most one transaction per window however many chunks it relays.
-async fn run_relay(
-    store: Store,
-    node_id: String,
-    window: Duration,
-    mut orders: mpsc::UnboundedReceiver<RelayOrder>,
-) {
-    while let Some(first) = orders.recv().await {
-        let mut events = Vec::new();
-        let mut flushed = Vec::new();
-        let deadline = tokio::time::Instant::now() + window;
-        let mut next = Some(first);
-        while let Some(order) = next.take() {
-            match order {
-                RelayOrder::Event(event) => events.push(event),
-                RelayOrder::Flush(done) => flushed.push(done),
-            }
-            if events.len() >= RELAY_BATCH || !flushed.is_empty() {
-                break;
-            }
-            next = tokio::time::timeout_at(deadline, orders.recv())
-                .await
-                .ok()
-                .flatten();
-        }
-        if !events.is_empty() {
-            let sent =
-                tokio::time::timeout(RELAY_TIMEOUT, store.publish_streams(&node_id, &events)).await;
-            match sent {
-                Ok(Ok(())) => {
-                    metrics::counter!("converger_stream_relay_flushes_total").increment(1)
-                }
-                Ok(Err(error)) => tracing::warn!(
-                    %error,
-                    events = events.len(),
-                    "stream events not relayed to other nodes"
-                ),
-                Err(_) => tracing::warn!(events = events.len(), "stream relay timed out"),
-            }
-        }
-        for done in flushed {
-            let _ = done.send(());
-        }
-    }
 }

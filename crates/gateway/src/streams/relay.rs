@@ -1,0 +1,191 @@
+//! The relay of stream events to the other nodes: each event is encoded once, as the compact
+//! JSON text the notification carries, and what queued within one window goes out in one
+//! statement of `pg_notify` calls, so a node costs at most one transaction per window however
+//! many chunks it relays.
+
+use std::time::Duration;
+
+use converger_core::streams::StreamTurn;
+use converger_protocol::StreamContent;
+use converger_store::Store;
+use serde::Serialize;
+use serde_json::Value;
+use tokio::sync::{mpsc, oneshot};
+use uuid::Uuid;
+
+/// Longest wait for one relay notification before its events are given up (transient).
+pub(super) const RELAY_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Stream events sent in one relay flush at most.
+const RELAY_BATCH: usize = 1024;
+
+/// An order to the relay task.
+pub(super) enum RelayOrder {
+    /// One stream event, encoded.
+    Event(String),
+    /// Answer once every event queued before has been sent (or given up).
+    Flush(oneshot::Sender<()>),
+}
+
+/// A chunk as the other nodes receive it.
+#[derive(Serialize)]
+pub(super) struct RelayedChunk<'a> {
+    /// The conversation.
+    pub c: Uuid,
+    /// The stream.
+    pub s: &'a str,
+    /// The chunk's index.
+    pub i: u64,
+    /// The turn, as `[seq, revision]`.
+    pub t: (i64, i32),
+    /// The delivery's lease fence, when any.
+    pub x: Option<i64>,
+    /// The writing connection.
+    pub o: &'a str,
+    /// The content.
+    pub b: RelayedContent<'a>,
+    /// The writing agent as `{id, role}`.
+    pub f: &'a Value,
+}
+
+/// A chunk's content on the relay: `{"text": …}` or `{"chunk": …}`.
+#[derive(Serialize)]
+#[serde(rename_all = "lowercase")]
+pub(super) enum RelayedContent<'a> {
+    /// A text delta.
+    Text(&'a str),
+    /// A UI chunk.
+    Chunk(&'a Value),
+}
+
+impl<'a> From<&'a StreamContent> for RelayedContent<'a> {
+    fn from(content: &'a StreamContent) -> Self {
+        match content {
+            StreamContent::Text(text) => RelayedContent::Text(text),
+            StreamContent::Chunk(chunk) => RelayedContent::Chunk(chunk),
+        }
+    }
+}
+
+/// A stream's end on the relay: `e` is the abort reason, `null` when committed.
+#[derive(Serialize)]
+pub(super) struct RelayedEnd<'a> {
+    /// The conversation.
+    pub c: Uuid,
+    /// The stream.
+    pub s: &'a str,
+    /// Why it was aborted; `None` when committed.
+    pub e: Option<&'a str>,
+}
+
+/// A relayed content back from the wire.
+pub(super) fn content_from_wire(wire: &Value) -> Option<StreamContent> {
+    if let Some(text) = wire.get("text").and_then(Value::as_str) {
+        return Some(StreamContent::Text(text.to_owned()));
+    }
+    wire.get("chunk").cloned().map(StreamContent::Chunk)
+}
+
+/// A relayed turn back from the wire.
+pub(super) fn turn_from_wire(wire: &Value) -> Option<StreamTurn> {
+    let seq = wire.get(0)?.as_i64()?;
+    let revision = i32::try_from(wire.get(1)?.as_i64()?).ok()?;
+    Some(StreamTurn { seq, revision })
+}
+
+/// Sends queued stream events to the other nodes: from the first event queued, whatever else
+/// comes within `window` (or until a flush is asked for) goes in the same statement.
+pub(super) async fn run(
+    store: Store,
+    node_id: String,
+    window: Duration,
+    mut orders: mpsc::UnboundedReceiver<RelayOrder>,
+) {
+    while let Some(first) = orders.recv().await {
+        let mut events = Vec::new();
+        let mut flushed = Vec::new();
+        let deadline = tokio::time::Instant::now() + window;
+        let mut next = Some(first);
+        while let Some(order) = next.take() {
+            match order {
+                RelayOrder::Event(event) => events.push(event),
+                RelayOrder::Flush(done) => flushed.push(done),
+            }
+            if events.len() >= RELAY_BATCH || !flushed.is_empty() {
+                break;
+            }
+            next = tokio::time::timeout_at(deadline, orders.recv())
+                .await
+                .ok()
+                .flatten();
+        }
+        if !events.is_empty() {
+            let sent =
+                tokio::time::timeout(RELAY_TIMEOUT, store.publish_streams(&node_id, &events)).await;
+            match sent {
+                Ok(Ok(())) => {
+                    metrics::counter!("converger_stream_relay_flushes_total").increment(1)
+                }
+                Ok(Err(error)) => tracing::warn!(
+                    %error,
+                    events = events.len(),
+                    "stream events not relayed to other nodes"
+                ),
+                Err(_) => tracing::warn!(events = events.len(), "stream relay timed out"),
+            }
+        }
+        for done in flushed {
+            let _ = done.send(());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn relayed_events_read_back_as_the_receiver_parses_them() {
+        let conversation = Uuid::now_v7();
+        let from = json!({"id": "bot", "role": "agent"});
+        let content = StreamContent::Text("Hel\"lo".into());
+        let chunk = RelayedChunk {
+            c: conversation,
+            s: "s-1",
+            i: 3,
+            t: (7, 1),
+            x: None,
+            o: "conn-1",
+            b: (&content).into(),
+            f: &from,
+        };
+        let wire: Value = serde_json::from_str(&serde_json::to_string(&chunk).unwrap()).unwrap();
+        assert_eq!(wire["c"], json!(conversation));
+        assert_eq!(wire["i"], json!(3));
+        assert_eq!(wire["x"], Value::Null);
+        assert_eq!(
+            turn_from_wire(&wire["t"]),
+            Some(StreamTurn {
+                seq: 7,
+                revision: 1
+            })
+        );
+        assert_eq!(content_from_wire(&wire["b"]), Some(content));
+        assert_eq!(wire["f"], from);
+        let ui = StreamContent::Chunk(json!({"type": "card"}));
+        let wire = serde_json::to_value(RelayedContent::from(&ui)).unwrap();
+        assert_eq!(content_from_wire(&wire), Some(ui));
+        let end = serde_json::to_value(RelayedEnd {
+            c: conversation,
+            s: "s-1",
+            e: None,
+        })
+        .unwrap();
+        assert_eq!(
+            end.get("e"),
+            Some(&Value::Null),
+            "a committed end names no reason"
+        );
+    }
+}
