@@ -30,7 +30,8 @@ use self::relay::{
 };
 use crate::hub::{Hub, HubEvent, lock};
 
-/// What a chunk carries besides its position: shared by the registry and every session.
+/// What a chunk carries besides its position: shared by its live event and every session that
+/// renders it (the registry packs a copy of the content, [`PackedChunks`]).
 #[derive(Debug)]
 pub struct ChunkBody {
     /// The delta.
