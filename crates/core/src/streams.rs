@@ -144,7 +144,7 @@ pub struct ChunkIn<'a, P> {
     pub bytes: usize,
 }
 
-/// The open streams one node knows, by conversation `C`, with payloads `P`.
+/// The open streams one node knows, by conversation `C`, each keeping its chunks in a `L`.
 #[derive(Debug, Clone)]
 pub struct StreamRegistry<C, L> {
     open: HashMap<C, HashMap<String, OpenStream<L>>>,
@@ -392,7 +392,8 @@ impl StreamCursor {
         if self.ended.iter().any(|id| id == stream_id) {
             return ShowChunk::Drop;
         }
-        let next = self.next.get(stream_id).copied().unwrap_or(0);
+        let shown = self.next.get_mut(stream_id);
+        let next = shown.as_deref().copied().unwrap_or(0);
         if index < next {
             return ShowChunk::Drop;
         }
@@ -400,7 +401,7 @@ impl StreamCursor {
             return ShowChunk::Gap { from: next };
         }
         // The stream's id is copied once, at its first chunk, not at every chunk.
-        match self.next.get_mut(stream_id) {
+        match shown {
             Some(shown) => *shown += 1,
             None => {
                 self.next.insert(stream_id.to_owned(), 1);

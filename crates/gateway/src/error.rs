@@ -27,9 +27,14 @@ pub fn write_error_code(error: &StoreError) -> ErrorCode {
 
 /// The error frame of a failed write: its code, and for `unavailable` when to resend.
 pub fn write_error_frame(error: &StoreError, message: &str) -> ErrorFrame {
-    let code = write_error_code(error);
+    error_frame(write_error_code(error), message)
+}
+
+/// An error frame with `code`, carrying when to resend for `unavailable` (the one place that
+/// hint is attached).
+pub fn error_frame(code: ErrorCode, message: &str) -> ErrorFrame {
     ErrorFrame {
-        retry_after_ms: retry_hint(code),
+        retry_after_ms: (code == ErrorCode::Unavailable).then(unavailable_retry_ms),
         ..ErrorFrame::new(code, message)
     }
 }
@@ -42,11 +47,6 @@ pub fn failure_code(error: &StoreError) -> ErrorCode {
     } else {
         ErrorCode::Internal
     }
-}
-
-/// When to retry after an error with `code`: set for `unavailable` only.
-pub fn retry_hint(code: ErrorCode) -> Option<u64> {
-    (code == ErrorCode::Unavailable).then(unavailable_retry_ms)
 }
 
 /// [`UNAVAILABLE_RETRY_AFTER`] in milliseconds, as `retryAfterMs` carries it.

@@ -423,11 +423,15 @@ async fn agent(load: Arc<Load>, slot: usize, generation: usize) {
         perform_effect(&load, &turn).await;
         streams_opened += 1;
         let stream_id = format!("{name}.{streams_opened}");
-        if stream_answer(&load, &mut agent, &turn, &stream_id).await {
-            answer(&load, &mut agent, &turn, &name, Some(stream_id)).await;
-        } else {
-            answer(&load, &mut agent, &turn, &name, None).await;
-        }
+        let streamed = stream_answer(&load, &mut agent, &turn, &stream_id).await;
+        answer(
+            &load,
+            &mut agent,
+            &turn,
+            &name,
+            streamed.then_some(stream_id),
+        )
+        .await;
     }
 }
 

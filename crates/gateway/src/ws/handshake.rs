@@ -293,14 +293,13 @@ async fn adoptable(
 fn internal(error: converger_store::StoreError) -> Refused {
     if error.is_unavailable() {
         tracing::warn!(%error, "handshake: database unavailable");
-        let retry_after_ms = crate::error::unavailable_retry_ms();
         return Refused {
-            error: ErrorFrame {
-                retry_after_ms: Some(retry_after_ms),
-                ..ErrorFrame::new(ErrorCode::Unavailable, "database unavailable; retry")
-            },
+            error: crate::error::error_frame(ErrorCode::Unavailable, "database unavailable; retry"),
             close: Some(CloseCode::Draining),
-            reason: Some(retry_close_reason(ErrorCode::Unavailable, retry_after_ms)),
+            reason: Some(retry_close_reason(
+                ErrorCode::Unavailable,
+                crate::error::unavailable_retry_ms(),
+            )),
         };
     }
     tracing::error!(%error, "handshake: store error");

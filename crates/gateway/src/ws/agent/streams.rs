@@ -93,8 +93,7 @@ impl AgentSession<'_> {
         let refuse = |code: ErrorCode, message: &str, details: serde_json::Value| ErrorFrame {
             frame_type: Some("streamChunk".into()),
             details: Some(details),
-            retry_after_ms: crate::error::retry_hint(code),
-            ..ErrorFrame::new(code, message)
+            ..crate::error::error_frame(code, message)
         };
         let stream = json!({"streamId": chunk.stream_id, "index": chunk.index,
                             "turn": {"seq": turn.seq, "revision": turn.revision}});

@@ -190,11 +190,10 @@ impl Session<'_> {
             Ok(None) => return Err(internal_close(self.outbound)),
             Err(error) => {
                 tracing::warn!(%error, "sync: cannot read the head");
-                let code = crate::error::failure_code(&error);
-                return self.push_error(ErrorFrame {
-                    retry_after_ms: crate::error::retry_hint(code),
-                    ..ErrorFrame::new(code, "try again")
-                });
+                return self.push_error(crate::error::error_frame(
+                    crate::error::failure_code(&error),
+                    "try again",
+                ));
             }
         };
         if watermark > head {

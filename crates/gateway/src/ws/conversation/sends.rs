@@ -146,8 +146,7 @@ impl Session<'_> {
         let refuse = |code: ErrorCode, message: &str| ErrorFrame {
             client_id: client_id.clone(),
             frame_type: Some(frame_type.into()),
-            retry_after_ms: crate::error::retry_hint(code),
-            ..ErrorFrame::new(code, message)
+            ..crate::error::error_frame(code, message)
         };
         let seq = target.seq.and_then(|seq| i64::try_from(seq).ok());
         let store = &self.state.store;
