@@ -156,12 +156,27 @@ impl ChannelDecider {
                 .or_default()
                 .join(&connection_id, agent.since_ms);
         }
+        let Some(group) = group else {
+            self.agents.insert(connection_id, agent);
+            return Vec::new();
+        };
+        // Turns decided here while the joiner was unknown here but known elsewhere went to a
+        // member whose node gave them to the joiner: this node delivers them now.
+        let mut decisions = Vec::new();
+        if let (Some(view), Some(memory)) = (self.views.get(&group), self.memories.get_mut(&group))
+        {
+            for decision in memory.hand_to_joiner(view, &connection_id) {
+                decisions.push(Decision::DeliverPending {
+                    to: decision.new_owner,
+                    conversation_id: decision.conversation_id,
+                    seqs: decision.seqs,
+                });
+            }
+        }
         self.agents.insert(connection_id, agent);
         // Turns passed to nobody (or to members gone meanwhile) wait for the next member.
-        match group {
-            Some(group) => self.take_over(&group),
-            None => Vec::new(),
-        }
+        decisions.extend(self.take_over(&group));
+        decisions
     }
 
     /// A local agent connection ended: its leases go, and its unanswered turns move on.

@@ -17,8 +17,13 @@ const GROUPS: [&str; 2] = ["bot", "auditor"];
 
 #[derive(Debug, Clone)]
 enum Step {
-    /// A member of `GROUPS[group]` (or an observer) connects to a node.
-    Join { node: usize, group: Option<usize> },
+    /// A member of `GROUPS[group]` (or an observer) connects to a node; a member's session
+    /// announces it in gossip at once, and its node's channel takes it `lag` ms later.
+    Join {
+        node: usize,
+        group: Option<usize>,
+        lag: i64,
+    },
     /// The n-th live local connection ends.
     Leave(usize),
     /// Every connection of a node goes at once (kill -9: the others learn it from gossip).
@@ -33,8 +38,12 @@ enum Step {
 
 fn step() -> impl Strategy<Value = Step> {
     prop_oneof![
-        2 => (0..NODES, proptest::option::weighted(0.8, 0..GROUPS.len()))
-            .prop_map(|(node, group)| Step::Join { node, group }),
+        2 => (
+            0..NODES,
+            proptest::option::weighted(0.8, 0..GROUPS.len()),
+            prop_oneof![3 => Just(0i64), 1 => 0i64..1_500],
+        )
+            .prop_map(|(node, group, lag)| Step::Join { node, group, lag }),
         1 => (0usize..8).prop_map(Step::Leave),
         1 => Just(()).prop_flat_map(|_| 0..NODES).prop_map(Step::NodeDies),
         6 => (0usize..5).prop_map(Step::Turn),
@@ -87,13 +96,16 @@ struct Cluster {
     answered: BTreeSet<(String, i64)>,
     /// Gossip not yet heard: (deliver at, node, event).
     gossip: Vec<(i64, usize, Gossip)>,
+    /// Members announced but not yet taken by their node's channel: (at, node, id, agent).
+    attaching: Vec<(i64, usize, String, LocalAgent)>,
     /// What each connection was sent: (conversation, seq, first delivery?).
     received: BTreeMap<String, Vec<(String, i64, bool)>>,
     /// Frames each node's decider has been fed, per conversation (the feed stops while a node
     /// has no local agent, as the gateway's bus bridge does).
     fed: Vec<BTreeMap<String, i64>>,
-    /// User turns committed while a join was still unheard somewhere: then two nodes may each
-    /// pick a member only they know as the earliest (the settle delay is what makes this rare).
+    /// User turns committed while a join was still unheard somewhere (or not yet taken by its
+    /// own node's channel): then two nodes may each pick a member only they know as the
+    /// earliest (the settle delay is what makes this rare).
     racing: BTreeSet<(String, i64)>,
 }
 
@@ -205,7 +217,7 @@ impl Cluster {
             .push((conversation.to_owned(), seq, first));
     }
 
-    fn join(&mut self, node: usize, group: Option<&str>) {
+    fn join(&mut self, node: usize, group: Option<&str>, lag: i64) {
         let id = format!("n{node}-a{}", self.connections.len());
         let since = self.now + SETTLE;
         let sender_id = group.unwrap_or("agent").to_owned();
@@ -225,20 +237,41 @@ impl Cluster {
             sender_id,
             leased: false,
         };
-        let decisions = self.deciders[node].join(&id, agent);
+        let Some(group) = group else {
+            // Observers are checked from their join on: their channel takes them at once.
+            self.attach(node, &id, agent);
+            return;
+        };
+        for other in (0..NODES).filter(|other| *other != node) {
+            let gossip_lag = 50 + 100 * other as i64;
+            self.gossip.push((
+                self.now + gossip_lag,
+                other,
+                Gossip::Joined {
+                    connection: id.clone(),
+                    group: group.to_owned(),
+                    since,
+                },
+            ));
+        }
+        self.attaching.push((self.now + lag, node, id, agent));
+    }
+
+    fn attach(&mut self, node: usize, id: &str, agent: LocalAgent) {
+        let decisions = self.deciders[node].join(id, agent);
         self.perform(node, decisions, &[]);
-        if let Some(group) = group {
-            for other in (0..NODES).filter(|other| *other != node) {
-                let lag = 50 + 100 * other as i64;
-                self.gossip.push((
-                    self.now + lag,
-                    other,
-                    Gossip::Joined {
-                        connection: id.clone(),
-                        group: group.to_owned(),
-                        since,
-                    },
-                ));
+    }
+
+    /// Hands announced members to their node's channel once their lag is over (all: now).
+    fn attach_due(&mut self, all: bool) {
+        let now = self.now;
+        let (due, later): (Vec<_>, Vec<_>) = std::mem::take(&mut self.attaching)
+            .into_iter()
+            .partition(|(at, _, _, _)| all || *at <= now);
+        self.attaching = later;
+        for (_, node, id, agent) in due {
+            if self.connections.get(&id).is_some_and(|c| c.live) {
+                self.attach(node, &id, agent);
             }
         }
     }
@@ -309,7 +342,8 @@ impl Cluster {
         let join_in_flight = self
             .gossip
             .iter()
-            .any(|(_, _, event)| matches!(event, Gossip::Joined { .. }));
+            .any(|(_, _, event)| matches!(event, Gossip::Joined { .. }))
+            || !self.attaching.is_empty();
         if from_user && join_in_flight {
             self.racing.insert((conversation.to_owned(), seq));
         }
@@ -396,8 +430,9 @@ proptest! {
         for step in steps {
             cluster.now += 1;
             cluster.hear_gossip(false);
+            cluster.attach_due(false);
             match step {
-                Step::Join { node, group } => cluster.join(node, group.map(|g| GROUPS[g])),
+                Step::Join { node, group, lag } => cluster.join(node, group.map(|g| GROUPS[g]), lag),
                 Step::Leave(index) => {
                     let id = cluster.connections.iter().filter(|(_, c)| c.live).map(|(id, _)| id.clone()).nth(index);
                     if let Some(id) = id {
@@ -420,12 +455,14 @@ proptest! {
                 Step::Tick(ms) => {
                     cluster.now += i64::from(ms);
                     cluster.hear_gossip(false);
+                    cluster.attach_due(false);
                     cluster.answer_everything();
                 }
             }
         }
         cluster.now += SETTLE;
         cluster.hear_gossip(true);
+        cluster.attach_due(true);
 
         // A turn's first delivery: once per group at most (unless a join was still unheard).
         let mut first: BTreeMap<(String, i64, String), usize> = BTreeMap::new();

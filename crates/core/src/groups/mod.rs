@@ -249,15 +249,29 @@ impl PassedTurns {
     /// passed to nobody wait for the next member). Deciding at the turn's time, not at the time
     /// of the leave, makes nodes that learn of the leave at different moments agree.
     pub fn take_over(&mut self, view: &GroupView) -> Vec<TakeOver> {
+        self.redecide(view, |pass, _| !view.contains(&pass.owner))
+    }
+
+    /// Re-decides every remembered turn that `joiner`, just added to `view`, owns now but that
+    /// was passed to another member. A node decides without its own joining member until that
+    /// member's join completes, while other nodes may already count it (gossip announces it
+    /// first): such a turn went, here, to a member whose node gave it to the joiner. Only the
+    /// joiner's node can deliver it, so it does so now.
+    pub fn hand_to_joiner(&mut self, view: &GroupView, joiner: &str) -> Vec<TakeOver> {
+        self.redecide(view, |pass, owner| owner == joiner && pass.owner != joiner)
+    }
+
+    /// Moves each remembered turn for which `moves(pass, owner now)` holds to its owner now.
+    fn redecide(&mut self, view: &GroupView, moves: impl Fn(&Pass, &str) -> bool) -> Vec<TakeOver> {
         let mut decisions: BTreeMap<(String, String), Vec<i64>> = BTreeMap::new();
         for (conversation_id, passed) in self.entries.iter_mut() {
             for pass in passed.passes.iter_mut() {
-                if view.contains(&pass.owner) {
-                    continue;
-                }
                 let Some(new_owner) = view.owner(conversation_id, pass.at_ms) else {
                     continue;
                 };
+                if !moves(pass, new_owner) {
+                    continue;
+                }
                 pass.owner = new_owner.to_owned();
                 decisions
                     .entry((conversation_id.clone(), new_owner.to_owned()))

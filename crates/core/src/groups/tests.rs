@@ -336,3 +336,40 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn a_joiner_takes_the_turns_it_owns_that_went_to_another_member_before_it_was_known() {
+    // Node view without the joiner: "b" owns everything. With the joiner "a" (earlier since,
+    // both not yet eligible at the turns' time), "a" owns every conversation.
+    let mut view = GroupView::new();
+    view.join("b", 2_000);
+    let mut passed = PassedTurns::new(100, 16);
+    for n in 0..10 {
+        passed.remember(&format!("conv-{n}"), "b", 1, 10);
+    }
+    view.join("a", 1_000);
+    let decisions = passed.hand_to_joiner(&view, "a");
+    let moved: usize = decisions.iter().map(|decision| decision.seqs.len()).sum();
+    assert_eq!(moved, 10);
+    assert!(decisions.iter().all(|decision| decision.new_owner == "a"));
+    // Remembered under the joiner now: a second call moves nothing, nor does a takeover.
+    assert!(passed.hand_to_joiner(&view, "a").is_empty());
+    assert!(passed.take_over(&view).is_empty());
+}
+
+#[test]
+fn a_joiner_takes_nothing_another_member_still_owns() {
+    let mut view = GroupView::new();
+    for member in ["b", "c"] {
+        view.join(member, 0);
+    }
+    let mut passed = PassedTurns::new(100, 16);
+    for n in 0..30 {
+        let conversation = format!("conv-{n}");
+        let owner = view.owner(&conversation, 10).unwrap().to_owned();
+        passed.remember(&conversation, &owner, 1, 10);
+    }
+    // Eligible only after the turns: it owns none of them.
+    view.join("a", 20);
+    assert!(passed.hand_to_joiner(&view, "a").is_empty());
+}
