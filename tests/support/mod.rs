@@ -282,8 +282,14 @@ impl TestNode {
 
     /// Another node over the same database and secrets (a second gateway instance).
     pub async fn start_peer(&self) -> ServerHandle {
+        self.start_peer_with(|_| {}).await
+    }
+
+    /// As [`TestNode::start_peer`], with the test configuration adjusted by `adjust`.
+    pub async fn start_peer_with(&self, adjust: impl FnOnce(&mut Config)) -> ServerHandle {
         let mut config = test_config();
         config.database_url = self.db.url.clone();
+        adjust(&mut config);
         let credentials = Credentials {
             secret_key: config.secret_key.clone().into_bytes(),
             admin_token: config.admin_token.clone(),

@@ -165,3 +165,29 @@ impl FromRequestParts<AppState> for TokenAuth {
         }
     }
 }
+
+/// A request authenticated with a tenant API key (`x-api-key`, when present) or else a token
+/// (Bearer): the routes both a tenant's backend and an end user may call.
+#[derive(Debug)]
+pub enum TenantOrToken {
+    /// The tenant's API key.
+    Tenant(Tenant),
+    /// A token, checked as [`TokenAuth`] does.
+    Token(Claims),
+}
+
+impl FromRequestParts<AppState> for TenantOrToken {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut Parts,
+        state: &AppState,
+    ) -> Result<Self, Self::Rejection> {
+        if parts.headers.contains_key("x-api-key") {
+            let TenantAuth(tenant) = TenantAuth::from_request_parts(parts, state).await?;
+            return Ok(TenantOrToken::Tenant(tenant));
+        }
+        let TokenAuth(claims) = TokenAuth::from_request_parts(parts, state).await?;
+        Ok(TenantOrToken::Token(claims))
+    }
+}

@@ -8,6 +8,7 @@ mod bus_bridge;
 pub mod config;
 pub mod error;
 pub mod hub;
+mod lifecycle;
 mod listener;
 pub mod metrics;
 mod publish;

@@ -152,6 +152,7 @@ impl Server {
             events,
         );
         let pruner = spawn_outbox_pruner(self.state.clone());
+        let expiry = crate::lifecycle::spawn_expiry(self.state.clone());
         let draining_state = self.state.clone();
         let shutdown = async move {
             shutdown.await;
@@ -168,6 +169,9 @@ impl Server {
         )
         .await;
         pruner.abort();
+        if let Some(expiry) = expiry {
+            expiry.abort();
+        }
         served?;
         Ok(())
     }

@@ -22,10 +22,27 @@ pub struct Conversation {
     pub last_seq: i64,
     /// Creation time.
     pub created_at: DateTime<Utc>,
+    /// Time of the latest frame (or of the creation).
+    pub updated_at: DateTime<Utc>,
 }
 
-const CONVERSATION_COLUMNS: &str =
-    "id, tenant_id, channel_id, user_id, status, last_seq, created_at";
+pub(crate) const CONVERSATION_COLUMNS: &str =
+    "id, tenant_id, channel_id, user_id, status, last_seq, created_at, updated_at";
+
+/// Which of a tenant's conversations a page lists, and from where.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ConversationFilter {
+    /// Only this status (`open` or `closed`).
+    pub status: Option<String>,
+    /// Only this channel.
+    pub channel_id: Option<Uuid>,
+    /// Only this end user.
+    pub user_id: Option<String>,
+    /// Only conversations with a frame (or created) at or after this time.
+    pub updated_since: Option<DateTime<Utc>>,
+    /// The keyset cursor: only ids after this one (ids are uuid v7, so creation order).
+    pub after: Option<Uuid>,
+}
 
 impl Store {
     /// Creates an empty conversation in a channel, with its runtime at version 0.
@@ -65,6 +82,42 @@ impl Store {
             )))
             .bind(id)
             .fetch_optional(&self.pool)
+            .await
+        })
+        .await
+    }
+}
+
+impl Store {
+    /// Up to `limit` of a tenant's conversations matching `filter`, by id (creation order). A
+    /// conversation created while a client pages appears on a later page, never twice, and no
+    /// earlier one is skipped: the cursor is the last id returned.
+    pub async fn list_conversations(
+        &self,
+        tenant_id: Uuid,
+        filter: &ConversationFilter,
+        limit: i64,
+    ) -> Result<Vec<Conversation>, StoreError> {
+        self.timed("list_conversations", async {
+            sqlx::query_as::<_, Conversation>(sqlx::AssertSqlSafe(format!(
+                "SELECT {CONVERSATION_COLUMNS} FROM conversations
+                 WHERE tenant_id = $1
+                   AND ($2::uuid IS NULL OR id > $2)
+                   AND ($3::text IS NULL OR status = $3)
+                   AND ($4::uuid IS NULL OR channel_id = $4)
+                   AND ($5::text IS NULL OR user_id = $5)
+                   AND ($6::timestamptz IS NULL OR updated_at >= $6)
+                 ORDER BY id
+                 LIMIT $7"
+            )))
+            .bind(tenant_id)
+            .bind(filter.after)
+            .bind(filter.status.as_deref())
+            .bind(filter.channel_id)
+            .bind(filter.user_id.as_deref())
+            .bind(filter.updated_since)
+            .bind(limit)
+            .fetch_all(&self.pool)
             .await
         })
         .await

@@ -11,6 +11,7 @@ mod error;
 pub mod faults;
 mod group_commit;
 pub mod hosts;
+mod lifecycle;
 mod primary;
 mod secrets;
 mod tenants;
@@ -24,9 +25,12 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 
 pub use activities::{Activity, CommitOutcome, NewActivity, Sender, SenderRole};
 pub use channels::{Channel, ChannelStatus};
-pub use conversations::{ChannelCatalogs, Conversation, PendingInterrupt};
+pub use conversations::{ChannelCatalogs, Conversation, ConversationFilter, PendingInterrupt};
 pub use error::StoreError;
 pub(crate) use error::{is_connection_failure, is_sqlx_connection_failure};
+pub use lifecycle::{
+    CONVERSATION_UPDATE, EXPIRED_REASON, MAX_REASON_CHARS, SYSTEM_SENDER, StatusChange, Transition,
+};
 pub use secrets::{generate_secret, hash_secret};
 pub use tenants::Tenant;
 pub use turns::{

@@ -39,12 +39,15 @@ impl Store {
         Ok((tenant, api_key))
     }
 
-    /// The active tenant an API key belongs to.
+    /// The active tenant an API key belongs to: its current key, or the one it replaced while
+    /// that key's grace lasts.
     pub async fn tenant_by_api_key(&self, api_key: &str) -> Result<Option<Tenant>, StoreError> {
         self.timed("tenant_by_api_key", async {
             sqlx::query_as::<_, Tenant>(
                 "SELECT id, name, status, created_at FROM tenants
-                 WHERE api_key_hash = $1 AND status = 'active'",
+                 WHERE status = 'active'
+                   AND (api_key_hash = $1
+                        OR (previous_api_key_hash = $1 AND previous_key_expires_at > now()))",
             )
             .bind(hash_secret(api_key))
             .fetch_optional(&self.pool)
@@ -64,5 +67,37 @@ impl Store {
             .await
         })
         .await
+    }
+
+    /// Replaces a tenant's API key, which must be `current_key` (not a key in its grace): the
+    /// new key (shown once) and when the replaced one stops working. `None` when `current_key`
+    /// is not the tenant's current key.
+    pub async fn rotate_api_key(
+        &self,
+        tenant_id: Uuid,
+        current_key: &str,
+        grace_secs: u64,
+    ) -> Result<Option<(String, DateTime<Utc>)>, StoreError> {
+        let api_key = generate_secret("cvg_key_");
+        let grace = grace_secs as f64;
+        let expires: Option<DateTime<Utc>> = self
+            .timed("rotate_api_key", async {
+                sqlx::query_scalar(
+                    "UPDATE tenants
+                     SET previous_api_key_hash = api_key_hash,
+                         previous_key_expires_at = now() + make_interval(secs => $4),
+                         api_key_hash = $3
+                     WHERE id = $1 AND api_key_hash = $2
+                     RETURNING previous_key_expires_at",
+                )
+                .bind(tenant_id)
+                .bind(hash_secret(current_key))
+                .bind(hash_secret(&api_key))
+                .bind(grace)
+                .fetch_optional(&self.pool)
+                .await
+            })
+            .await?;
+        Ok(expires.map(|expires| (api_key, expires)))
     }
 }

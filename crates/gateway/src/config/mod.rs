@@ -5,8 +5,8 @@
 mod sections;
 
 pub use sections::{
-    AdminConfig, DatabaseConfig, DemoConfig, DemoPage, DrainConfig, GossipConfig, HttpConfig,
-    LogFormat, RatesConfig, StatusConfig, StreamsConfig,
+    AdminConfig, ConversationsConfig, DatabaseConfig, DemoConfig, DemoPage, DrainConfig,
+    GossipConfig, HttpConfig, LogFormat, RatesConfig, StatusConfig, StreamsConfig,
 };
 
 use std::net::SocketAddr;
@@ -75,6 +75,8 @@ pub struct Config {
     pub rates: RatesConfig,
     /// Streamed answers.
     pub streams: StreamsConfig,
+    /// Closing idle conversations.
+    pub conversations: ConversationsConfig,
     /// The demo chat page.
     pub demo: DemoConfig,
 }
@@ -107,6 +109,7 @@ impl Default for Config {
             status: StatusConfig::default(),
             rates: RatesConfig::default(),
             streams: StreamsConfig::default(),
+            conversations: ConversationsConfig::default(),
             demo: DemoConfig::default(),
         }
     }
@@ -176,6 +179,12 @@ impl Config {
         }
         if self.streams.relay_window_ms > 1_000 {
             return Err("streams.relay_window_ms must be at most 1000".into());
+        }
+        if self.conversations.expiry_sweep_secs == 0 || self.conversations.expiry_batch == 0 {
+            return Err(
+                "conversations.expiry_sweep_secs and conversations.expiry_batch must be greater than 0"
+                    .into(),
+            );
         }
         if self.token_ttl_secs == 0 || self.token_ttl_secs > 30 * 24 * 3600 {
             return Err("token_ttl_secs must be between 1 and 2592000".into());

@@ -203,6 +203,29 @@ impl Default for StreamsConfig {
     }
 }
 
+/// Conversation lifecycle (ADR 0023).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ConversationsConfig {
+    /// An open conversation with no frame for this long (seconds) is closed with reason
+    /// `expired`; 0 never expires one.
+    pub idle_close_secs: u64,
+    /// How often a node looks for idle conversations (seconds).
+    pub expiry_sweep_secs: u64,
+    /// Conversations closed per sweep transaction at most.
+    pub expiry_batch: u32,
+}
+
+impl Default for ConversationsConfig {
+    fn default() -> Self {
+        ConversationsConfig {
+            idle_close_secs: 24 * 3600,
+            expiry_sweep_secs: 60,
+            expiry_batch: 100,
+        }
+    }
+}
+
 /// Whether the node serves the demo chat page (`GET /demo`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]

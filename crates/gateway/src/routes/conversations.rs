@@ -98,7 +98,7 @@ pub(crate) async fn create(
 }
 
 /// Loads a conversation the token may use; anything else is 404 so existence never leaks.
-async fn authorized_conversation(
+pub(super) async fn authorized_conversation(
     state: &AppState,
     claims: &Claims,
     raw_id: &str,

@@ -6,6 +6,7 @@ mod channels;
 mod conversations;
 mod demo;
 mod health;
+mod lifecycle;
 pub mod status;
 pub(crate) mod tokens;
 
@@ -29,6 +30,9 @@ pub(crate) fn router(state: AppState) -> Router {
             post(channels::create).get(channels::list),
         )
         .route("/api/v1/channels/{id}", patch(channels::update))
+        .route("/api/v1/conversations", get(lifecycle::list))
+        .route("/api/v1/conversations/{id}", get(lifecycle::get))
+        .route("/api/v1/api-keys/rotate", post(lifecycle::rotate_key))
         .route("/api/v1/converger/tokens/generate", post(tokens::generate))
         .route("/api/v1/converger/tokens/refresh", post(tokens::refresh))
         .route(
@@ -38,6 +42,14 @@ pub(crate) fn router(state: AppState) -> Router {
         .route(
             "/api/v1/converger/conversations/{id}/activities",
             get(conversations::list_activities).post(conversations::post_activity),
+        )
+        .route(
+            "/api/v1/converger/conversations/{id}/close",
+            post(lifecycle::close),
+        )
+        .route(
+            "/api/v1/converger/conversations/{id}/reopen",
+            post(lifecycle::reopen),
         )
         .route("/demo", get(demo::page))
         .route("/demo/api/conversation", post(demo::conversation))

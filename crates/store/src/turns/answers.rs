@@ -174,6 +174,8 @@ pub enum AnswerOutcome {
     },
     /// No such turn in this conversation.
     NoSuchTurn,
+    /// The conversation was closed while the turn waited: the turn is settled as closed.
+    Closed,
 }
 
 impl Store {
@@ -286,6 +288,7 @@ pub(crate) fn answer_outcome(
         "lease_lost" => AnswerOutcome::LeaseLost { current: number },
         "stale_runtime" => AnswerOutcome::StaleRuntime { current: number },
         "no_such_turn" => AnswerOutcome::NoSuchTurn,
+        "closed" => AnswerOutcome::Closed,
         other => {
             return Err(sqlx::Error::Protocol(format!(
                 "converger_answer_turn returned an unknown outcome {other:?}"

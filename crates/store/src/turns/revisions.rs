@@ -204,20 +204,27 @@ impl Store {
         let inserted = self
             .timed("regenerate", async {
                 sqlx::query_scalar::<_, i32>(
-                    "INSERT INTO turns (conversation_id, seq, revision, status, reason, client_id)
+                    // The conversation row's share lock waits for a close in progress and
+                    // keeps one from settling the turns while this revision is added.
+                    "WITH open AS (
+                         SELECT 1 FROM conversations WHERE id = $1 AND status = 'open' FOR SHARE
+                     )
+                     INSERT INTO turns (conversation_id, seq, revision, status, reason, client_id)
                      SELECT $1, $2, max(revision) + 1, 'pending', 'regenerate', $3 FROM turns
-                     WHERE conversation_id = $1 AND seq = $2
+                     WHERE conversation_id = $1 AND seq = $2 AND EXISTS (SELECT 1 FROM open)
+                     HAVING count(*) > 0
                      RETURNING revision",
                 )
                 .bind(target.conversation_id)
                 .bind(target.seq)
                 .bind(client_id)
-                .fetch_one(&self.pool)
+                .fetch_optional(&self.pool)
                 .await
             })
             .await;
         match inserted {
-            Ok(revision) => Ok(Revision {
+            Ok(None) => Err(StoreError::ConversationClosed),
+            Ok(Some(revision)) => Ok(Revision {
                 turn_seq: target.seq,
                 revision,
                 edit: None,

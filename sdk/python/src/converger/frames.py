@@ -60,7 +60,6 @@ SERVER_CONTROL_TYPES = frozenset(
         "deliveryStatus",
         "presence",
         "tokenRefreshed",
-        "conversationUpdate",
         "typing",
         "run",
         "genui_components",

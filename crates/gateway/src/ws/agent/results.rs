@@ -133,6 +133,7 @@ fn stream_settlement(outcome: &Result<AnswerOutcome, StoreError>) -> Option<Opti
         Ok(AnswerOutcome::Superseded { .. }) => Some(Some("superseded")),
         Ok(AnswerOutcome::LeaseLost { .. }) => Some(Some("lease_lost")),
         Ok(AnswerOutcome::NoSuchTurn) => Some(Some("no_such_turn")),
+        Ok(AnswerOutcome::Closed) => Some(Some("conversation_closed")),
         Ok(AnswerOutcome::StaleRuntime { .. }) => None,
         Err(error) if error.is_refused_input() => Some(Some("refused")),
         Err(_) => None,
@@ -222,6 +223,14 @@ fn reply_to(
                 ErrorCode::StaleRuntime,
                 "runtime.version is not the current one",
                 json!({"version": current}),
+            )),
+        ),
+        AnswerOutcome::Closed => (
+            "conversation_closed",
+            Err((
+                ErrorCode::ConversationClosed,
+                "the conversation is closed",
+                json!({"turn": {"seq": turn.seq, "revision": turn.revision}}),
             )),
         ),
         AnswerOutcome::NoSuchTurn => (
