@@ -158,6 +158,16 @@ pub enum CommittedPlan {
         /// How many.
         count: i64,
     },
+    /// The conversation is new to this node since it began following the channel, and frames
+    /// of it committed since then may still be on their way (another node's commits arrive
+    /// later than this node's own): read its frames committed at or after `since_ms` up to
+    /// `upto`, in order, then hand them to [`super::ChannelDecider::committed`].
+    ReadSince {
+        /// Commit time (ms, the database clock) from which this node follows the channel.
+        since_ms: i64,
+        /// The event's seq.
+        upto: i64,
+    },
 }
 
 /// A local agent connection, as the decider knows it.

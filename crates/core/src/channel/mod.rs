@@ -48,6 +48,9 @@ pub struct ChannelDecider {
     last_seq: HashMap<String, i64>,
     /// A join waiting for the channel's unanswered turns to be read back.
     joining: Option<Joining>,
+    /// Commit time (ms) from which this node follows the channel: its read of the channel's
+    /// unanswered turns covers what came before.
+    following_since_ms: Option<i64>,
     memory_conversations: usize,
     memory_turns: usize,
 }
@@ -81,6 +84,7 @@ impl ChannelDecider {
             memories: BTreeMap::new(),
             last_seq: HashMap::new(),
             joining: None,
+            following_since_ms: None,
             memory_conversations: conversations,
             memory_turns: turns_per_conversation,
         }
@@ -118,12 +122,19 @@ impl ChannelDecider {
     }
 
     /// The channel's unanswered turns, read back for [`Decision::ReadPendingOfChannel`] (empty
-    /// when the read failed: then only new turns are remembered). Completes a waiting join.
-    pub fn pending_read(&mut self, group: Option<&str>, pending: &[PendingFacts]) -> Vec<Decision> {
+    /// when the read failed: then only new turns are remembered), by a read that began at
+    /// `read_at_ms` (commit time, less any clock uncertainty). Completes a waiting join.
+    pub fn pending_read(
+        &mut self,
+        group: Option<&str>,
+        pending: &[PendingFacts],
+        read_at_ms: i64,
+    ) -> Vec<Decision> {
         if group.is_none() {
             // The registry is the whole truth now: holes in what this node followed before need
             // no reading back (that would hand turns out a second time, as if they were new).
             self.last_seq.clear();
+            self.following_since_ms = Some(read_at_ms);
         }
         for turn in pending {
             for (view_group, view) in &self.views {
@@ -281,24 +292,40 @@ impl ChannelDecider {
         }]
     }
 
-    /// How to handle a committed event of `seq` (with its frame at hand or not).
+    /// How to handle a committed event of `seq`, with its frame's commit time when the frame
+    /// is at hand.
     pub fn plan_committed(
         &self,
         conversation_id: &str,
         seq: i64,
-        has_frame: bool,
+        frame_at_ms: Option<i64>,
     ) -> CommittedPlan {
         let last = self.last_seq.get(conversation_id).copied();
         if last.is_some_and(|last| seq <= last) {
             return CommittedPlan::Skip;
         }
         // A known conversation with a hole is read back from the hole on.
-        match last.filter(|last| *last < seq - 1) {
-            Some(after) => CommittedPlan::Read {
+        if let Some(after) = last.filter(|last| *last < seq - 1) {
+            return CommittedPlan::Read {
                 after,
                 count: seq - after,
-            },
-            None if has_frame => CommittedPlan::Use,
+            };
+        }
+        // A conversation new here since this node follows the channel: an earlier frame of it
+        // committed since then may be on its way still (another node's commit arrives after
+        // this node's own), and would be skipped once this one is handled. Read them all now.
+        if let Some(since_ms) = self.following_since_ms
+            && last.is_none()
+            && seq > 1
+            && frame_at_ms.is_none_or(|at_ms| at_ms >= since_ms)
+        {
+            return CommittedPlan::ReadSince {
+                since_ms,
+                upto: seq,
+            };
+        }
+        match frame_at_ms {
+            Some(_) => CommittedPlan::Use,
             None => CommittedPlan::Read {
                 after: seq - 1,
                 count: 1,
@@ -347,7 +374,26 @@ impl ChannelDecider {
             return;
         }
         let turn = TurnId::of(frame);
+        // A turn committed before this node followed the channel was in its read of the
+        // registry (unanswered then) or answered already: that read decided it, and a late
+        // notification of it hands nothing on.
+        if self
+            .following_since_ms
+            .is_some_and(|since_ms| frame.at_ms < since_ms)
+        {
+            return;
+        }
         for (group, view) in &self.views {
+            // Read back with the frames since this node follows the channel, a turn its read
+            // of the registry already handed on is not handed on twice.
+            if turn.revision == 0
+                && self
+                    .memories
+                    .get(group)
+                    .is_some_and(|memory| memory.contains(frame.conversation_id, turn.seq))
+            {
+                continue;
+            }
             let owner = view
                 .owner(frame.conversation_id, frame.at_ms)
                 .unwrap_or(NOBODY);

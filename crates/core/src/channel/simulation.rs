@@ -14,6 +14,11 @@ const NODES: usize = 3;
 /// Eligibility delay of new members; gossip is always faster.
 const SETTLE: i64 = 1_000;
 const GROUPS: [&str; 2] = ["bot", "auditor"];
+/// How much later the other nodes hear of an answer or a proactive frame than its own node.
+const ANSWER_LAG: i64 = 20;
+/// The longest a notification takes to reach another node: less than gossip takes to tell of a
+/// leave (30 ms here), as commit notifications (milliseconds) are faster than failure detection.
+const FEED_LAG_MAX: i64 = 29;
 
 #[derive(Debug, Clone)]
 enum Step {
@@ -28,8 +33,10 @@ enum Step {
     Leave(usize),
     /// Every connection of a node goes at once (kill -9: the others learn it from gossip).
     NodeDies(usize),
-    /// The end user of a conversation sends a turn.
-    Turn(usize),
+    /// The end user of a conversation sends a turn, committed by node `conversation % NODES`;
+    /// the other nodes hear of it `lag` ms later (their notification), so a node may see a
+    /// later frame of the conversation (its own commit) before this one.
+    Turn { conversation: usize, lag: i64 },
     /// A member writes a frame of its own (not an answer) into a conversation.
     Proactive { member: usize, conversation: usize },
     /// Time passes; every member answers what it holds.
@@ -46,7 +53,8 @@ fn step() -> impl Strategy<Value = Step> {
             .prop_map(|(node, group, lag)| Step::Join { node, group, lag }),
         1 => (0usize..8).prop_map(Step::Leave),
         1 => Just(()).prop_flat_map(|_| 0..NODES).prop_map(Step::NodeDies),
-        6 => (0usize..5).prop_map(Step::Turn),
+        6 => (0usize..5, prop_oneof![2 => Just(0i64), 1 => 0i64..FEED_LAG_MAX])
+            .prop_map(|(conversation, lag)| Step::Turn { conversation, lag }),
         1 => (0usize..8, 0usize..5).prop_map(|(member, conversation)| Step::Proactive { member, conversation }),
         2 => (0u8..200).prop_map(Step::Tick),
     ]
@@ -96,6 +104,8 @@ struct Cluster {
     answered: BTreeSet<(String, i64)>,
     /// Gossip not yet heard: (deliver at, node, event).
     gossip: Vec<(i64, usize, Gossip)>,
+    /// Committed frames not yet heard by a node: (at, node, conversation, seq).
+    feeds: Vec<(i64, usize, String, i64)>,
     /// Members announced but not yet taken by their node's channel: (at, node, id, agent).
     attaching: Vec<(i64, usize, String, LocalAgent)>,
     /// What each connection was sent: (conversation, seq, first delivery?).
@@ -167,7 +177,8 @@ impl Cluster {
                 }
                 Decision::ReadPendingOfChannel { group } => {
                     let pending = self.pending(|_| true);
-                    let follow = self.deciders[node].pending_read(group.as_deref(), &pending);
+                    let follow =
+                        self.deciders[node].pending_read(group.as_deref(), &pending, self.now);
                     prepend(&mut queue, follow);
                 }
                 Decision::ReadPendingUpTo {
@@ -326,13 +337,15 @@ impl Cluster {
         }
     }
 
-    /// Commits a frame and feeds it to every node with agents of the channel.
+    /// Commits a frame; node `origin` hears of it at once, the others `lag` ms later.
     fn commit(
         &mut self,
         conversation: &str,
         sender_id: &str,
         from_user: bool,
         turn_seq: Option<i64>,
+        origin: usize,
+        lag: i64,
     ) {
         let seq = {
             let next = self.next_seq.entry(conversation.to_owned()).or_insert(0);
@@ -356,26 +369,68 @@ impl Cluster {
             turn_seq,
         });
         for node in 0..NODES {
-            if !self.has_local_agents(node) {
-                continue;
-            }
-            let plan = self.deciders[node].plan_committed(conversation, seq, true);
-            let frames: Vec<Stored> = match plan {
-                CommittedPlan::Skip => continue,
-                CommittedPlan::Use => vec![self.frames.last().cloned().expect("just stored")],
-                CommittedPlan::Read { after, count } => self
-                    .frames
-                    .iter()
-                    .filter(|frame| frame.conversation == conversation)
-                    .filter(|frame| frame.seq > after && frame.seq <= after + count)
-                    .cloned()
-                    .collect(),
+            let at = if node == origin {
+                self.now
+            } else {
+                self.now + lag
             };
-            let facts: Vec<FrameFacts<'_>> = frames.iter().map(Stored::facts).collect();
-            let decisions = self.deciders[node].committed(conversation, seq, &facts);
-            self.fed[node].insert(conversation.to_owned(), seq);
-            self.perform(node, decisions, &frames);
+            self.feeds.push((at, node, conversation.to_owned(), seq));
         }
+        self.hear_feeds(false);
+    }
+
+    /// Feeds each node the frames it hears by now (all: every one left), as the bus bridge
+    /// does: only to a node with agents of the channel.
+    fn hear_feeds(&mut self, all: bool) {
+        let now = self.now;
+        let (due, later): (Vec<_>, Vec<_>) = std::mem::take(&mut self.feeds)
+            .into_iter()
+            .partition(|(at, _, _, _)| all || *at <= now);
+        self.feeds = later;
+        for (_, node, conversation, seq) in due {
+            self.feed(node, &conversation, seq);
+        }
+    }
+
+    fn feed(&mut self, node: usize, conversation: &str, seq: i64) {
+        if !self.has_local_agents(node) {
+            return;
+        }
+        let of_conversation = |frame: &&Stored| frame.conversation == conversation;
+        let at_ms = self
+            .frames
+            .iter()
+            .find(|frame| frame.conversation == conversation && frame.seq == seq)
+            .map(|frame| frame.at_ms);
+        let plan = self.deciders[node].plan_committed(conversation, seq, at_ms);
+        let frames: Vec<Stored> = match plan {
+            CommittedPlan::Skip => return,
+            CommittedPlan::Use => self
+                .frames
+                .iter()
+                .filter(of_conversation)
+                .filter(|frame| frame.seq == seq)
+                .cloned()
+                .collect(),
+            CommittedPlan::Read { after, count } => self
+                .frames
+                .iter()
+                .filter(of_conversation)
+                .filter(|frame| frame.seq > after && frame.seq <= after + count)
+                .cloned()
+                .collect(),
+            CommittedPlan::ReadSince { since_ms, upto } => self
+                .frames
+                .iter()
+                .filter(of_conversation)
+                .filter(|frame| frame.seq <= upto && frame.at_ms >= since_ms)
+                .cloned()
+                .collect(),
+        };
+        let facts: Vec<FrameFacts<'_>> = frames.iter().map(Stored::facts).collect();
+        let decisions = self.deciders[node].committed(conversation, seq, &facts);
+        self.fed[node].insert(conversation.to_owned(), seq);
+        self.perform(node, decisions, &frames);
     }
 
     /// Every live member answers the unanswered turns it was sent.
@@ -391,13 +446,25 @@ impl Cluster {
                     .iter()
                     .any(|f| f.conversation == *conversation && f.seq == *seq && f.from_user);
                 if is_turn && !self.answered.contains(&(conversation.clone(), *seq)) {
-                    answers.push((conversation.clone(), *seq, connection.sender_id.clone()));
+                    answers.push((
+                        conversation.clone(),
+                        *seq,
+                        connection.sender_id.clone(),
+                        connection.node,
+                    ));
                 }
             }
         }
-        for (conversation, seq, sender_id) in answers {
+        for (conversation, seq, sender_id, node) in answers {
             if self.answered.insert((conversation.clone(), seq)) {
-                self.commit(&conversation, &sender_id, false, Some(seq));
+                self.commit(
+                    &conversation,
+                    &sender_id,
+                    false,
+                    Some(seq),
+                    node,
+                    ANSWER_LAG,
+                );
             }
         }
     }
@@ -429,6 +496,7 @@ proptest! {
         let mut cluster = Cluster::new();
         for step in steps {
             cluster.now += 1;
+            cluster.hear_feeds(false);
             cluster.hear_gossip(false);
             cluster.attach_due(false);
             match step {
@@ -445,24 +513,30 @@ proptest! {
                         cluster.leave(&id);
                     }
                 }
-                Step::Turn(conversation) => cluster.commit(&format!("c{conversation}"), "user-1", true, None),
+                Step::Turn { conversation, lag } => cluster.commit(&format!("c{conversation}"), "user-1", true, None, conversation % NODES, lag),
                 Step::Proactive { member, conversation } => {
-                    let writer = cluster.connections.values().filter(|c| c.live && c.group.is_some()).nth(member).map(|c| c.sender_id.clone());
-                    if let Some(sender_id) = writer {
-                        cluster.commit(&format!("c{conversation}"), &sender_id, false, None);
+                    let writer = cluster.connections.values().filter(|c| c.live && c.group.is_some()).nth(member).map(|c| (c.sender_id.clone(), c.node));
+                    if let Some((sender_id, node)) = writer {
+                        cluster.commit(&format!("c{conversation}"), &sender_id, false, None, node, ANSWER_LAG);
                     }
                 }
                 Step::Tick(ms) => {
-                    cluster.now += i64::from(ms);
-                    cluster.hear_gossip(false);
-                    cluster.attach_due(false);
+                    // A millisecond at a time, so that what is due earlier is heard earlier.
+                    for _ in 0..ms {
+                        cluster.now += 1;
+                        cluster.hear_feeds(false);
+                        cluster.hear_gossip(false);
+                        cluster.attach_due(false);
+                    }
                     cluster.answer_everything();
                 }
             }
         }
         cluster.now += SETTLE;
+        cluster.hear_feeds(true);
         cluster.hear_gossip(true);
         cluster.attach_due(true);
+        cluster.hear_feeds(true);
 
         // A turn's first delivery: once per group at most (unless a join was still unheard).
         let mut first: BTreeMap<(String, i64, String), usize> = BTreeMap::new();
@@ -475,7 +549,7 @@ proptest! {
             }
         }
         for (turn, count) in &first {
-            prop_assert_eq!(*count, 1, "turn {:?} first-delivered {} times", turn, count);
+            prop_assert_eq!(*count, 1, "turn {:?} first-delivered {} times: {:?}", turn, count, cluster.received);
         }
 
         // No group receives a frame its own members wrote.

@@ -228,6 +228,13 @@ impl PassedTurns {
         }
     }
 
+    /// True when turn `seq` of the conversation is remembered (passed on and unanswered).
+    pub fn contains(&self, conversation_id: &str, seq: i64) -> bool {
+        self.entries
+            .get(conversation_id)
+            .is_some_and(|passed| passed.passes.iter().any(|pass| pass.seq == seq))
+    }
+
     /// What is remembered of a conversation.
     pub fn get(&self, conversation_id: &str) -> Option<&Passed> {
         self.entries.get(conversation_id)

@@ -21,6 +21,13 @@ use crate::wire;
 /// How long the actor waits before reading a frame again that the database did not return.
 const FRAMES_RETRY: Duration = Duration::from_secs(1);
 
+/// How far before its read of the pending turns a node counts itself as following a channel's
+/// commits (ms): clock differences and commits that took their time before committing.
+const FOLLOW_MARGIN_MS: i64 = 2_000;
+
+/// Frames read back at most, from a conversation new to this node since it follows the channel.
+const READ_SINCE_WINDOW: i64 = 1_000;
+
 /// Unanswered turns older than this are not handed on when a node starts serving a channel.
 const PENDING_TURNS_HORIZON: Duration = Duration::from_secs(3_600);
 
@@ -141,35 +148,39 @@ impl ChannelActor {
         let conversation = conversation_id.to_string();
         match event {
             HubEvent::Committed { seq, activity, .. } => {
-                let plan = self
-                    .decider
-                    .plan_committed(&conversation, seq, activity.is_some());
-                let frames = match (plan, activity) {
+                let frame_at_ms = activity.as_ref().map(|activity| activity.timestamp_ms());
+                let plan = self.decider.plan_committed(&conversation, seq, frame_at_ms);
+                let read = match (plan, activity) {
                     (CommittedPlan::Skip, _) => return,
-                    (CommittedPlan::Use, Some(activity)) => vec![activity],
+                    (CommittedPlan::Use, Some(activity)) => Ok(vec![activity]),
+                    (CommittedPlan::ReadSince { since_ms, upto }, _) => self
+                        .store
+                        .activities_since(conversation_id, since_ms, upto, READ_SINCE_WINDOW)
+                        .await
+                        .map(|rows| rows.into_iter().map(Arc::new).collect()),
                     (CommittedPlan::Use, None) | (CommittedPlan::Read { .. }, _) => {
                         let (after, count) = match plan {
                             CommittedPlan::Read { after, count } => (after, count),
                             _ => (seq - 1, 1),
                         };
-                        match self
-                            .store
+                        self.store
                             .list_activities(conversation_id, after, count)
                             .await
-                        {
-                            Ok(rows) => rows.into_iter().map(Arc::new).collect(),
-                            Err(error) => {
-                                // Not marked as handled: the retry (or the conversation's next
-                                // frame) reads from the same place, so no turn is skipped.
-                                tracing::warn!(%error, %conversation_id, seq, "agents: frames unreadable; retrying");
-                                let event = ChannelEvent {
-                                    conversation_id,
-                                    event: HubEvent::committed_seq(seq),
-                                };
-                                self.retry_after(event, FRAMES_RETRY);
-                                return;
-                            }
-                        }
+                            .map(|rows| rows.into_iter().map(Arc::new).collect())
+                    }
+                };
+                let frames: Vec<Arc<Activity>> = match read {
+                    Ok(frames) => frames,
+                    Err(error) => {
+                        // Not marked as handled: the retry (or the conversation's next frame)
+                        // reads from the same place, so no turn is skipped.
+                        tracing::warn!(%error, %conversation_id, seq, "agents: frames unreadable; retrying");
+                        let event = ChannelEvent {
+                            conversation_id,
+                            event: HubEvent::committed_seq(seq),
+                        };
+                        self.retry_after(event, FRAMES_RETRY);
+                        return;
                     }
                 };
                 let facts: Vec<_> = frames
@@ -258,8 +269,13 @@ impl ChannelActor {
                     seqs,
                 } => self.deliver_pending(&conversation_id, &to, &seqs).await,
                 Decision::ReadPendingOfChannel { group } => {
+                    // From here on this node follows the channel's commits; the margin covers
+                    // the database's clock against this node's and commits in flight.
+                    let read_at_ms = chrono::Utc::now().timestamp_millis() - FOLLOW_MARGIN_MS;
                     let pending = self.pending_of_channel().await;
-                    let follow = self.decider.pending_read(group.as_deref(), &pending);
+                    let follow = self
+                        .decider
+                        .pending_read(group.as_deref(), &pending, read_at_ms);
                     prepend(&mut queue, follow);
                 }
                 Decision::ReadPendingUpTo {
