@@ -143,26 +143,31 @@ impl FromRequestParts<AppState> for TokenAuth {
     ) -> Result<Self, Self::Rejection> {
         let token = bearer(&parts.headers)
             .ok_or_else(|| ApiError::unauthorized("bearer token required"))?;
-        let claims = state
-            .tokens
-            .verify(token)
-            .map_err(|rejection| match rejection {
-                TokenRejection::Expired => ApiError::new(
-                    StatusCode::UNAUTHORIZED,
-                    ErrorCode::TokenExpired,
-                    "token expired",
-                ),
-                TokenRejection::Invalid => ApiError::unauthorized("invalid token"),
-            })?;
-        let channel = state.store.channel(claims.channel_id).await?;
-        match channel {
-            Some(channel) if channel.tenant_id != claims.tenant_id => {
-                Err(ApiError::unauthorized("invalid token"))
-            }
-            Some(channel) if !channel.is_active() => Err(ApiError::channel_inactive()),
-            Some(_) => Ok(TokenAuth(claims)),
-            None => Err(ApiError::unauthorized("invalid token")),
+        verified_claims(state, token).await.map(TokenAuth)
+    }
+}
+
+/// The claims of a valid token of an active channel of its tenant, or the documented refusal.
+pub(crate) async fn verified_claims(state: &AppState, token: &str) -> Result<Claims, ApiError> {
+    let claims = state
+        .tokens
+        .verify(token)
+        .map_err(|rejection| match rejection {
+            TokenRejection::Expired => ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                ErrorCode::TokenExpired,
+                "token expired",
+            ),
+            TokenRejection::Invalid => ApiError::unauthorized("invalid token"),
+        })?;
+    let channel = state.store.channel(claims.channel_id).await?;
+    match channel {
+        Some(channel) if channel.tenant_id != claims.tenant_id => {
+            Err(ApiError::unauthorized("invalid token"))
         }
+        Some(channel) if !channel.is_active() => Err(ApiError::channel_inactive()),
+        Some(_) => Ok(claims),
+        None => Err(ApiError::unauthorized("invalid token")),
     }
 }
 

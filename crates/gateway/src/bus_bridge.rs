@@ -166,6 +166,44 @@ async fn dispatch(store: &Store, hub: &Hub, channels: &mut ChannelsOf, event: Bu
                 hub.close_channel(channel_id, channel_inactive_close());
             }
         }
+        BusEvent::Disconnect(order) => {
+            let closed = hub.disconnect(&order, disconnect_close(&order.reason));
+            tracing::info!(request_id = %order.request_id, closed, "disconnect order carried out");
+            // Off the bus's path: the report is a write, the next events need not wait for it.
+            let (store, node) = (store.clone(), hub.node_id().to_owned());
+            tokio::spawn(async move {
+                if let Err(error) = store
+                    .report_disconnect(order.request_id, &node, closed)
+                    .await
+                {
+                    tracing::warn!(%error, request_id = %order.request_id, "disconnect not reported");
+                }
+            });
+        }
+    }
+}
+
+/// Longest close reason a WebSocket close frame carries, in bytes.
+const MAX_CLOSE_REASON_BYTES: usize = 123;
+
+/// The close every socket a disconnect order names receives: an error `forbidden` with the
+/// operator's reason, then 4403 with `disconnected: <reason>` (cut to fit a close frame).
+pub fn disconnect_close(reason: &str) -> SessionControl {
+    let mut close_reason = format!("disconnected: {reason}");
+    if close_reason.len() > MAX_CLOSE_REASON_BYTES {
+        let mut end = MAX_CLOSE_REASON_BYTES;
+        while !close_reason.is_char_boundary(end) {
+            end -= 1;
+        }
+        close_reason.truncate(end);
+    }
+    SessionControl::Close {
+        error: Some(Box::new(ErrorFrame {
+            details: Some(serde_json::json!({"reason": "disconnected"})),
+            ..ErrorFrame::new(ErrorCode::Forbidden, reason)
+        })),
+        code: CloseCode::ChannelInactive.number(),
+        reason: close_reason,
     }
 }
 

@@ -1,5 +1,5 @@
 //! The node-local hub: live frames per conversation for the sessions of this node, the registry
-//! of open sessions (for draining and channel deactivation), and per-node presence counts.
+//! of open sessions (for draining, channel deactivation and force-disconnect).
 //!
 //! Committed frames reach the hub twice on the committing node (directly after the commit, and
 //! through the bus) and once on the others (through the bus); sessions drop what they already
@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use axum::extract::ws::Utf8Bytes;
 use converger_protocol::{ErrorFrame, Viewer};
 use converger_store::Activity;
-use converger_store::bus::Origin;
+use converger_store::bus::{DisconnectOrder, Origin};
 use serde_json::Value;
 use tokio::sync::{broadcast, mpsc};
 use uuid::Uuid;
@@ -120,8 +120,38 @@ pub enum SessionControl {
     },
 }
 
+/// Who a session is, for the orders that pick sessions (deactivation, force-disconnect).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SessionIdentity {
+    /// The tenant.
+    pub tenant_id: Uuid,
+    /// The channel.
+    pub channel_id: Uuid,
+    /// An end user's session: (conversation, user); `None` for an agent.
+    pub end_user: Option<(Uuid, String)>,
+}
+
+impl SessionIdentity {
+    /// True when a disconnect order names this session: its tenant, and each of the order's
+    /// user, conversation and channel that is set (users and conversations are end users').
+    fn matches(&self, order: &DisconnectOrder) -> bool {
+        let end_user = self.end_user.as_ref();
+        self.tenant_id == order.tenant_id
+            && order
+                .channel_id
+                .is_none_or(|channel| channel == self.channel_id)
+            && order
+                .conversation_id
+                .is_none_or(|conversation| end_user.is_some_and(|(id, _)| *id == conversation))
+            && order
+                .user_id
+                .as_deref()
+                .is_none_or(|user| end_user.is_some_and(|(_, id)| id == user))
+    }
+}
+
 struct SessionEntry {
-    channel_id: Uuid,
+    identity: SessionIdentity,
     control: mpsc::Sender<SessionControl>,
 }
 
@@ -152,7 +182,6 @@ pub struct Hub {
     conversations: Mutex<HashMap<Uuid, Topic>>,
     sessions: Mutex<HashMap<Uuid, SessionEntry>>,
     sessions_closed: tokio::sync::Notify,
-    presence: Mutex<HashMap<(Uuid, String), usize>>,
 }
 
 impl std::fmt::Debug for Hub {
@@ -180,7 +209,6 @@ impl Hub {
             conversations: Mutex::new(HashMap::new()),
             sessions: Mutex::new(HashMap::new()),
             sessions_closed: tokio::sync::Notify::new(),
-            presence: Mutex::new(HashMap::new()),
         }
     }
 
@@ -273,17 +301,11 @@ impl Hub {
     /// Registers a session; the guard unregisters it when dropped.
     pub fn register(
         self: &Arc<Self>,
-        channel_id: Uuid,
+        identity: SessionIdentity,
         control: mpsc::Sender<SessionControl>,
     ) -> SessionGuard {
         let connection_id = Uuid::new_v4();
-        lock(&self.sessions).insert(
-            connection_id,
-            SessionEntry {
-                channel_id,
-                control,
-            },
-        );
+        lock(&self.sessions).insert(connection_id, SessionEntry { identity, control });
         metrics::gauge!("converger_ws_sessions").increment(1.0);
         SessionGuard {
             hub: Arc::clone(self),
@@ -322,7 +344,7 @@ impl Hub {
     pub fn close_channel(&self, channel_id: Uuid, control: SessionControl) {
         let targets: Vec<_> = lock(&self.sessions)
             .values()
-            .filter(|entry| entry.channel_id == channel_id)
+            .filter(|entry| entry.identity.channel_id == channel_id)
             .map(|entry| entry.control.clone())
             .collect();
         for target in targets {
@@ -330,29 +352,19 @@ impl Hub {
         }
     }
 
-    /// Counts a participant's connection in; returns the new count.
-    pub fn presence_join(&self, conversation_id: Uuid, participant_id: &str) -> usize {
-        let mut presence = lock(&self.presence);
-        let count = presence
-            .entry((conversation_id, participant_id.to_owned()))
-            .or_insert(0);
-        *count += 1;
-        *count
-    }
-
-    /// Counts a participant's connection out; returns the new count.
-    pub fn presence_leave(&self, conversation_id: Uuid, participant_id: &str) -> usize {
-        let mut presence = lock(&self.presence);
-        let key = (conversation_id, participant_id.to_owned());
-        let Some(count) = presence.get_mut(&key) else {
-            return 0;
-        };
-        *count = count.saturating_sub(1);
-        let left = *count;
-        if left == 0 {
-            presence.remove(&key);
+    /// Tells every session the order names to close; returns how many were told.
+    pub fn disconnect(&self, order: &DisconnectOrder, control: SessionControl) -> usize {
+        let targets: Vec<_> = lock(&self.sessions)
+            .values()
+            .filter(|entry| entry.identity.matches(order))
+            .map(|entry| entry.control.clone())
+            .collect();
+        let count = targets.len();
+        for target in targets {
+            // A full control queue means the session is already being told to close.
+            let _ = target.try_send(control.clone());
         }
-        left
+        count
     }
 }
 

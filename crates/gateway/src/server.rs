@@ -153,6 +153,7 @@ impl Server {
         );
         let pruner = spawn_outbox_pruner(self.state.clone());
         let expiry = crate::lifecycle::spawn_expiry(self.state.clone());
+        let reaper = crate::presence::spawn_reaper(self.state.clone());
         let draining_state = self.state.clone();
         let shutdown = async move {
             shutdown.await;
@@ -169,6 +170,7 @@ impl Server {
         )
         .await;
         pruner.abort();
+        reaper.abort();
         if let Some(expiry) = expiry {
             expiry.abort();
         }

@@ -12,6 +12,7 @@ pub mod faults;
 mod group_commit;
 pub mod hosts;
 mod lifecycle;
+mod presence;
 mod primary;
 mod secrets;
 mod tenants;
@@ -31,6 +32,7 @@ pub(crate) use error::{is_connection_failure, is_sqlx_connection_failure};
 pub use lifecycle::{
     CONVERSATION_UPDATE, EXPIRED_REASON, MAX_REASON_CHARS, SYSTEM_SENDER, StatusChange, Transition,
 };
+pub use presence::{Gone, Incarnation, PresenceTotal};
 pub use secrets::{generate_secret, hash_secret};
 pub use tenants::Tenant;
 pub use turns::{

@@ -5,6 +5,7 @@ mod body;
 mod channels;
 mod conversations;
 mod demo;
+mod events;
 mod health;
 mod lifecycle;
 pub mod status;
@@ -25,6 +26,7 @@ pub(crate) fn router(state: AppState) -> Router {
         .route("/", get(status::page).post(status::log_in))
         .route("/api/v1/admin/tenants", post(admin::create_tenant))
         .route("/api/v1/admin/cluster", get(admin::cluster))
+        .route("/api/v1/admin/disconnect", post(admin::disconnect))
         .route(
             "/api/v1/channels",
             post(channels::create).get(channels::list),
@@ -42,6 +44,10 @@ pub(crate) fn router(state: AppState) -> Router {
         .route(
             "/api/v1/converger/conversations/{id}/activities",
             get(conversations::list_activities).post(conversations::post_activity),
+        )
+        .route(
+            "/api/v1/converger/conversations/{id}/events",
+            get(events::events),
         )
         .route(
             "/api/v1/converger/conversations/{id}/close",

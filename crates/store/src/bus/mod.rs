@@ -61,6 +61,29 @@ pub struct TransientFrame {
     pub agents_only: bool,
 }
 
+/// An order to close every matching socket on every node (`POST /api/v1/admin/disconnect`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DisconnectOrder {
+    /// The request, under which each node reports what it closed.
+    #[serde(rename = "r")]
+    pub request_id: Uuid,
+    /// The tenant whose sockets are closed.
+    #[serde(rename = "t")]
+    pub tenant_id: Uuid,
+    /// Only end users' sockets of this user.
+    #[serde(rename = "u", default, skip_serializing_if = "Option::is_none")]
+    pub user_id: Option<String>,
+    /// Only end users' sockets of this conversation.
+    #[serde(rename = "c", default, skip_serializing_if = "Option::is_none")]
+    pub conversation_id: Option<Uuid>,
+    /// Only sockets of this channel (end users' and agents').
+    #[serde(rename = "h", default, skip_serializing_if = "Option::is_none")]
+    pub channel_id: Option<Uuid>,
+    /// Why, as the closed sockets are told.
+    #[serde(rename = "w")]
+    pub reason: String,
+}
+
 /// One event on the bus, as receivers see it.
 #[derive(Debug, Clone, PartialEq)]
 pub enum BusEvent {
@@ -110,6 +133,8 @@ pub enum BusEvent {
         /// `active` or `inactive`.
         status: String,
     },
+    /// Close the matching sockets and report how many.
+    Disconnect(DisconnectOrder),
 }
 
 /// The JSON payloads of `pg_notify`.
@@ -163,6 +188,8 @@ enum Payload {
         #[serde(rename = "st")]
         status: String,
     },
+    #[serde(rename = "dc")]
+    Disconnect(DisconnectOrder),
 }
 
 /// One conversation's commit, alone or within a batch notification.
@@ -229,6 +256,7 @@ fn to_events(payload: Payload) -> Vec<BusEvent> {
             status,
         },
         Payload::Streams { node, events } => BusEvent::Streams { node, events },
+        Payload::Disconnect(order) => BusEvent::Disconnect(order),
     };
     vec![event]
 }

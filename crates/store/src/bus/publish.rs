@@ -7,7 +7,7 @@ use std::time::Duration;
 use serde_json::Value;
 use uuid::Uuid;
 
-use super::{INLINE_PAYLOAD_LIMIT, Payload, TransientFrame};
+use super::{DisconnectOrder, INLINE_PAYLOAD_LIMIT, Payload, TransientFrame};
 use crate::{NOTIFY_CHANNEL, Store, StoreError};
 
 impl Store {
@@ -122,9 +122,26 @@ impl Store {
             channel_id,
             status: status.to_owned(),
         };
-        let stored = serde_json::to_value(&payload)
-            .map_err(|error| StoreError::Config(error.to_string()))?;
-        self.timed("publish_channel_status", async {
+        self.publish_kept("publish_channel_status", &payload).await
+    }
+
+    /// Publishes a disconnect order to every node (this one included: its listener hears it
+    /// too). Kept in the outbox, so a node whose listener was down then still carries it out.
+    pub async fn publish_disconnect(&self, order: &DisconnectOrder) -> Result<(), StoreError> {
+        self.publish_kept("publish_disconnect", &Payload::Disconnect(order.clone()))
+            .await
+    }
+
+    /// Notifies every node of `payload` and keeps it in the outbox, for the catch-up of a node
+    /// whose listener was down.
+    async fn publish_kept(
+        &self,
+        operation: &'static str,
+        payload: &Payload,
+    ) -> Result<(), StoreError> {
+        let stored =
+            serde_json::to_value(payload).map_err(|error| StoreError::Config(error.to_string()))?;
+        self.timed(operation, async {
             sqlx::query(sqlx::AssertSqlSafe(format!(
                 "WITH event AS (INSERT INTO outbox (payload) VALUES ($1) RETURNING payload)
                  SELECT pg_notify('{NOTIFY_CHANNEL}', payload::text)::text FROM event"
@@ -135,6 +152,47 @@ impl Store {
         })
         .await?;
         Ok(())
+    }
+
+    /// Records how many sockets `node_id` closed for a disconnect order (once per node: a
+    /// repeated order, from a catch-up, keeps the first report).
+    pub async fn report_disconnect(
+        &self,
+        request_id: Uuid,
+        node_id: &str,
+        closed: usize,
+    ) -> Result<(), StoreError> {
+        let closed = i32::try_from(closed).unwrap_or(i32::MAX);
+        self.timed("report_disconnect", async {
+            sqlx::query(
+                "INSERT INTO disconnect_reports (request_id, node_id, closed) VALUES ($1, $2, $3)
+                 ON CONFLICT (request_id, node_id) DO NOTHING",
+            )
+            .bind(request_id)
+            .bind(node_id)
+            .bind(closed)
+            .execute(&self.pool)
+            .await
+        })
+        .await?;
+        Ok(())
+    }
+
+    /// The reports of a disconnect order so far: (node, sockets closed).
+    pub async fn disconnect_reports(
+        &self,
+        request_id: Uuid,
+    ) -> Result<Vec<(String, i32)>, StoreError> {
+        self.timed("disconnect_reports", async {
+            sqlx::query_as(
+                "SELECT node_id, closed FROM disconnect_reports WHERE request_id = $1
+                 ORDER BY node_id",
+            )
+            .bind(request_id)
+            .fetch_all(&self.pool)
+            .await
+        })
+        .await
     }
 
     async fn notify(&self, payload: &str) -> Result<(), StoreError> {
@@ -153,8 +211,13 @@ impl Store {
     pub async fn prune_outbox(&self, retention: Duration) -> Result<u64, StoreError> {
         let result = self
             .timed("prune_outbox", async {
+                // Disconnect reports are read only while their request waits: as short-lived.
                 sqlx::query(
-                    "DELETE FROM outbox WHERE created_at < now() - make_interval(secs => $1)",
+                    "WITH reports AS (
+                         DELETE FROM disconnect_reports
+                         WHERE reported_at < now() - make_interval(secs => $1)
+                     )
+                     DELETE FROM outbox WHERE created_at < now() - make_interval(secs => $1)",
                 )
                 .bind(retention.as_secs_f64())
                 .execute(&self.pool)

@@ -36,7 +36,7 @@ use super::session::{
     push_failed, rate_limited,
 };
 use crate::actors::{ActorMessage, Delivery};
-use crate::hub::SessionControl;
+use crate::hub::{SessionControl, SessionIdentity};
 use crate::state::AppState;
 use crate::tokens::Claims;
 
@@ -84,7 +84,12 @@ pub(super) async fn run(
     } = setup;
     let lease = lease.then(|| Duration::from_millis(state.config.lease_ms));
     let (control_sender, mut controls) = mpsc::channel::<SessionControl>(8);
-    let guard = state.hub.register(claims.channel_id, control_sender);
+    let identity = SessionIdentity {
+        tenant_id: claims.tenant_id,
+        channel_id: claims.channel_id,
+        end_user: None,
+    };
+    let guard = state.hub.register(identity, control_sender);
     let connection_id = guard.connection_id();
     let since_ms = now_ms() + i64::try_from(state.config.group_settle_ms).unwrap_or(i64::MAX);
     let now = Instant::now();

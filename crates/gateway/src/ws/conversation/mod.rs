@@ -43,7 +43,7 @@ use super::session::{
     Admitted, Ending, admit, classify, expiry_instant, internal_close, push_failed, rate_limited,
     refusal_frame, too_large, within_size,
 };
-use crate::hub::{HubEvent, SessionControl};
+use crate::hub::{HubEvent, SessionControl, SessionIdentity};
 use crate::state::AppState;
 use crate::tokens::Claims;
 
@@ -93,7 +93,12 @@ pub(super) async fn run(
         hello,
     } = established;
     let (control_sender, mut controls) = mpsc::channel::<SessionControl>(8);
-    let guard = state.hub.register(conversation.channel_id, control_sender);
+    let identity = SessionIdentity {
+        tenant_id: conversation.tenant_id,
+        channel_id: conversation.channel_id,
+        end_user: Some((conversation.id, user_id.clone())),
+    };
+    let guard = state.hub.register(identity, control_sender);
     // Subscribe before reading the head: whatever commits from now on is either in the replay
     // or arrives live (and the cursor drops what the replay already sent).
     let mut live = state.hub.subscribe(conversation.id);
@@ -142,9 +147,20 @@ pub(super) async fn run(
     }
     drop(hello);
     drop(conversation);
-    session.presence_changed(true);
+    // Off the session's path, and the count out only after the count in.
+    let presence = session.presence();
+    let counted = tokio::spawn(crate::presence::change(
+        state.clone(),
+        presence.clone(),
+        true,
+    ));
     let ending = session.run(stream, &mut live, &mut controls).await;
-    session.presence_changed(false);
+    let state = state.clone();
+    tokio::spawn(async move {
+        if counted.await.unwrap_or(false) {
+            crate::presence::change(state, presence, false).await;
+        }
+    });
     drop(guard);
     ending
 }

@@ -4,8 +4,7 @@
 use std::time::Duration;
 
 use converger_protocol::{
-    ErrorCode, ErrorFrame, Heartbeat, Participant, USER_ROLE, presence, read_receipt,
-    token_refreshed, typing,
+    ErrorCode, ErrorFrame, Heartbeat, Participant, USER_ROLE, read_receipt, token_refreshed, typing,
 };
 use serde_json::{Map, Value, json};
 use tokio::time::Instant;
@@ -141,28 +140,14 @@ impl Session<'_> {
         self.push(token_refreshed(expires_at), false)
     }
 
-    /// Announces this participant's first connection or the close of its last one.
-    pub(super) fn presence_changed(&mut self, joined: bool) {
-        let hub = &self.state.hub;
-        let connections = if joined {
-            hub.presence_join(self.conversation_id, &self.user_id)
-        } else {
-            hub.presence_leave(self.conversation_id, &self.user_id)
-        };
-        let announce = if joined {
-            connections == 1
-        } else {
-            connections == 0
-        };
-        if !announce {
-            return;
+    /// This session's presence, as the cluster counts it.
+    pub(super) fn presence(&self) -> crate::presence::Presence {
+        crate::presence::Presence {
+            channel_id: self.channel_id,
+            conversation_id: self.conversation_id,
+            user_id: self.user_id.clone(),
+            connection_id: self.connection_id,
         }
-        let frame = presence(self.me(), joined, connections);
-        let transient = self.transient(frame, Audience::Everyone);
-        transient.publish_here(hub);
-        // Off the session's path: an offline notice is published after the session ended.
-        let state = self.state.clone();
-        tokio::spawn(async move { transient.publish_elsewhere(&state).await });
     }
 
     pub(super) fn on_ping(&mut self, nonce: Option<&Value>) -> Result<(), Ending> {

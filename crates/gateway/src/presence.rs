@@ -1,0 +1,174 @@
+//! Presence over the cluster (ADR 0024): a participant goes `online` when its first connection
+//! on any node opens and `offline` when its last one on any node closes, each announced once,
+//! by the node that saw the count cross; `connections` is the count over every node. A dead
+//! node's connections are taken out by the first node that sees it dead in gossip.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use converger_protocol::{Participant, USER_ROLE, presence};
+use converger_store::bus::Origin;
+use converger_store::{Gone, Incarnation, PresenceTotal};
+use tokio::task::JoinHandle;
+use uuid::Uuid;
+
+use crate::publish::{Audience, Transient};
+use crate::state::AppState;
+
+/// How often a node looks for dead nodes whose connections still count.
+const REAP_EVERY: Duration = Duration::from_secs(1);
+
+/// One end user's presence in one conversation, as a session announces it.
+#[derive(Debug, Clone)]
+pub(crate) struct Presence {
+    /// The conversation's channel (its agents are told).
+    pub channel_id: Uuid,
+    /// The conversation.
+    pub conversation_id: Uuid,
+    /// The end user.
+    pub user_id: String,
+    /// The session's connection, so the user's own connections are not told.
+    pub connection_id: Uuid,
+}
+
+impl Presence {
+    fn origin(&self) -> Origin {
+        Origin {
+            id: self.user_id.clone(),
+            role: USER_ROLE.into(),
+            connection: self.connection_id.to_string(),
+        }
+    }
+}
+
+/// This node's incarnation, as presence rows name it.
+fn this_node(state: &AppState) -> Incarnation<'_> {
+    Incarnation {
+        node_id: state.hub.node_id(),
+        generation: i64::try_from(state.cluster.node().generation).unwrap_or(i64::MAX),
+    }
+}
+
+/// Counts a connection in or out and announces a crossing. False when the count could not be
+/// changed (the database failed): a join that was not counted must not be counted out.
+pub(crate) async fn change(state: AppState, who: Presence, joined: bool) -> bool {
+    let state = &state;
+    let total = match state
+        .store
+        .change_presence(who.conversation_id, &who.user_id, this_node(state), joined)
+        .await
+    {
+        Ok(total) => total,
+        Err(error) => {
+            tracing::warn!(%error, conversation_id = %who.conversation_id, "presence not counted");
+            return false;
+        }
+    };
+    let crossed = if joined { total == 1 } else { total == 0 };
+    if crossed {
+        announce(
+            state,
+            who.channel_id,
+            who.conversation_id,
+            who.origin(),
+            joined,
+            total,
+        )
+        .await;
+    }
+    true
+}
+
+/// Publishes a presence frame to every node's agents of the conversation.
+async fn announce(
+    state: &AppState,
+    channel_id: Uuid,
+    conversation_id: Uuid,
+    origin: Origin,
+    online: bool,
+    connections: i64,
+) {
+    let participant = Participant {
+        id: &origin.id,
+        role: USER_ROLE,
+    };
+    let frame = presence(
+        participant,
+        online,
+        usize::try_from(connections).unwrap_or(0),
+    );
+    Transient {
+        channel_id,
+        conversation_id,
+        frame,
+        origin,
+        audience: Audience::Everyone,
+    }
+    .publish(state)
+    .await;
+}
+
+/// Starts the task that takes dead nodes' connections out of the counts (and, once, what an
+/// earlier incarnation of this node left behind).
+pub(crate) fn spawn_reaper(state: AppState) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let node = this_node(&state);
+        let earlier = state.store.forget_presence(Gone::AllBut(node)).await;
+        announce_offline(&state, earlier).await;
+        let mut forgotten: BTreeSet<(String, u64)> = BTreeSet::new();
+        let mut every = tokio::time::interval(REAP_EVERY);
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            every.tick().await;
+            let Ok(status) = state.cluster.status().await else {
+                continue;
+            };
+            for dead in status.nodes.iter().filter(|node| node.status == "dead") {
+                let key = (dead.id.clone(), dead.generation);
+                if forgotten.contains(&key) {
+                    continue;
+                }
+                let gone = Gone::Exactly(Incarnation {
+                    node_id: &dead.id,
+                    generation: i64::try_from(dead.generation).unwrap_or(i64::MAX),
+                });
+                let totals = state.store.forget_presence(gone).await;
+                if totals.is_ok() {
+                    forgotten.insert(key);
+                }
+                announce_offline(&state, totals).await;
+            }
+        }
+    })
+}
+
+/// Announces `offline` for each participant a removal left with no connection.
+async fn announce_offline(
+    state: &AppState,
+    totals: Result<Vec<PresenceTotal>, converger_store::StoreError>,
+) {
+    let totals = match totals {
+        Ok(totals) => totals,
+        Err(error) => {
+            tracing::warn!(%error, "presence of a gone node not removed; retrying");
+            return;
+        }
+    };
+    for total in totals.into_iter().filter(|total| total.connections == 0) {
+        let channel_id = match state.store.conversation(total.conversation_id).await {
+            Ok(Some(conversation)) => conversation.channel_id,
+            Ok(None) => continue,
+            Err(error) => {
+                tracing::warn!(%error, conversation_id = %total.conversation_id, "offline presence not announced");
+                continue;
+            }
+        };
+        // No connection of the user is left, so no own-connection filter is needed: a nil one.
+        let origin = Origin {
+            id: total.participant_id,
+            role: USER_ROLE.into(),
+            connection: Uuid::nil().to_string(),
+        };
+        announce(state, channel_id, total.conversation_id, origin, false, 0).await;
+    }
+}

@@ -1,0 +1,326 @@
+//! A conversation over Server-Sent Events (docs/protocol.md §6.1), for end users whose network
+//! blocks WebSockets: the frames of the converger profile, `id:` = seq on persistent frames, a
+//! resume from `Last-Event-ID` (or `?watermark=`), the same replay hold-back as a socket
+//! (`converger_core::replay`), heartbeat comments, and an `error` event at token expiry. Sends
+//! go over REST.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use converger_core::replay::{LiveDecision, ReplayCursor};
+use converger_protocol::{ErrorCode, ErrorFrame, Profile, USER_ROLE, Viewer};
+use converger_store::Activity;
+use converger_store::bus::Origin;
+use futures_util::Stream;
+use serde_json::Value;
+use tokio::sync::{broadcast, mpsc};
+
+use super::conversations::authorized_conversation;
+use crate::auth::{bearer, verified_claims};
+use crate::error::ApiError;
+use crate::hub::{EndUserViews, HubEvent, SessionControl, SessionGuard, SessionIdentity};
+use crate::state::AppState;
+use crate::tokens::Scope;
+use crate::wire;
+
+/// The reconnection delay a client's `EventSource` is told (`retry:`).
+const RETRY: Duration = Duration::from_secs(2);
+/// Events queued for one stream before the producer waits for the client.
+const QUEUE: usize = 256;
+
+/// What one stream follows.
+struct Follow {
+    state: AppState,
+    conversation_id: uuid::Uuid,
+    user_id: String,
+    expires_at: tokio::time::Instant,
+    sender: mpsc::Sender<Event>,
+}
+
+/// `GET …/conversations/{id}/events` (token by `Authorization: Bearer` or `?token=`).
+pub(crate) async fn events(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    Query(query): Query<HashMap<String, String>>,
+    headers: HeaderMap,
+) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, ApiError> {
+    let token = bearer(&headers)
+        .or_else(|| query.get("token").map(String::as_str))
+        .filter(|token| !token.is_empty())
+        .ok_or_else(|| ApiError::unauthorized("a token is required (Bearer or ?token=)"))?;
+    let claims = verified_claims(&state, token).await?;
+    if !matches!(claims.scope(), Scope::Conversation) {
+        return Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            ErrorCode::Forbidden,
+            "events are for end users: use a conversation-scope token",
+        ));
+    }
+    let conversation = authorized_conversation(&state, &claims, &id).await?;
+    // Last-Event-ID wins: it is what the browser's EventSource sends when it reconnects.
+    let watermark = match headers.get("last-event-id") {
+        Some(value) => Some(value.to_str().unwrap_or("x").to_owned()),
+        None => query.get("watermark").cloned(),
+    };
+    let watermark = match watermark.as_deref() {
+        None | Some("") => 0,
+        Some(raw) => raw.parse::<u64>().map_err(|_| invalid_watermark())?,
+    };
+    // Subscribe before reading the head: what commits from now on is in the replay or live.
+    let live = state.hub.subscribe(conversation.id);
+    let head = state
+        .store
+        .conversation(conversation.id)
+        .await?
+        .map_or(0, |conversation| {
+            u64::try_from(conversation.last_seq).unwrap_or(0)
+        });
+    if watermark > head {
+        return Err(invalid_watermark());
+    }
+    let (sender, mut receiver) = mpsc::channel::<Event>(QUEUE);
+    // Registered like a socket: drained with the node, closed by a force-disconnect.
+    let (control_sender, controls) = mpsc::channel::<SessionControl>(8);
+    let guard = state.hub.register(
+        SessionIdentity {
+            tenant_id: conversation.tenant_id,
+            channel_id: conversation.channel_id,
+            end_user: Some((conversation.id, conversation.user_id.clone())),
+        },
+        control_sender,
+    );
+    let presence = crate::presence::Presence {
+        channel_id: conversation.channel_id,
+        conversation_id: conversation.id,
+        user_id: conversation.user_id.clone(),
+        connection_id: guard.connection_id(),
+    };
+    let follow = Follow {
+        state: state.clone(),
+        conversation_id: conversation.id,
+        user_id: conversation.user_id.clone(),
+        expires_at: expiry_instant(claims.exp),
+        sender,
+    };
+    tokio::spawn(async move {
+        let counted = tokio::spawn(crate::presence::change(
+            follow.state.clone(),
+            presence.clone(),
+            true,
+        ));
+        let state = follow.state.clone();
+        follow.run(watermark, head, live, controls, guard).await;
+        if counted.await.unwrap_or(false) {
+            crate::presence::change(state, presence, false).await;
+        }
+    });
+    let stream = futures_util::stream::poll_fn(move |context| {
+        receiver.poll_recv(context).map(|event| event.map(Ok))
+    });
+    let heartbeat = Duration::from_millis(state.config.limits.heartbeat_interval_ms);
+    Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(heartbeat).text("heartbeat")))
+}
+
+/// When a token that expires at `exp` (seconds since the epoch) runs out.
+fn expiry_instant(exp: i64) -> tokio::time::Instant {
+    let remaining = exp.saturating_sub(chrono::Utc::now().timestamp()).max(0);
+    tokio::time::Instant::now() + Duration::from_secs(u64::try_from(remaining).unwrap_or(0))
+}
+
+fn invalid_watermark() -> ApiError {
+    ApiError::new(
+        StatusCode::BAD_REQUEST,
+        ErrorCode::InvalidWatermark,
+        "Last-Event-ID or watermark must be a seq at or below the conversation's head",
+    )
+}
+
+/// Why a stream stopped following.
+enum Stop {
+    /// The client went away, or the node is going.
+    Gone,
+}
+
+impl Follow {
+    async fn run(
+        self,
+        watermark: u64,
+        head: u64,
+        mut live: broadcast::Receiver<HubEvent>,
+        mut controls: mpsc::Receiver<SessionControl>,
+        guard: SessionGuard,
+    ) {
+        let _ = self.follow(watermark, head, &mut live, &mut controls).await;
+        drop(guard);
+    }
+
+    async fn follow(
+        &self,
+        watermark: u64,
+        head: u64,
+        live: &mut broadcast::Receiver<HubEvent>,
+        controls: &mut mpsc::Receiver<SessionControl>,
+    ) -> Result<(), Stop> {
+        self.send(Event::default().retry(RETRY).comment("converger"))
+            .await?;
+        let (mut cursor, plan) = ReplayCursor::start(watermark, head, None);
+        self.send_range(plan.after, plan.upto).await?;
+        let expiry = tokio::time::sleep_until(self.expires_at);
+        tokio::pin!(expiry);
+        loop {
+            let event = tokio::select! {
+                () = &mut expiry => return self.expired().await,
+                () = self.sender.closed() => return Err(Stop::Gone),
+                Some(control) = controls.recv() => return self.on_control(control).await,
+                event = live.recv() => event,
+            };
+            match event {
+                Ok(HubEvent::Committed {
+                    seq,
+                    activity,
+                    views,
+                }) => {
+                    self.on_committed(&mut cursor, seq, activity, &views)
+                        .await?
+                }
+                Ok(HubEvent::Transient { frame, origin }) => {
+                    self.on_transient(&frame, origin.as_deref()).await?
+                }
+                // Streamed chunks are not relayed here (docs/protocol.md §6.1): the answer
+                // arrives when it commits.
+                Ok(HubEvent::Stream(_) | HubEvent::Regenerated { .. }) => {}
+                Err(broadcast::error::RecvError::Lagged(_)) => {
+                    let head = match self.state.store.conversation(self.conversation_id).await {
+                        Ok(Some(conversation)) => conversation.last_seq,
+                        _ => continue,
+                    };
+                    self.on_committed(&mut cursor, head, None, &EndUserViews::default())
+                        .await?;
+                }
+                Err(broadcast::error::RecvError::Closed) => return Err(Stop::Gone),
+            }
+        }
+    }
+
+    async fn on_committed(
+        &self,
+        cursor: &mut ReplayCursor,
+        seq: i64,
+        activity: Option<Arc<Activity>>,
+        views: &EndUserViews,
+    ) -> Result<(), Stop> {
+        let Ok(seq) = u64::try_from(seq) else {
+            return Ok(());
+        };
+        match cursor.on_live(seq) {
+            LiveDecision::Drop => {}
+            LiveDecision::Send => {
+                match activity {
+                    Some(activity) => {
+                        let text = views.render(&activity, &self.user_id);
+                        self.send(frame_event(seq, text.as_str())).await?;
+                    }
+                    None => self.send_range(seq - 1, seq).await?,
+                }
+                cursor.advance_to(seq);
+            }
+            LiveDecision::FillGap { after, upto } => {
+                self.send_range(after, upto).await?;
+                cursor.advance_to(upto);
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends the stored frames `after + 1 ..= upto` from the database, in batches.
+    async fn send_range(&self, after: u64, upto: u64) -> Result<(), Stop> {
+        let batch = self.state.config.limits.replay_batch as i64;
+        let mut next_after = after as i64;
+        let upto = upto as i64;
+        let viewer = Viewer::EndUser {
+            user_id: &self.user_id,
+        };
+        while next_after < upto {
+            let limit = batch.min(upto - next_after);
+            let rows = match self
+                .state
+                .store
+                .list_activities(self.conversation_id, next_after, limit)
+                .await
+            {
+                Ok(rows) => rows,
+                Err(error) => {
+                    // The client reconnects with its Last-Event-ID: nothing is skipped.
+                    tracing::warn!(%error, conversation_id = %self.conversation_id, "events: replay read failed");
+                    return Err(Stop::Gone);
+                }
+            };
+            let Some(last) = rows.last().map(|row| row.seq) else {
+                break;
+            };
+            for row in &rows {
+                let text = wire::persistent(row).view(viewer).encode();
+                self.send(frame_event(row.seq as u64, &text)).await?;
+            }
+            next_after = last;
+        }
+        Ok(())
+    }
+
+    async fn on_transient(&self, frame: &Value, origin: Option<&Origin>) -> Result<(), Stop> {
+        let kind = frame
+            .get("type")
+            .and_then(Value::as_str)
+            .unwrap_or_default();
+        // Typing and presence are the other participants' (as on a socket).
+        let own =
+            origin.is_some_and(|origin| origin.id == self.user_id && origin.role == USER_ROLE);
+        if own && matches!(kind, "typing" | "presence") {
+            return Ok(());
+        }
+        if !Profile::Converger.receives_transient(kind) {
+            return Ok(());
+        }
+        self.send(Event::default().data(frame.to_string())).await
+    }
+
+    /// The token ran out: an `error` event, then the stream ends (the client gets a new token
+    /// and reconnects with its Last-Event-ID).
+    async fn expired(&self) -> Result<(), Stop> {
+        let error = ErrorFrame::new(ErrorCode::TokenExpired, "token expired").encode();
+        self.send(Event::default().event("error").data(error))
+            .await?;
+        Err(Stop::Gone)
+    }
+
+    /// The node drains, or an operator disconnects the user: an `error` event, then the end.
+    async fn on_control(&self, control: SessionControl) -> Result<(), Stop> {
+        let error = match control {
+            SessionControl::Drain { retry_after_ms } => ErrorFrame {
+                retry_after_ms: Some(retry_after_ms),
+                ..ErrorFrame::new(ErrorCode::Unavailable, "the node is draining; reconnect")
+            },
+            SessionControl::Close { error, reason, .. } => match error {
+                Some(error) => *error,
+                None => ErrorFrame::new(ErrorCode::Forbidden, &reason),
+            },
+        };
+        self.send(Event::default().event("error").data(error.encode()))
+            .await?;
+        Err(Stop::Gone)
+    }
+
+    async fn send(&self, event: Event) -> Result<(), Stop> {
+        self.sender.send(event).await.map_err(|_| Stop::Gone)
+    }
+}
+
+/// A persistent frame as an event: `id:` its seq.
+fn frame_event(seq: u64, text: &str) -> Event {
+    Event::default().id(seq.to_string()).data(text)
+}

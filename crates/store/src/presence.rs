@@ -1,0 +1,186 @@
+//! Presence counted across the cluster (ADR 0024): each node incarnation's open connections per
+//! (conversation, participant), changed under an advisory lock on that pair so the total read
+//! back is the cluster's and one change alone sees it cross between 0 and 1.
+
+use uuid::Uuid;
+
+use crate::{Store, StoreError};
+
+/// Pairs forgotten per transaction when a node incarnation is gone (each holds a lock).
+const FORGET_BATCH: i64 = 100;
+
+/// A node incarnation: its id and its start time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Incarnation<'a> {
+    /// The node id.
+    pub node_id: &'a str,
+    /// Its generation (start time, ms).
+    pub generation: i64,
+}
+
+/// Whose connections [`Store::forget_presence`] removes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gone<'a> {
+    /// One incarnation (a dead node).
+    Exactly(Incarnation<'a>),
+    /// Every incarnation of the node but this one (at start: what a killed predecessor left).
+    AllBut(Incarnation<'a>),
+}
+
+/// A participant's connections over the cluster after a change.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PresenceTotal {
+    /// Conversation.
+    pub conversation_id: Uuid,
+    /// Participant.
+    pub participant_id: String,
+    /// Open connections on every node.
+    pub connections: i64,
+}
+
+impl Store {
+    /// Counts one connection of a participant in (`joined`) or out, on `node`; returns the
+    /// participant's connections over the cluster after the change.
+    pub async fn change_presence(
+        &self,
+        conversation_id: Uuid,
+        participant_id: &str,
+        node: Incarnation<'_>,
+        joined: bool,
+    ) -> Result<i64, StoreError> {
+        self.timed("change_presence", async {
+            let mut transaction = self.pool.begin().await?;
+            sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1::text || '/' || $2, 0))")
+                .bind(conversation_id)
+                .bind(participant_id)
+                .execute(&mut *transaction)
+                .await?;
+            let change = if joined {
+                "INSERT INTO presence_connections AS p
+                     (conversation_id, participant_id, node_id, generation, connections)
+                 VALUES ($1, $2, $3, $4, 1)
+                 ON CONFLICT (conversation_id, participant_id, node_id, generation)
+                 DO UPDATE SET connections = p.connections + 1"
+            } else {
+                "UPDATE presence_connections SET connections = connections - 1
+                 WHERE conversation_id = $1 AND participant_id = $2 AND node_id = $3
+                   AND generation = $4"
+            };
+            sqlx::query(change)
+                .bind(conversation_id)
+                .bind(participant_id)
+                .bind(node.node_id)
+                .bind(node.generation)
+                .execute(&mut *transaction)
+                .await?;
+            sqlx::query(
+                "DELETE FROM presence_connections
+                 WHERE conversation_id = $1 AND participant_id = $2 AND connections <= 0",
+            )
+            .bind(conversation_id)
+            .bind(participant_id)
+            .execute(&mut *transaction)
+            .await?;
+            let total: i64 = sqlx::query_scalar(
+                "SELECT coalesce(sum(connections), 0)::bigint FROM presence_connections
+                 WHERE conversation_id = $1 AND participant_id = $2",
+            )
+            .bind(conversation_id)
+            .bind(participant_id)
+            .fetch_one(&mut *transaction)
+            .await?;
+            transaction.commit().await?;
+            Ok(total)
+        })
+        .await
+    }
+
+    /// Removes the connections of gone node incarnations; returns, for each participant they
+    /// counted, its connections over the cluster after the removal. Another node doing the same
+    /// at once finds nothing left and returns nothing, so each is announced once.
+    pub async fn forget_presence(&self, gone: Gone<'_>) -> Result<Vec<PresenceTotal>, StoreError> {
+        let (node, exact) = match gone {
+            Gone::Exactly(node) => (node, true),
+            Gone::AllBut(node) => (node, false),
+        };
+        let mut totals = Vec::new();
+        loop {
+            let batch = self.forget_batch(node, exact).await?;
+            let done = (batch.len() as i64) < FORGET_BATCH;
+            totals.extend(batch);
+            if done {
+                return Ok(totals);
+            }
+        }
+    }
+
+    /// One transaction of [`Store::forget_presence`]: up to [`FORGET_BATCH`] pairs, locked in
+    /// order (a change locks one pair only, so no cycle forms).
+    async fn forget_batch(
+        &self,
+        node: Incarnation<'_>,
+        exact: bool,
+    ) -> Result<Vec<PresenceTotal>, StoreError> {
+        const GONE: &str = "node_id = $1 AND (generation = $2) = $3";
+        self.timed("forget_presence", async {
+            let mut transaction = self.pool.begin().await?;
+            let pairs: Vec<(Uuid, String)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+                "SELECT DISTINCT conversation_id, participant_id FROM presence_connections
+                 WHERE {GONE} ORDER BY conversation_id, participant_id LIMIT $4"
+            )))
+            .bind(node.node_id)
+            .bind(node.generation)
+            .bind(exact)
+            .bind(FORGET_BATCH)
+            .fetch_all(&mut *transaction)
+            .await?;
+            if pairs.is_empty() {
+                return Ok(Vec::new());
+            }
+            let (conversations, participants): (Vec<Uuid>, Vec<String>) = pairs.into_iter().unzip();
+            sqlx::query(
+                "SELECT pg_advisory_xact_lock(hashtextextended(k.c::text || '/' || k.p, 0))
+                 FROM unnest($1::uuid[], $2::text[]) WITH ORDINALITY AS k(c, p, n) ORDER BY k.n",
+            )
+            .bind(&conversations)
+            .bind(&participants)
+            .execute(&mut *transaction)
+            .await?;
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "DELETE FROM presence_connections
+                 USING unnest($4::uuid[], $5::text[]) AS k(c, p)
+                 WHERE {GONE} AND conversation_id = k.c AND participant_id = k.p"
+            )))
+            .bind(node.node_id)
+            .bind(node.generation)
+            .bind(exact)
+            .bind(&conversations)
+            .bind(&participants)
+            .execute(&mut *transaction)
+            .await?;
+            let totals: Vec<(Uuid, String, i64)> = sqlx::query_as(
+                "SELECT k.c, k.p,
+                        coalesce((SELECT sum(x.connections) FROM presence_connections x
+                                  WHERE x.conversation_id = k.c AND x.participant_id = k.p),
+                                 0)::bigint
+                 FROM unnest($1::uuid[], $2::text[]) AS k(c, p)",
+            )
+            .bind(&conversations)
+            .bind(&participants)
+            .fetch_all(&mut *transaction)
+            .await?;
+            transaction.commit().await?;
+            Ok(totals
+                .into_iter()
+                .map(
+                    |(conversation_id, participant_id, connections)| PresenceTotal {
+                        conversation_id,
+                        participant_id,
+                        connections,
+                    },
+                )
+                .collect())
+        })
+        .await
+    }
+}
