@@ -287,3 +287,68 @@ async fn events_refuse_strangers_bad_watermarks_and_agents() {
         assert_eq!(body["error"]["code"], code);
     }
 }
+
+#[tokio::test]
+async fn a_streamed_answer_reaches_the_event_stream_chunk_by_chunk_then_commits() {
+    let node = TestNode::start_with(|config| config.group_settle_ms = 100).await;
+    let acme = node.tenant_with_channel("acme").await;
+    let agent_token = node.agent_token(&acme).await;
+    let (mut bot, welcome) = node.agent(&agent_token, Some("bot")).await;
+    support::settle(&welcome).await;
+    let (conversation, token) = node.conversation(&acme, "alice").await;
+    let url = node.url(&format!(
+        "/api/v1/converger/conversations/{conversation}/events"
+    ));
+    let mut events = SseReader::open(&url, Some(&token), None).await;
+    events.next().await.unwrap();
+    let seq = post(&node.server.base_url(), &conversation, &token, "tell me").await;
+    let turn = events.next_data().await.unwrap();
+    assert_eq!(turn.id.as_deref(), Some(seq.to_string().as_str()));
+    // The member gets the turn and streams its answer in three chunks, then commits it.
+    loop {
+        let delivered = bot.recv().await;
+        if delivered["frame"]["meta"]["turn"]["seq"] == seq {
+            break;
+        }
+    }
+    let id = conversation.to_string();
+    for (index, text) in ["once ", "upon ", "a time"].into_iter().enumerate() {
+        bot.send(support::stream_chunk(&id, "s-1", index as u64, seq, text))
+            .await;
+    }
+    bot.send(json!({"conversationId": id, "frame": {
+        "type": "turnResult", "clientId": "r-1", "turn": {"seq": seq},
+        "frames": [{"type": "text", "streamId": "s-1", "data": {"text": "once upon a time"}}]}}))
+        .await;
+    let mut chunks = Vec::new();
+    let answer = loop {
+        let event = events.next_data().await.unwrap();
+        let frame: Value = serde_json::from_str(&event.data).unwrap();
+        match frame["type"].as_str() {
+            Some("streamChunk") => {
+                assert!(event.id.is_none(), "chunks are transient: {event:?}");
+                chunks.push((
+                    frame["index"].as_u64().unwrap(),
+                    frame["text"].as_str().unwrap().to_owned(),
+                ));
+            }
+            Some("streamEnd") => assert_eq!(frame["status"], "committed"),
+            _ if frame["seq"].is_i64() => break (event, frame),
+            _ => {}
+        }
+    };
+    assert_eq!(
+        chunks,
+        vec![
+            (0, "once ".to_owned()),
+            (1, "upon ".to_owned()),
+            (2, "a time".to_owned())
+        ]
+    );
+    let (event, frame) = answer;
+    assert_eq!(event.id.as_deref(), Some((seq + 1).to_string().as_str()));
+    assert_eq!(
+        (frame["streamId"].as_str(), frame["data"]["text"].as_str()),
+        (Some("s-1"), Some("once upon a time"))
+    );
+}

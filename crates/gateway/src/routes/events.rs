@@ -13,6 +13,7 @@ use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use converger_core::replay::{LiveDecision, ReplayCursor};
+use converger_core::streams::{ChunkLog, OpenStream, ShowChunk, StreamCursor};
 use converger_protocol::{ErrorCode, ErrorFrame, Profile, USER_ROLE, Viewer};
 use converger_store::Activity;
 use converger_store::bus::Origin;
@@ -25,6 +26,7 @@ use crate::auth::{bearer, verified_claims};
 use crate::error::ApiError;
 use crate::hub::{EndUserViews, HubEvent, SessionControl, SessionGuard, SessionIdentity};
 use crate::state::AppState;
+use crate::streams::{PackedChunks, StreamChange, StreamEvent, chunk_frame};
 use crate::tokens::Scope;
 use crate::wire;
 
@@ -170,6 +172,9 @@ impl Follow {
             .await?;
         let (mut cursor, plan) = ReplayCursor::start(watermark, head, None);
         self.send_range(plan.after, plan.upto).await?;
+        // After the stored frames, the answers streaming now, as on a socket.
+        let mut seen = StreamCursor::default();
+        self.catch_up_streams(&mut seen).await?;
         let expiry = tokio::time::sleep_until(self.expires_at);
         tokio::pin!(expiry);
         loop {
@@ -191,10 +196,10 @@ impl Follow {
                 Ok(HubEvent::Transient { frame, origin }) => {
                     self.on_transient(&frame, origin.as_deref()).await?
                 }
-                // Streamed chunks are not relayed here (docs/protocol.md §6.1): the answer
-                // arrives when it commits.
-                Ok(HubEvent::Stream(_) | HubEvent::Regenerated { .. }) => {}
+                Ok(HubEvent::Stream(event)) => self.on_stream(&mut seen, &event).await?,
+                Ok(HubEvent::Regenerated { .. }) => {}
                 Err(broadcast::error::RecvError::Lagged(_)) => {
+                    self.catch_up_streams(&mut seen).await?;
                     let head = match self.state.store.conversation(self.conversation_id).await {
                         Ok(Some(conversation)) => conversation.last_seq,
                         _ => continue,
@@ -287,6 +292,61 @@ impl Follow {
             return Ok(());
         }
         self.send(Event::default().data(frame.to_string())).await
+    }
+
+    /// A streamed answer's chunk or end, each chunk once and in order (ADR 0019), as a socket
+    /// of the converger profile shows it.
+    async fn on_stream(&self, seen: &mut StreamCursor, event: &StreamEvent) -> Result<(), Stop> {
+        match &event.change {
+            StreamChange::Chunk {
+                stream_id, index, ..
+            } => match seen.on_chunk(stream_id, *index) {
+                ShowChunk::Show => {
+                    let text = event.render(Profile::Converger);
+                    self.send(Event::default().data(text.as_str())).await
+                }
+                ShowChunk::Drop => Ok(()),
+                ShowChunk::Gap { .. } => {
+                    match self.state.streams.stream(self.conversation_id, stream_id) {
+                        Some(stream) => self.send_unseen_chunks(seen, stream_id, &stream).await,
+                        None => Ok(()),
+                    }
+                }
+            },
+            StreamChange::End { stream_id, .. } => {
+                if seen.on_end(stream_id) {
+                    let text = event.render(Profile::Converger);
+                    self.send(Event::default().data(text.as_str())).await?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Every open stream of the conversation, from where this stream is.
+    async fn catch_up_streams(&self, seen: &mut StreamCursor) -> Result<(), Stop> {
+        for (stream_id, stream) in self.state.streams.snapshot(self.conversation_id) {
+            self.send_unseen_chunks(seen, &stream_id, &stream).await?;
+        }
+        Ok(())
+    }
+
+    async fn send_unseen_chunks(
+        &self,
+        seen: &mut StreamCursor,
+        stream_id: &str,
+        stream: &OpenStream<PackedChunks>,
+    ) -> Result<(), Stop> {
+        let from = seen.next_index(stream_id);
+        for index in from..stream.chunks.len() as u64 {
+            if seen.on_chunk(stream_id, index) != ShowChunk::Show {
+                continue;
+            }
+            if let Some(frame) = chunk_frame(Profile::Converger, stream_id, index, stream) {
+                self.send(Event::default().data(frame.as_str())).await?;
+            }
+        }
+        Ok(())
     }
 
     /// The token ran out: an `error` event, then the stream ends (the client gets a new token
