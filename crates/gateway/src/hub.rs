@@ -153,6 +153,8 @@ impl SessionIdentity {
 struct SessionEntry {
     identity: SessionIdentity,
     control: mpsc::Sender<SessionControl>,
+    /// When it was registered (ms since the epoch).
+    registered_ms: i64,
 }
 
 /// The live feed of one conversation on this node.
@@ -305,7 +307,15 @@ impl Hub {
         control: mpsc::Sender<SessionControl>,
     ) -> SessionGuard {
         let connection_id = Uuid::new_v4();
-        lock(&self.sessions).insert(connection_id, SessionEntry { identity, control });
+        let registered_ms = chrono::Utc::now().timestamp_millis();
+        lock(&self.sessions).insert(
+            connection_id,
+            SessionEntry {
+                identity,
+                control,
+                registered_ms,
+            },
+        );
         metrics::gauge!("converger_ws_sessions").increment(1.0);
         SessionGuard {
             hub: Arc::clone(self),
@@ -352,11 +362,12 @@ impl Hub {
         }
     }
 
-    /// Tells every session the order names to close; returns how many were told.
+    /// Tells every session the order names, opened before it was given, to close; returns how
+    /// many were told.
     pub fn disconnect(&self, order: &DisconnectOrder, control: SessionControl) -> usize {
         let targets: Vec<_> = lock(&self.sessions)
             .values()
-            .filter(|entry| entry.identity.matches(order))
+            .filter(|entry| entry.registered_ms <= order.issued_ms && entry.identity.matches(order))
             .map(|entry| entry.control.clone())
             .collect();
         let count = targets.len();

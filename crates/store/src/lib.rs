@@ -80,6 +80,16 @@ pub struct MigrationReport {
 }
 
 impl Store {
+    /// The database's clock now, in ms since the epoch (commit times are on this clock).
+    pub async fn database_now_ms(&self) -> Result<i64, StoreError> {
+        self.timed("database_now", async {
+            sqlx::query_scalar("SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint")
+                .fetch_one(&self.pool)
+                .await
+        })
+        .await
+    }
+
     /// Connects a pool; fails fast when the database does not answer. With several hosts, it
     /// connects to the writable one (a primary), and fails fast when none is.
     pub async fn connect(options: &StoreOptions) -> Result<Store, StoreError> {

@@ -66,8 +66,8 @@ pub struct Transition {
 /// $4 the frame's id, $5 its data. Returns the appended frame; no row when the conversation is
 /// missing or did not have status $2.
 fn status_change_sql() -> String {
-    // The UPDATE's status condition is re-checked after a concurrent writer's row lock is
-    // released, so of two racing closes exactly one appends a frame.
+    // Run after the row lock is held (see `change_status`): of two racing closes exactly one
+    // finds the status to change, and the settled turns include every turn committed before.
     format!(
         "WITH conv AS (
              UPDATE conversations SET status = $3, last_seq = last_seq + 1, updated_at = now()
@@ -124,9 +124,19 @@ impl Store {
         let sql = status_change_sql();
         let frame = self
             .timed("change_status", async {
-                status_change(&sql, conversation_id, change, reason)
-                    .fetch_optional(&self.pool)
-                    .await
+                // The row lock first, in a statement of its own: the change then runs with a
+                // snapshot taken after every writer that held the row committed, so the turns
+                // they added are settled too, and no write can follow the close.
+                let mut transaction = self.pool.begin().await?;
+                sqlx::query("SELECT 1 FROM conversations WHERE id = $1 FOR UPDATE")
+                    .bind(conversation_id)
+                    .execute(&mut *transaction)
+                    .await?;
+                let frame = status_change(&sql, conversation_id, change, reason)
+                    .fetch_optional(&mut *transaction)
+                    .await?;
+                transaction.commit().await?;
+                Ok(frame)
             })
             .await?;
         let Some(conversation) = self.conversation(conversation_id).await? else {

@@ -146,18 +146,24 @@ impl Store {
             .bind(&participants)
             .execute(&mut *transaction)
             .await?;
-            sqlx::query(sqlx::AssertSqlSafe(format!(
+            // Only what this transaction deleted is announced: another node removing the same
+            // incarnation at once waited for the locks and finds nothing left.
+            let deleted: Vec<(Uuid, String)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
                 "DELETE FROM presence_connections
                  USING unnest($4::uuid[], $5::text[]) AS k(c, p)
-                 WHERE {GONE} AND conversation_id = k.c AND participant_id = k.p"
+                 WHERE {GONE} AND conversation_id = k.c AND participant_id = k.p
+                 RETURNING conversation_id, participant_id"
             )))
             .bind(node.node_id)
             .bind(node.generation)
             .bind(exact)
             .bind(&conversations)
             .bind(&participants)
-            .execute(&mut *transaction)
+            .fetch_all(&mut *transaction)
             .await?;
+            let deleted: std::collections::BTreeSet<(Uuid, String)> = deleted.into_iter().collect();
+            let (conversations, participants): (Vec<Uuid>, Vec<String>) =
+                deleted.into_iter().unzip();
             let totals: Vec<(Uuid, String, i64)> = sqlx::query_as(
                 "SELECT k.c, k.p,
                         coalesce((SELECT sum(x.connections) FROM presence_connections x

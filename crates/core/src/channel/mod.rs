@@ -30,6 +30,9 @@ use crate::groups::{GroupView, NOBODY, PassedTurns};
 pub const MEMORY_CONVERSATIONS: usize = 100_000;
 /// Unanswered turns remembered per conversation.
 pub const MEMORY_TURNS_PER_CONVERSATION: usize = 64;
+/// How long (ms) a frame's commit time may precede its commit becoming visible: around the read
+/// that starts a node's following of a channel, a turn may be in that read or not.
+pub const FOLLOW_MARGIN_MS: i64 = 2_000;
 
 /// A join waiting for a read of the unanswered turns.
 #[derive(Debug, Clone)]
@@ -48,9 +51,11 @@ pub struct ChannelDecider {
     last_seq: HashMap<String, i64>,
     /// A join waiting for the channel's unanswered turns to be read back.
     joining: Option<Joining>,
-    /// Commit time (ms) from which this node follows the channel: its read of the channel's
-    /// unanswered turns covers what came before.
-    following_since_ms: Option<i64>,
+    /// The database time (ms) of the read of the channel's unanswered turns with which this
+    /// node began following the channel: that read covers what committed before.
+    following_from_ms: Option<i64>,
+    /// [`FOLLOW_MARGIN_MS`], or another value for tests.
+    follow_margin_ms: i64,
     memory_conversations: usize,
     memory_turns: usize,
 }
@@ -84,10 +89,17 @@ impl ChannelDecider {
             memories: BTreeMap::new(),
             last_seq: HashMap::new(),
             joining: None,
-            following_since_ms: None,
+            following_from_ms: None,
+            follow_margin_ms: FOLLOW_MARGIN_MS,
             memory_conversations: conversations,
             memory_turns: turns_per_conversation,
         }
+    }
+
+    /// The same decider with another follow margin (simulations, whose clock is in steps).
+    pub fn with_follow_margin(mut self, margin_ms: i64) -> Self {
+        self.follow_margin_ms = margin_ms;
+        self
     }
 
     /// The local agent connection, if it is here.
@@ -121,20 +133,20 @@ impl ChannelDecider {
         vec![Decision::ReadPendingOfChannel { group }]
     }
 
-    /// The channel's unanswered turns, read back for [`Decision::ReadPendingOfChannel`] (empty
-    /// when the read failed: then only new turns are remembered), by a read that began at
-    /// `read_at_ms` (commit time, less any clock uncertainty). Completes a waiting join.
+    /// The channel's unanswered turns, read back for [`Decision::ReadPendingOfChannel`] by a
+    /// read that began at `read_at_ms` (the database's clock); `None` when the read failed
+    /// (then `pending` is empty and only new turns are remembered). Completes a waiting join.
     pub fn pending_read(
         &mut self,
         group: Option<&str>,
         pending: &[PendingFacts],
-        read_at_ms: i64,
+        read_at_ms: Option<i64>,
     ) -> Vec<Decision> {
         if group.is_none() {
             // The registry is the whole truth now: holes in what this node followed before need
             // no reading back (that would hand turns out a second time, as if they were new).
             self.last_seq.clear();
-            self.following_since_ms = Some(read_at_ms);
+            self.following_from_ms = read_at_ms;
         }
         for turn in pending {
             for (view_group, view) in &self.views {
@@ -176,7 +188,10 @@ impl ChannelDecider {
         let mut decisions = Vec::new();
         if let (Some(view), Some(memory)) = (self.views.get(&group), self.memories.get_mut(&group))
         {
-            for decision in memory.hand_to_joiner(view, &connection_id) {
+            let agents = &self.agents;
+            for decision in
+                memory.hand_to_joiner(view, &connection_id, |owner| agents.contains_key(owner))
+            {
                 decisions.push(Decision::DeliverPending {
                     to: decision.new_owner,
                     conversation_id: decision.conversation_id,
@@ -314,7 +329,9 @@ impl ChannelDecider {
         // A conversation new here since this node follows the channel: an earlier frame of it
         // committed since then may be on its way still (another node's commit arrives after
         // this node's own), and would be skipped once this one is handled. Read them all now.
-        if let Some(since_ms) = self.following_since_ms
+        if let Some(since_ms) = self
+            .following_from_ms
+            .map(|from_ms| from_ms - self.follow_margin_ms)
             && last.is_none()
             && seq > 1
             && frame_at_ms.is_none_or(|at_ms| at_ms >= since_ms)
@@ -374,18 +391,14 @@ impl ChannelDecider {
             return;
         }
         let turn = TurnId::of(frame);
-        // A turn committed before this node followed the channel was in its read of the
-        // registry (unanswered then) or answered already: that read decided it, and a late
-        // notification of it hands nothing on.
-        if self
-            .following_since_ms
-            .is_some_and(|since_ms| frame.at_ms < since_ms)
-        {
-            return;
-        }
+        // Around the read that began this node's following of the channel, a turn may be in
+        // that read or not, and may be answered already: such a turn is handed on only after a
+        // check of the registry (as a takeover is), never as a first delivery.
+        let uncertain = self
+            .following_from_ms
+            .is_some_and(|from_ms| frame.at_ms < from_ms + self.follow_margin_ms);
         for (group, view) in &self.views {
-            // Read back with the frames since this node follows the channel, a turn its read
-            // of the registry already handed on is not handed on twice.
+            // A turn the read of the registry already handed on is not handed on twice.
             if turn.revision == 0
                 && self
                     .memories
@@ -404,7 +417,16 @@ impl ChannelDecider {
                 self.memory_turns,
             )
             .remember(frame.conversation_id, owner, turn.seq, frame.at_ms);
-            if self.agents.contains_key(owner) {
+            if !self.agents.contains_key(owner) {
+                continue;
+            }
+            if uncertain {
+                decisions.push(Decision::DeliverPending {
+                    to: owner.to_owned(),
+                    conversation_id: frame.conversation_id.to_owned(),
+                    seqs: vec![turn.seq],
+                });
+            } else {
                 decisions.push(Decision::DeliverTurn {
                     to: owner.to_owned(),
                     frame: index,

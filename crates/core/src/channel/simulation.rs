@@ -113,9 +113,9 @@ struct Cluster {
     /// Frames each node's decider has been fed, per conversation (the feed stops while a node
     /// has no local agent, as the gateway's bus bridge does).
     fed: Vec<BTreeMap<String, i64>>,
-    /// User turns committed while a join was still unheard somewhere (or not yet taken by its
-    /// own node's channel): then two nodes may each pick a member only they know as the
-    /// earliest (the settle delay is what makes this rare).
+    /// User turns committed, or heard by a node, while a join was still unheard somewhere (or
+    /// not yet taken by its own node's channel): then two nodes may each pick a member only
+    /// they know as the earliest (the settle delay is what makes this rare).
     racing: BTreeSet<(String, i64)>,
 }
 
@@ -136,7 +136,9 @@ impl Cluster {
     fn new() -> Cluster {
         Cluster {
             deciders: (0..NODES)
-                .map(|_| ChannelDecider::with_memory(std::iter::empty(), 1_000, 2))
+                .map(|_| {
+                    ChannelDecider::with_memory(std::iter::empty(), 1_000, 2).with_follow_margin(3)
+                })
                 .collect(),
             fed: vec![BTreeMap::new(); NODES],
             ..Cluster::default()
@@ -177,8 +179,11 @@ impl Cluster {
                 }
                 Decision::ReadPendingOfChannel { group } => {
                     let pending = self.pending(|_| true);
-                    let follow =
-                        self.deciders[node].pending_read(group.as_deref(), &pending, self.now);
+                    let follow = self.deciders[node].pending_read(
+                        group.as_deref(),
+                        &pending,
+                        Some(self.now),
+                    );
                     prepend(&mut queue, follow);
                 }
                 Decision::ReadPendingUpTo {
@@ -395,6 +400,16 @@ impl Cluster {
     fn feed(&mut self, node: usize, conversation: &str, seq: i64) {
         if !self.has_local_agents(node) {
             return;
+        }
+        // Decided while a join is still unheard somewhere: two nodes may each pick a member
+        // only they know as the earliest, as for a turn committed then.
+        let join_in_flight = self
+            .gossip
+            .iter()
+            .any(|(_, _, event)| matches!(event, Gossip::Joined { .. }))
+            || !self.attaching.is_empty();
+        if join_in_flight {
+            self.racing.insert((conversation.to_owned(), seq));
         }
         let of_conversation = |frame: &&Stored| frame.conversation == conversation;
         let at_ms = self

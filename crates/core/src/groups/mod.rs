@@ -263,9 +263,17 @@ impl PassedTurns {
     /// was passed to another member. A node decides without its own joining member until that
     /// member's join completes, while other nodes may already count it (gossip announces it
     /// first): such a turn went, here, to a member whose node gave it to the joiner. Only the
-    /// joiner's node can deliver it, so it does so now.
-    pub fn hand_to_joiner(&mut self, view: &GroupView, joiner: &str) -> Vec<TakeOver> {
-        self.redecide(view, |pass, owner| owner == joiner && pass.owner != joiner)
+    /// joiner's node can deliver it, so it does so now. A turn passed to a member of this node
+    /// (`here`) stays with it: that member has it.
+    pub fn hand_to_joiner(
+        &mut self,
+        view: &GroupView,
+        joiner: &str,
+        here: impl Fn(&str) -> bool,
+    ) -> Vec<TakeOver> {
+        self.redecide(view, |pass, owner| {
+            owner == joiner && pass.owner != joiner && !here(&pass.owner)
+        })
     }
 
     /// Moves each remembered turn for which `moves(pass, owner now)` holds to its owner now.

@@ -348,12 +348,12 @@ fn a_joiner_takes_the_turns_it_owns_that_went_to_another_member_before_it_was_kn
         passed.remember(&format!("conv-{n}"), "b", 1, 10);
     }
     view.join("a", 1_000);
-    let decisions = passed.hand_to_joiner(&view, "a");
+    let decisions = passed.hand_to_joiner(&view, "a", |_| false);
     let moved: usize = decisions.iter().map(|decision| decision.seqs.len()).sum();
     assert_eq!(moved, 10);
     assert!(decisions.iter().all(|decision| decision.new_owner == "a"));
     // Remembered under the joiner now: a second call moves nothing, nor does a takeover.
-    assert!(passed.hand_to_joiner(&view, "a").is_empty());
+    assert!(passed.hand_to_joiner(&view, "a", |_| false).is_empty());
     assert!(passed.take_over(&view).is_empty());
 }
 
@@ -371,5 +371,19 @@ fn a_joiner_takes_nothing_another_member_still_owns() {
     }
     // Eligible only after the turns: it owns none of them.
     view.join("a", 20);
-    assert!(passed.hand_to_joiner(&view, "a").is_empty());
+    assert!(passed.hand_to_joiner(&view, "a", |_| false).is_empty());
+}
+
+#[test]
+fn a_joiner_leaves_a_turn_with_a_member_of_its_own_node() {
+    let mut view = GroupView::new();
+    view.join("b", 2_000);
+    let mut passed = PassedTurns::new(100, 16);
+    passed.remember("conv-1", "b", 1, 10);
+    view.join("a", 1_000);
+    assert!(
+        passed
+            .hand_to_joiner(&view, "a", |owner| owner == "b")
+            .is_empty()
+    );
 }

@@ -21,10 +21,6 @@ use crate::wire;
 /// How long the actor waits before reading a frame again that the database did not return.
 const FRAMES_RETRY: Duration = Duration::from_secs(1);
 
-/// How far before its read of the pending turns a node counts itself as following a channel's
-/// commits (ms): clock differences and commits that took their time before committing.
-const FOLLOW_MARGIN_MS: i64 = 2_000;
-
 /// Frames read back at most, from a conversation new to this node since it follows the channel.
 const READ_SINCE_WINDOW: i64 = 1_000;
 
@@ -269,10 +265,10 @@ impl ChannelActor {
                     seqs,
                 } => self.deliver_pending(&conversation_id, &to, &seqs).await,
                 Decision::ReadPendingOfChannel { group } => {
-                    // From here on this node follows the channel's commits; the margin covers
-                    // the database's clock against this node's and commits in flight.
-                    let read_at_ms = chrono::Utc::now().timestamp_millis() - FOLLOW_MARGIN_MS;
-                    let pending = self.pending_of_channel().await;
+                    let (pending, read_at_ms) = match self.pending_of_channel().await {
+                        Some((pending, read_at_ms)) => (pending, Some(read_at_ms)),
+                        None => (Vec::new(), None),
+                    };
                     let follow = self
                         .decider
                         .pending_read(group.as_deref(), &pending, read_at_ms);
@@ -304,22 +300,32 @@ impl ChannelActor {
         }
     }
 
-    /// The channel's unanswered turns, for a node that starts serving it (or a group new here);
-    /// none when unreadable, and then only new turns are remembered.
-    async fn pending_of_channel(&self) -> Vec<converger_core::channel::PendingFacts> {
+    /// The channel's unanswered turns, for a node that starts serving it (or a group new here),
+    /// with the database's time as the read began; `None` when unreadable, and then only new
+    /// turns are remembered.
+    async fn pending_of_channel(
+        &self,
+    ) -> Option<(Vec<converger_core::channel::PendingFacts>, i64)> {
         let limit = converger_core::channel::MEMORY_CONVERSATIONS as i64;
-        match self
-            .store
-            .pending_turns_of_channel(self.channel_id, PENDING_TURNS_HORIZON, limit)
-            .await
-        {
-            Ok(pending) => {
+        let read = async {
+            let read_at_ms = self.store.database_now_ms().await?;
+            let pending = self
+                .store
+                .pending_turns_of_channel(self.channel_id, PENDING_TURNS_HORIZON, limit)
+                .await?;
+            Ok::<_, converger_store::StoreError>((pending, read_at_ms))
+        };
+        match read.await {
+            Ok((pending, read_at_ms)) => {
                 tracing::debug!(channel_id = %self.channel_id, turns = pending.len(), "pending turns read back");
-                pending.iter().map(wire::pending_facts).collect()
+                Some((
+                    pending.iter().map(wire::pending_facts).collect(),
+                    read_at_ms,
+                ))
             }
             Err(error) => {
                 tracing::warn!(%error, channel_id = %self.channel_id, "pending turns unreadable; only new turns are remembered");
-                Vec::new()
+                None
             }
         }
     }

@@ -125,6 +125,7 @@ pub(crate) async fn disconnect(
         conversation_id: request.conversation_id,
         channel_id: request.channel_id,
         reason,
+        issued_ms: chrono::Utc::now().timestamp_millis(),
     };
     // Every node, this one included, carries the order out when its listener hears it.
     state.store.publish_disconnect(&order).await?;

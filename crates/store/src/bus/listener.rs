@@ -33,7 +33,8 @@ impl Store {
                      GROUP BY committed.conversation_id
                      UNION ALL
                      SELECT NULL, NULL, payload FROM outbox
-                     WHERE payload ->> 'k' = 'ch' AND created_at >= now() - make_interval(secs => $1)",
+                     WHERE payload ->> 'k' IN ('ch', 'dc')
+                       AND created_at >= now() - make_interval(secs => $1)",
                 )
                 .bind(window.as_secs_f64())
                 .fetch_all(&self.pool)

@@ -82,6 +82,10 @@ pub struct DisconnectOrder {
     /// Why, as the closed sockets are told.
     #[serde(rename = "w")]
     pub reason: String,
+    /// When it was given (ms since the epoch): a session opened later is not closed by it,
+    /// when a node carries it out late (from the catch-up after a lost listener).
+    #[serde(rename = "at")]
+    pub issued_ms: i64,
 }
 
 /// One event on the bus, as receivers see it.

@@ -204,8 +204,9 @@ impl Store {
         let inserted = self
             .timed("regenerate", async {
                 sqlx::query_scalar::<_, i32>(
-                    // The conversation row's share lock waits for a close in progress and
-                    // keeps one from settling the turns while this revision is added.
+                    // The conversation row's share lock waits for a close in progress (then the
+                    // status is read again and found closed), and a close that comes after
+                    // waits for this revision, which its settling then sees.
                     "WITH open AS (
                          SELECT 1 FROM conversations WHERE id = $1 AND status = 'open' FOR SHARE
                      )
