@@ -352,30 +352,30 @@ impl Hub {
 
     /// Tells every session of a channel to close.
     pub fn close_channel(&self, channel_id: Uuid, control: SessionControl) {
-        let targets: Vec<_> = lock(&self.sessions)
-            .values()
-            .filter(|entry| entry.identity.channel_id == channel_id)
-            .map(|entry| entry.control.clone())
-            .collect();
-        for target in targets {
-            let _ = target.try_send(control.clone());
-        }
+        self.tell(|entry| entry.identity.channel_id == channel_id, control);
     }
 
     /// Tells every session the order names, opened before it was given, to close; returns how
     /// many were told.
     pub fn disconnect(&self, order: &DisconnectOrder, control: SessionControl) -> usize {
+        self.tell(
+            |entry| entry.registered_ms <= order.issued_ms && entry.identity.matches(order),
+            control,
+        )
+    }
+
+    /// Sends `control` to every session `picked` selects; returns how many.
+    fn tell(&self, picked: impl Fn(&SessionEntry) -> bool, control: SessionControl) -> usize {
         let targets: Vec<_> = lock(&self.sessions)
             .values()
-            .filter(|entry| entry.registered_ms <= order.issued_ms && entry.identity.matches(order))
+            .filter(|entry| picked(entry))
             .map(|entry| entry.control.clone())
             .collect();
-        let count = targets.len();
-        for target in targets {
+        for target in &targets {
             // A full control queue means the session is already being told to close.
             let _ = target.try_send(control.clone());
         }
-        count
+        targets.len()
     }
 }
 

@@ -155,20 +155,20 @@ async fn announce_offline(
         }
     };
     for total in totals.into_iter().filter(|total| total.connections == 0) {
-        let channel_id = match state.store.conversation(total.conversation_id).await {
-            Ok(Some(conversation)) => conversation.channel_id,
-            Ok(None) => continue,
-            Err(error) => {
-                tracing::warn!(%error, conversation_id = %total.conversation_id, "offline presence not announced");
-                continue;
-            }
-        };
         // No connection of the user is left, so no own-connection filter is needed: a nil one.
         let origin = Origin {
             id: total.participant_id,
             role: USER_ROLE.into(),
             connection: Uuid::nil().to_string(),
         };
-        announce(state, channel_id, total.conversation_id, origin, false, 0).await;
+        announce(
+            state,
+            total.channel_id,
+            total.conversation_id,
+            origin,
+            false,
+            0,
+        )
+        .await;
     }
 }

@@ -32,6 +32,8 @@ pub enum Gone<'a> {
 pub struct PresenceTotal {
     /// Conversation.
     pub conversation_id: Uuid,
+    /// The conversation's channel.
+    pub channel_id: Uuid,
     /// Participant.
     pub participant_id: String,
     /// Open connections on every node.
@@ -164,12 +166,15 @@ impl Store {
             let deleted: std::collections::BTreeSet<(Uuid, String)> = deleted.into_iter().collect();
             let (conversations, participants): (Vec<Uuid>, Vec<String>) =
                 deleted.into_iter().unzip();
-            let totals: Vec<(Uuid, String, i64)> = sqlx::query_as(
-                "SELECT k.c, k.p,
+            // With each conversation's channel, whose agents the caller tells; a conversation
+            // gone meanwhile drops out.
+            let totals: Vec<(Uuid, Uuid, String, i64)> = sqlx::query_as(
+                "SELECT k.c, c.channel_id, k.p,
                         coalesce((SELECT sum(x.connections) FROM presence_connections x
                                   WHERE x.conversation_id = k.c AND x.participant_id = k.p),
                                  0)::bigint
-                 FROM unnest($1::uuid[], $2::text[]) AS k(c, p)",
+                 FROM unnest($1::uuid[], $2::text[]) AS k(c, p)
+                 JOIN conversations c ON c.id = k.c",
             )
             .bind(&conversations)
             .bind(&participants)
@@ -179,8 +184,9 @@ impl Store {
             Ok(totals
                 .into_iter()
                 .map(
-                    |(conversation_id, participant_id, connections)| PresenceTotal {
+                    |(conversation_id, channel_id, participant_id, connections)| PresenceTotal {
                         conversation_id,
+                        channel_id,
                         participant_id,
                         connections,
                     },

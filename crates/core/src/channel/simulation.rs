@@ -145,6 +145,14 @@ impl Cluster {
         }
     }
 
+    /// True while a join is unheard somewhere, or not yet taken by its own node's channel.
+    fn join_in_flight(&self) -> bool {
+        self.gossip
+            .iter()
+            .any(|(_, _, event)| matches!(event, Gossip::Joined { .. }))
+            || !self.attaching.is_empty()
+    }
+
     fn has_local_agents(&self, node: usize) -> bool {
         self.connections
             .values()
@@ -357,12 +365,7 @@ impl Cluster {
             *next += 1;
             *next
         };
-        let join_in_flight = self
-            .gossip
-            .iter()
-            .any(|(_, _, event)| matches!(event, Gossip::Joined { .. }))
-            || !self.attaching.is_empty();
-        if from_user && join_in_flight {
+        if from_user && self.join_in_flight() {
             self.racing.insert((conversation.to_owned(), seq));
         }
         self.frames.push(Stored {
@@ -403,12 +406,7 @@ impl Cluster {
         }
         // Decided while a join is still unheard somewhere: two nodes may each pick a member
         // only they know as the earliest, as for a turn committed then.
-        let join_in_flight = self
-            .gossip
-            .iter()
-            .any(|(_, _, event)| matches!(event, Gossip::Joined { .. }))
-            || !self.attaching.is_empty();
-        if join_in_flight {
+        if self.join_in_flight() {
             self.racing.insert((conversation.to_owned(), seq));
         }
         let of_conversation = |frame: &&Stored| frame.conversation == conversation;

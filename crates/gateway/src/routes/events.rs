@@ -142,11 +142,9 @@ fn invalid_watermark() -> ApiError {
     )
 }
 
-/// Why a stream stopped following.
-enum Stop {
-    /// The client went away, or the node is going.
-    Gone,
-}
+/// The stream stopped following: the client went away, or it was ended (expiry, drain,
+/// disconnect, an unreadable replay).
+struct Stop;
 
 impl Follow {
     async fn run(
@@ -180,7 +178,7 @@ impl Follow {
         loop {
             let event = tokio::select! {
                 () = &mut expiry => return self.expired().await,
-                () = self.sender.closed() => return Err(Stop::Gone),
+                () = self.sender.closed() => return Err(Stop),
                 Some(control) = controls.recv() => return self.on_control(control).await,
                 event = live.recv() => event,
             };
@@ -207,7 +205,7 @@ impl Follow {
                     self.on_committed(&mut cursor, head, None, &EndUserViews::default())
                         .await?;
                 }
-                Err(broadcast::error::RecvError::Closed) => return Err(Stop::Gone),
+                Err(broadcast::error::RecvError::Closed) => return Err(Stop),
             }
         }
     }
@@ -262,7 +260,7 @@ impl Follow {
                 Err(error) => {
                     // The client reconnects with its Last-Event-ID: nothing is skipped.
                     tracing::warn!(%error, conversation_id = %self.conversation_id, "events: replay read failed");
-                    return Err(Stop::Gone);
+                    return Err(Stop);
                 }
             };
             let Some(last) = rows.last().map(|row| row.seq) else {
@@ -355,7 +353,7 @@ impl Follow {
         let error = ErrorFrame::new(ErrorCode::TokenExpired, "token expired").encode();
         self.send(Event::default().event("error").data(error))
             .await?;
-        Err(Stop::Gone)
+        Err(Stop)
     }
 
     /// The node drains, or an operator disconnects the user: an `error` event, then the end.
@@ -372,11 +370,11 @@ impl Follow {
         };
         self.send(Event::default().event("error").data(error.encode()))
             .await?;
-        Err(Stop::Gone)
+        Err(Stop)
     }
 
     async fn send(&self, event: Event) -> Result<(), Stop> {
-        self.sender.send(event).await.map_err(|_| Stop::Gone)
+        self.sender.send(event).await.map_err(|_| Stop)
     }
 }
 
