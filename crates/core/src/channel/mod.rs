@@ -30,8 +30,8 @@ use crate::groups::{GroupView, NOBODY, PassedTurns};
 pub const MEMORY_CONVERSATIONS: usize = 100_000;
 /// Unanswered turns remembered per conversation.
 pub const MEMORY_TURNS_PER_CONVERSATION: usize = 64;
-/// How long (ms) a frame's commit time may precede its commit becoming visible: around the read
-/// that starts a node's following of a channel, a turn may be in that read or not.
+/// How long (ms) a frame's commit time may precede its commit becoming visible: a conversation
+/// new to a node reads its frames from this long before the node began following the channel.
 pub const FOLLOW_MARGIN_MS: i64 = 2_000;
 
 /// A join waiting for a read of the unanswered turns.
@@ -391,12 +391,14 @@ impl ChannelDecider {
             return;
         }
         let turn = TurnId::of(frame);
-        // Around the read that began this node's following of the channel, a turn may be in
-        // that read or not, and may be answered already: such a turn is handed on only after a
-        // check of the registry (as a takeover is), never as a first delivery.
+        // A turn committed before the read that began this node's following of the channel may
+        // be in that read or not (its commit may have become visible after the read began), and
+        // may be answered already: it is handed on only after a check of the registry (as a
+        // takeover is), never as a first delivery. A later turn is in the read only if it
+        // committed before the read's snapshot, and then the memory has it.
         let uncertain = self
             .following_from_ms
-            .is_some_and(|from_ms| frame.at_ms < from_ms + self.follow_margin_ms);
+            .is_some_and(|from_ms| frame.at_ms < from_ms);
         for (group, view) in &self.views {
             // A turn the read of the registry already handed on is not handed on twice.
             if turn.revision == 0
