@@ -25,10 +25,21 @@ fn command() -> Command {
 }
 
 async fn admin_json(db: &TestDb, state_dir: &Path, args: &[&str]) -> Value {
-    let output = command()
-        .args(args)
+    let mut admin = command();
+    admin
         .env("CONVERGER_DATABASE_URL", &db.url)
-        .env("CONVERGER_SECRET_KEY", test_config().secret_key)
+        .env("CONVERGER_SECRET_KEY", test_config().secret_key);
+    run_admin(admin, state_dir, args).await
+}
+
+/// An admin command on the embedded database of `state_dir` (no database URL): its JSON.
+async fn embedded_admin_json(state_dir: &Path, args: &[&str]) -> Value {
+    run_admin(command(), state_dir, args).await
+}
+
+async fn run_admin(mut admin: Command, state_dir: &Path, args: &[&str]) -> Value {
+    let output = admin
+        .args(args)
         .env("CONVERGER_STATE_DIR", state_dir)
         .output()
         .await
@@ -273,9 +284,26 @@ async fn serve_runs_the_embedded_database_keeps_its_data_and_stops_it() {
         vec!["web"]
     );
     let port = embedded_port(state.path());
+    // An admin command beside a running serve uses its database and leaves it running.
+    let beside = embedded_admin_json(state.path(), &["tenant", "create", "globex"]).await;
+    assert!(beside["apiKey"].is_string(), "{beside}");
+    assert!(accepts_connections(port).await);
+    let still = reqwest::get(format!("{}/health/ready", serve.base_url))
+        .await
+        .unwrap();
+    assert_eq!(still.status(), reqwest::StatusCode::OK);
     terminate(serve).await;
     assert!(
         !accepts_connections(port).await,
         "stopped again after the second run"
+    );
+
+    // Alone, an admin command starts the private database for itself and stops it on exit.
+    let alone = embedded_admin_json(state.path(), &["tenant", "create", "initech"]).await;
+    assert!(alone["apiKey"].is_string(), "{alone}");
+    let port = embedded_port(state.path());
+    assert!(
+        !accepts_connections(port).await,
+        "an admin command leaves no database running"
     );
 }

@@ -34,7 +34,7 @@ impl Database {
             Ok(store) => store,
             Err(error) => {
                 if let Some(embedded) = embedded {
-                    let _ = embedded.stop().await;
+                    let _ = embedded.stop_if_unclaimed().await;
                 }
                 return Err(error).context("cannot connect to the database");
             }
@@ -42,12 +42,14 @@ impl Database {
         Ok(Database { store, embedded })
     }
 
-    /// Closes the pool, then stops the embedded cluster if this process owns it.
+    /// Closes the pool, then stops the embedded cluster if this process owns it, or started it as
+    /// a guest (an admin command) and no `serve` claimed it meanwhile: nothing is left running
+    /// that nobody will stop.
     pub async fn close(self) -> anyhow::Result<()> {
         self.store.pool().close().await;
         if let Some(embedded) = self.embedded {
             embedded
-                .stop()
+                .stop_if_unclaimed()
                 .await
                 .context("stopping the embedded database")?;
         }

@@ -184,4 +184,27 @@ impl EmbeddedPostgres {
         info!(port = self.port, dir = %self.cluster.dir.display(), "embedded postgres stopped");
         Ok(())
     }
+
+    /// Stops the server of a handle that started it as a guest (a short-lived command), unless
+    /// an owner claimed it meanwhile (a `serve` that reused it adopted it, under the same start
+    /// lock, so this never stops a server another process relies on as its owner). An owner's
+    /// handle stops as [`EmbeddedPostgres::stop`]; a handle that found the server running does
+    /// nothing.
+    pub async fn stop_if_unclaimed(self) -> Result<(), EmbeddedError> {
+        if self.owns_server {
+            return self.stop().await;
+        }
+        if !self.started_here {
+            return Ok(());
+        }
+        let _start_lock = StartLock::acquire(&self.cluster.dir).await?;
+        if self.cluster.owner_is_alive().await {
+            debug!(port = self.port, dir = %self.cluster.dir.display(), "embedded postgres claimed by an owner; left running");
+            return Ok(());
+        }
+        self.cluster.stop_server().await?;
+        self.cluster.remove_owner_pid().await?;
+        info!(port = self.port, dir = %self.cluster.dir.display(), "embedded postgres stopped");
+        Ok(())
+    }
 }

@@ -11,7 +11,8 @@ Environment:
     CONVERGER_AGENT_GROUP  the group to join (default ``echo``)
     CONVERGER_ECHO_STREAM  ``1`` streams each echo before committing it (default ``0``)
 
-Prints ``ready <connectionId> <since>`` once connected; SIGTERM or Ctrl-C drains and exits 0.
+Waits up to 10 minutes for the node to be ready (``_dev_node.py``), then connects. Prints
+``ready <connectionId> <since>`` once connected; SIGTERM or Ctrl-C drains and exits 0.
 
     CONVERGER_AGENT_TOKEN=... python3 sdk/python/examples/echo_agent.py
 """
@@ -24,13 +25,16 @@ import os
 import re
 import signal
 
+from _dev_node import wait_for_node
+
 from converger import Agent, Turn
 
 
 async def main() -> None:
     """Connects, prints the ready line and answers turns until SIGTERM."""
+    url = os.environ.get("CONVERGER_URL", "http://127.0.0.1:8080")
     agent = Agent(
-        os.environ.get("CONVERGER_URL", "http://127.0.0.1:8080"),
+        url,
         os.environ["CONVERGER_AGENT_TOKEN"],
         group=os.environ.get("CONVERGER_AGENT_GROUP", "echo"),
     )
@@ -49,6 +53,7 @@ async def main() -> None:
                 await stream.text(word)
             await stream.finish(runtime={"count": count})  # commits the streamed text
 
+    await wait_for_node(url)
     welcome = await agent.connect()
     print(f"ready {welcome.connection_id} {welcome.since}", flush=True)
     loop = asyncio.get_running_loop()

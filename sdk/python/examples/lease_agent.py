@@ -16,7 +16,8 @@ Environment:
     CONVERGER_AGENT_TOKEN  a channel-scope token
     CONVERGER_AGENT_GROUP  the group to join (default ``payments``)
 
-Prints ``ready <connectionId> <since>`` once connected; SIGTERM or Ctrl-C drains and exits 0.
+Waits up to 10 minutes for the node to be ready (``_dev_node.py``), then connects. Prints
+``ready <connectionId> <since>`` once connected; SIGTERM or Ctrl-C drains and exits 0.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import os
 import re
 import signal
 from dataclasses import dataclass
+
+from _dev_node import wait_for_node
 
 from converger import Agent, LeaseLost, Turn
 
@@ -87,12 +90,14 @@ def build_agent(url: str, token: str, group: str, service: FakePaymentService) -
 
 async def main() -> None:
     """Connects, prints the ready line and answers turns until SIGTERM."""
+    url = os.environ.get("CONVERGER_URL", "http://127.0.0.1:8080")
     agent = build_agent(
-        os.environ.get("CONVERGER_URL", "http://127.0.0.1:8080"),
+        url,
         os.environ["CONVERGER_AGENT_TOKEN"],
         os.environ.get("CONVERGER_AGENT_GROUP", "payments"),
         FakePaymentService(),
     )
+    await wait_for_node(url)
     welcome = await agent.connect()
     print(f"ready {welcome.connection_id} {welcome.since} lease {welcome.lease_ms}", flush=True)
     loop = asyncio.get_running_loop()

@@ -21,11 +21,14 @@ Environment:
                              with ``cargo run -p converger-cli -- serve`` in the repository
                              root, the agent answers the demo page's channel
                              (http://127.0.0.1:8080/demo): it asks ``POST /demo/api/agent-token``
-                             with the generated admin token in ``.converger/admin_token``
+                             with the generated admin token in the repository's
+                             ``.converger/admin_token``
     CONVERGER_AGENT_GROUP    the group to join (default ``llm``)
     CONVERGER_WORD_DELAY_MS  the fake model's delay per word, in ms (default 50)
 
-Prints ``ready <connectionId> <since>`` once connected; SIGTERM or Ctrl-C drains and exits 0.
+Started before the node is ready (its first build takes minutes), it waits up to 10 minutes
+for the node (``_dev_node.py``). Prints ``ready <connectionId> <since>`` once connected;
+SIGTERM or Ctrl-C drains and exits 0.
 
     CONVERGER_AGENT_TOKEN=... python3 sdk/python/examples/llm_agent.py
 """
@@ -38,9 +41,9 @@ import os
 import re
 import signal
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import httpx
+from _dev_node import read_admin_token, wait_for_node
 
 from converger import Agent, StreamInterrupted, Turn
 
@@ -85,9 +88,9 @@ def build_agent(url: str, token: str, group: str, delay: float) -> Agent:
     return agent
 
 
-async def demo_agent_token(url: str, admin_token_file: Path) -> str:
+async def demo_agent_token(url: str) -> str:
     """A token of the demo page's channel, asked for with the development node's admin token."""
-    admin_token = (await asyncio.to_thread(admin_token_file.read_text)).strip()
+    admin_token = await read_admin_token()
     async with httpx.AsyncClient(base_url=url, timeout=10.0) as http:
         response = await http.post(
             "/demo/api/agent-token", headers={"Authorization": f"Bearer {admin_token}"}
@@ -100,9 +103,8 @@ async def demo_agent_token(url: str, admin_token_file: Path) -> str:
 async def main() -> None:
     """Connects, prints the ready line and answers turns until SIGTERM."""
     url = os.environ.get("CONVERGER_URL", "http://127.0.0.1:8080")
-    token = os.environ.get("CONVERGER_AGENT_TOKEN") or await demo_agent_token(
-        url, Path(".converger/admin_token")
-    )
+    await wait_for_node(url)
+    token = os.environ.get("CONVERGER_AGENT_TOKEN") or await demo_agent_token(url)
     agent = build_agent(
         url,
         token,
