@@ -352,3 +352,60 @@ async fn a_streamed_answer_reaches_the_event_stream_chunk_by_chunk_then_commits(
         (Some("s-1"), Some("once upon a time"))
     );
 }
+
+#[tokio::test]
+async fn an_event_stream_joining_a_ten_thousand_chunk_stream_gets_it_once() {
+    let node = TestNode::start_with(|config| {
+        config.group_settle_ms = 100;
+        config.limits.max_frames_per_sec = 100_000;
+    })
+    .await;
+    let acme = node.tenant_with_channel("acme").await;
+    let agent_token = node.agent_token(&acme).await;
+    let (mut bot, welcome) = node.agent(&agent_token, Some("bot")).await;
+    support::settle(&welcome).await;
+    let (conversation, token) = node.conversation(&acme, "alice").await;
+    let seq = post(&node.server.base_url(), &conversation, &token, "tell me").await;
+    loop {
+        let delivered = bot.recv().await;
+        if delivered["frame"]["meta"]["turn"]["seq"] == seq {
+            break;
+        }
+    }
+    let id = conversation.to_string();
+    let so_far = support::stream_many_chunks(&mut bot, &id, "s-1", seq, 10_000).await;
+
+    let url = node.url(&format!(
+        "/api/v1/converger/conversations/{conversation}/events"
+    ));
+    let mut events = SseReader::open(&url, Some(&token), None).await;
+    let mut text = String::new();
+    let mut next_index = 0;
+    while next_index < 10_000 {
+        let event = events.next_data().await.expect("the stream goes on");
+        let frame: Value = serde_json::from_str(&event.data).unwrap();
+        if frame["type"] != "streamChunk" {
+            continue;
+        }
+        let index = frame["index"].as_u64().unwrap();
+        let first = frame["firstIndex"].as_u64().unwrap_or(index);
+        assert_eq!(first, next_index, "each chunk once, in order: {frame}");
+        text.push_str(frame["text"].as_str().unwrap());
+        next_index = index + 1;
+    }
+    assert_eq!(text, so_far);
+    // The live rest follows.
+    bot.send(support::stream_chunk(&id, "s-1", 10_000, seq, "end"))
+        .await;
+    let live = loop {
+        let event = events.next_data().await.unwrap();
+        let frame: Value = serde_json::from_str(&event.data).unwrap();
+        if frame["type"] == "streamChunk" {
+            break frame;
+        }
+    };
+    assert_eq!(
+        (live["index"].as_u64(), live.get("firstIndex")),
+        (Some(10_000), None)
+    );
+}

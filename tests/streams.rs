@@ -50,13 +50,15 @@ impl Tab {
             "streamChunk" => {
                 let stream = frame["streamId"].as_str().unwrap().to_owned();
                 let index = frame["index"].as_u64().unwrap();
+                // A tab catching up gets the text so far as one coalesced chunk.
+                let first = frame["firstIndex"].as_u64().unwrap_or(index);
                 let seen = self.indices.entry(stream.clone()).or_default();
                 assert_eq!(
-                    index,
+                    first,
                     seen.len() as u64,
                     "chunks in order, each once: {frame}"
                 );
-                seen.push(index);
+                seen.extend(first..=index);
                 self.text
                     .entry(stream)
                     .or_default()
@@ -516,4 +518,157 @@ async fn the_rust_client_streams_an_answer_and_assembles_it_across_a_reconnect()
     let assembled = assembly.get("rust-1").unwrap();
     assert_eq!(assembled.text, "Hello world");
     assert_eq!(assembled.ended, Some(true));
+}
+
+/// A node whose agents may stream fast (the chunk rate is the agent connection's frame rate).
+fn fast_agents(config: &mut converger_gateway::Config) {
+    fast_settle(config);
+    config.limits.max_frames_per_sec = 100_000;
+}
+
+#[tokio::test]
+async fn tabs_of_both_profiles_joining_a_ten_thousand_chunk_stream_get_it_once_and_stay() {
+    let node = TestNode::start_with(fast_agents).await;
+    let (node, _, token, mut agent, tab, conversation, seq) = turn_in_progress(node).await;
+    // The asking tab leaves: what matters here is who joins after the chunks.
+    drop(tab);
+    let so_far = support::stream_many_chunks(&mut agent, &conversation, "s-1", seq, 10_000).await;
+
+    // A converger tab joins: the question, then the stream so far (coalesced), not a 4503.
+    let mut joiner = WsClient::connect(&node.ws_url("")).await;
+    joiner.hello(&token, json!({})).await;
+    let mut seen = Tab::default();
+    seen.read_until(&mut joiner, |tab| tab.chunks_of("s-1") == 10_000)
+        .await;
+    assert_eq!(seen.text["s-1"], so_far);
+    assert_eq!(seen.stored.len(), 1, "the question came first");
+
+    // A mekik widget joins: one bubble holding the text so far.
+    let mut widget = Widget::new(&node.ws_url(""), &token);
+    widget.connect().await;
+    let mut shown = String::new();
+    while shown != so_far {
+        widget.read_until(|frame| frame["type"] == "genui").await;
+        shown = widget
+            .bubbles
+            .iter()
+            .find(|bubble| bubble.id == "s-1")
+            .map(|bubble| bubble.text.clone())
+            .unwrap_or_default();
+        assert!(so_far.starts_with(&shown), "no text twice: {shown:?}");
+    }
+
+    // The live rest reaches both once, then the committed answer ends the stream.
+    agent
+        .send(chunk(&conversation, "s-1", 10_000, seq, "end"))
+        .await;
+    let full = format!("{so_far}end");
+    // The stored answer is short (the test's frame limit is 16 KiB); it replaces the stream.
+    agent
+        .send(result(&conversation, seq, "s-1", "a long answer"))
+        .await;
+    seen.read_until(&mut joiner, |tab| tab.ended.contains_key("s-1"))
+        .await;
+    assert_eq!(
+        (seen.text["s-1"].as_str(), seen.ended["s-1"].as_str()),
+        (full.as_str(), "committed")
+    );
+    widget.read_until(|frame| frame["done"] == true).await;
+    let bot = widget.bubbles_from("bot");
+    assert_eq!(bot.len(), 1, "one bubble: {:?}", widget.bubbles.len());
+    assert_eq!(bot[0].text, full);
+}
+
+#[tokio::test]
+async fn stream_budgets_per_channel_and_per_node_refuse_with_their_codes() {
+    let node = TestNode::start_with(|config| {
+        fast_settle(config);
+        config.limits.max_stream_bytes = 800;
+        config.limits.max_stream_bytes_per_channel = 1_000;
+        config.limits.max_stream_bytes_per_node = 1_500;
+    })
+    .await;
+    let (node, _, _, mut agent, mut tab, conversation, seq) = turn_in_progress(node).await;
+    let limits = &agent_welcome_limits(&node).await;
+    assert_eq!(
+        (
+            &limits["maxStreamBytesPerChannel"],
+            &limits["maxStreamBytesPerNode"]
+        ),
+        (&json!(1_000), &json!(1_500))
+    );
+    let words = |bytes: usize| "x".repeat(bytes);
+    agent
+        .send(chunk(&conversation, "a", 0, seq, &words(600)))
+        .await;
+    // A second stream of the channel would take it over its budget: not opened.
+    agent
+        .send(chunk(&conversation, "b", 0, seq, &words(600)))
+        .await;
+    let refused = agent_error(&mut agent).await;
+    assert_eq!(refused["code"], "too_many_streams");
+    assert_eq!(
+        (
+            &refused["details"]["budget"],
+            &refused["details"]["streamId"]
+        ),
+        (&json!("channel"), &json!("b"))
+    );
+    // Growing an open one past the budget (not past its own limit) aborts it, and its viewers
+    // are told.
+    agent
+        .send(chunk(&conversation, "e", 0, seq, &words(300)))
+        .await;
+    agent
+        .send(chunk(&conversation, "a", 1, seq, &words(150)))
+        .await;
+    let aborted = agent_error(&mut agent).await;
+    assert_eq!(
+        (&aborted["code"], &aborted["details"]["budget"]),
+        (&json!("payload_too_large"), &json!("channel"))
+    );
+    let mut seen = Tab::default();
+    seen.read_until(&mut tab, |tab| tab.ended.contains_key("a"))
+        .await;
+    assert_eq!(seen.ended["a"], "aborted");
+    assert_eq!(seen.chunks_of("b"), 0, "a refused opening shows nothing");
+
+    // Another channel's agent on the same node: the node's budget holds across channels.
+    let other = node.tenant_with_channel("globex").await;
+    let other_token = node.agent_token(&other).await;
+    let (mut other_agent, welcome) = node.agent(&other_token, Some("bot")).await;
+    support::settle(&welcome).await;
+    let (other_conversation, other_user) = node.conversation(&other, "bob").await;
+    let mut other_tab = WsClient::connect(&node.ws_url("")).await;
+    other_tab.hello(&other_user, json!({})).await;
+    other_tab
+        .send(json!({"type": "text", "clientId": "q-1", "data": {"text": "hi"}}))
+        .await;
+    let (other_conversation_id, other_seq, _) = next_turn(&mut other_agent).await;
+    assert_eq!(other_conversation_id, other_conversation.to_string());
+    agent
+        .send(chunk(&conversation, "c", 0, seq, &words(700)))
+        .await;
+    other_agent
+        .send(chunk(
+            &other_conversation_id,
+            "d",
+            0,
+            other_seq,
+            &words(600),
+        ))
+        .await;
+    let over_node = agent_error(&mut other_agent).await;
+    assert_eq!(
+        (&over_node["code"], &over_node["details"]["budget"]),
+        (&json!("too_many_streams"), &json!("node"))
+    );
+}
+
+/// The `limits` a fresh agent connection of a new channel is told at welcome.
+async fn agent_welcome_limits(node: &TestNode) -> Value {
+    let fixture = node.tenant_with_channel("limits").await;
+    let token = node.agent_token(&fixture).await;
+    let (_, welcome) = node.agent(&token, None).await;
+    welcome["data"]["limits"].clone()
 }

@@ -431,3 +431,37 @@ pub fn stream_chunk(
     }
     serde_json::json!({"conversationId": conversation, "frame": frame})
 }
+
+/// Streams chunks `0..count` of `stream` (texts `w0 `, `w1 `, …) answering turn `seq`, then
+/// waits until the node took every one: the first chunk sent again is refused with the index
+/// the stream expects next, which the node tells only after all the chunks before it. Returns
+/// the stream's text. The agent's `limits.max_frames_per_sec` must allow the burst.
+pub async fn stream_many_chunks(
+    agent: &mut ws::WsClient,
+    conversation: &str,
+    stream: &str,
+    seq: i64,
+    count: u64,
+) -> String {
+    let mut text = String::new();
+    for index in 0..count {
+        let word = format!("w{index} ");
+        agent
+            .send(stream_chunk(conversation, stream, index, seq, &word))
+            .await;
+        text.push_str(&word);
+    }
+    agent
+        .send(stream_chunk(conversation, stream, 0, seq, "again"))
+        .await;
+    loop {
+        let frame = agent.recv().await;
+        if frame["frame"]["type"] != "error" {
+            continue;
+        }
+        let details = &frame["frame"]["data"]["details"];
+        assert_eq!(details["streamId"], stream, "{frame}");
+        assert_eq!(details["expected"], count, "every chunk was taken: {frame}");
+        return text;
+    }
+}

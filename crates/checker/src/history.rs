@@ -21,8 +21,9 @@ pub type StreamKey = (Uuid, String);
 /// What one subscriber saw of one stream.
 #[derive(Default)]
 struct StreamView {
-    /// Chunks as they arrived: (connection number, index, text).
-    arrivals: Vec<(u64, u64, String)>,
+    /// Chunks as they arrived: (connection number, first index, last index, text); a chunk
+    /// covers one index, a coalesced catch-up a range.
+    arrivals: Vec<(u64, u64, u64, String)>,
     /// How the stream ended for the subscriber: `Some(true)` committed.
     ended: Option<bool>,
     /// The text of the stored frame that replaced the stream, when received.
@@ -158,6 +159,19 @@ impl History {
 
     /// The subscriber `who` received chunk `index` of a stream.
     pub fn stream_chunk_seen(&self, who: &str, stream: StreamKey, index: u64, text: &str) {
+        self.stream_chunks_seen(who, stream, index, index, text);
+    }
+
+    /// The subscriber `who` received chunks `first..=last` of a stream as one (a catch-up's
+    /// coalesced text).
+    pub fn stream_chunks_seen(
+        &self,
+        who: &str,
+        stream: StreamKey,
+        first: u64,
+        last: u64,
+        text: &str,
+    ) {
         let mut records = self.records();
         let connection = records.connections.get(who).copied().unwrap_or_default();
         records
@@ -165,7 +179,7 @@ impl History {
             .entry((who.to_owned(), stream))
             .or_default()
             .arrivals
-            .push((connection, index, text.to_owned()));
+            .push((connection, first, last, text.to_owned()));
     }
 
     /// The subscriber `who` received a stream's end.
@@ -267,29 +281,39 @@ fn check_stream(
     let mut connection = None;
     let mut next_on_connection = 0;
     let mut assembled: BTreeMap<u64, &str> = BTreeMap::new();
-    for (on, index, text) in &view.arrivals {
-        verdict.stream_chunks_seen += 1;
+    for (on, first, last, text) in &view.arrivals {
+        verdict.stream_chunks_seen += usize::try_from(last - first + 1).unwrap_or(usize::MAX);
         if connection != Some(*on) {
             connection = Some(*on);
             next_on_connection = 0;
         }
-        if sent.get(index).map(String::as_str) != Some(text.as_str()) {
-            verdict
-                .stream_breaches
-                .push(format!("{name}: chunk {index} is not the one sent"));
+        let covered: Option<Vec<&str>> = (*first..=*last)
+            .map(|index| sent.get(&index).map(String::as_str))
+            .collect();
+        match &covered {
+            Some(texts) if texts.concat() == *text => {
+                for (index, sent_text) in (*first..=*last).zip(texts) {
+                    assembled.insert(index, sent_text);
+                }
+            }
+            _ => {
+                verdict.stream_breaches.push(format!(
+                    "{name}: chunks {first}..={last} are not the ones sent"
+                ));
+                assembled.insert(*first, text);
+            }
         }
         // A connection is shown a stream from its first chunk, each chunk once, in order.
-        if *index < next_on_connection {
+        if *first < next_on_connection {
             verdict.stream_breaches.push(format!(
-                "{name}: chunk {index} shown twice on one connection"
+                "{name}: chunk {first} shown twice on one connection"
             ));
-        } else if *index > next_on_connection {
+        } else if *first > next_on_connection {
             verdict.stream_breaches.push(format!(
-                "{name}: chunk {index} came before chunk {next_on_connection}"
+                "{name}: chunk {first} came before chunk {next_on_connection}"
             ));
         }
-        next_on_connection = next_on_connection.max(index + 1);
-        assembled.insert(*index, text);
+        next_on_connection = next_on_connection.max(last + 1);
     }
     if view.ended != Some(true) {
         return;
@@ -422,6 +446,28 @@ mod tests {
         let verdict = history.verdict(&BTreeMap::new());
         assert!(verdict.holds(), "{verdict:?}");
         assert_eq!((verdict.streams, verdict.stream_chunks_seen), (1, 6));
+        assert_eq!(verdict.streams_seen_committed, 1);
+    }
+
+    #[test]
+    fn a_coalesced_catch_up_holds_when_it_joins_exactly_the_chunks_it_covers() {
+        let history = History::default();
+        sent(&history, &["a", "b", "c", "d"]);
+        history.connected("joined");
+        history.stream_chunks_seen("joined", stream(), 0, 2, "abc");
+        history.stream_chunk_seen("joined", stream(), 3, "d");
+        history.stream_end_seen("joined", stream(), true);
+        history.stream_answer_seen("joined", stream(), "abcd");
+        history.stream_chunks_seen("wrong", stream(), 0, 1, "ax");
+        history.stream_chunks_seen("overlapping", stream(), 0, 1, "ab");
+        history.stream_chunks_seen("overlapping", stream(), 1, 2, "bc");
+        let verdict = history.verdict(&BTreeMap::new());
+        assert_eq!(
+            verdict.stream_breaches.len(),
+            2,
+            "{:?}",
+            verdict.stream_breaches
+        );
         assert_eq!(verdict.streams_seen_committed, 1);
     }
 

@@ -15,6 +15,7 @@ pub async fn serve(mut config: Config) -> anyhow::Result<()> {
     if config.node_id.is_empty() {
         config.node_id = format!("node-{}", &Uuid::new_v4().simple().to_string()[..8]);
     }
+    crate::descriptors::fit_connection_cap(&mut config);
     let database = Database::open(&config, Role::Owner).await?;
     let outcome = serve_with(config, &database).await;
     let closed = database.close().await;
@@ -125,8 +126,8 @@ pub async fn issue_token(
     .await
 }
 
-/// Opens the database as a guest (never stops a shared embedded cluster), runs one admin
-/// action, closes, and prints the action's JSON.
+/// Opens the database as a guest (stops the embedded cluster at the end only when it started it
+/// and no `serve` took it over), runs one admin action, closes, and prints the action's JSON.
 async fn with_store<F, Fut>(config: &Config, action: F) -> anyhow::Result<()>
 where
     F: FnOnce(Store) -> Fut,

@@ -4,6 +4,7 @@
 
 mod commands;
 mod database;
+mod descriptors;
 mod load_config;
 mod logging;
 mod secrets;

@@ -19,8 +19,11 @@ use crate::agent::{Agent, ReplyAck, Turn};
 pub struct StreamChunk {
     /// The stream.
     pub stream_id: String,
-    /// Position in the stream, from 0.
+    /// Position in the stream, from 0 (for a coalesced chunk, the last position it covers).
     pub index: u64,
+    /// The first position covered: below `index` for a coalesced chunk (a connection catching
+    /// up with an open stream gets each run of text chunks joined into one), else `index`.
+    pub first_index: u64,
     /// The turn answered (seq, revision).
     pub turn: (i64, i64),
     /// A text delta, when the chunk is text.
@@ -41,9 +44,15 @@ pub struct StreamEnd {
 }
 
 pub(crate) fn parse_chunk(frame: &Value) -> Option<StreamChunk> {
+    let index = frame["index"].as_u64()?;
+    let first_index = frame["firstIndex"].as_u64().unwrap_or(index);
+    if first_index > index {
+        return None;
+    }
     Some(StreamChunk {
         stream_id: frame["streamId"].as_str()?.to_owned(),
-        index: frame["index"].as_u64()?,
+        index,
+        first_index,
         turn: (
             frame["turn"]["seq"].as_i64()?,
             frame["turn"]["revision"].as_i64().unwrap_or(0),
@@ -72,6 +81,9 @@ pub struct AssembledStream {
     pub next_index: u64,
     /// `Some(true)` committed, `Some(false)` aborted, `None` still open.
     pub ended: Option<bool>,
+    /// Per chunk applied: where its text ends in `text`, so a coalesced chunk that overlaps
+    /// what was applied adds only the rest.
+    text_ends: Vec<usize>,
 }
 
 /// The streams of one conversation as an end user's UI would show them.
@@ -82,19 +94,30 @@ pub struct StreamAssembly {
 
 impl StreamAssembly {
     /// Applies a chunk; returns false when it was already applied or is out of order (a chunk
-    /// is never applied twice, and a gap is never papered over).
+    /// is never applied twice, and a gap is never papered over). A coalesced chunk that covers
+    /// chunks applied already adds only the text after them.
     pub fn apply_chunk(&mut self, chunk: &StreamChunk) -> bool {
         let stream = self.streams.entry(chunk.stream_id.clone()).or_default();
-        if stream.ended.is_some() || chunk.index != stream.next_index {
+        let next = stream.next_index;
+        if stream.ended.is_some() || chunk.index < next || chunk.first_index > next {
             return false;
         }
-        stream.next_index += 1;
         if let Some(text) = &chunk.text {
-            stream.text.push_str(text);
+            let start_of_run = chunk
+                .first_index
+                .checked_sub(1)
+                .and_then(|before| stream.text_ends.get(before as usize))
+                .copied()
+                .unwrap_or(0);
+            let held = stream.text.len() - start_of_run;
+            stream.text.push_str(text.get(held..).unwrap_or(""));
         }
         if let Some(genui) = &chunk.chunk {
             stream.chunks.push(genui.clone());
         }
+        let end = stream.text.len();
+        stream.text_ends.extend((next..=chunk.index).map(|_| end));
+        stream.next_index = chunk.index + 1;
         true
     }
 
@@ -208,10 +231,36 @@ mod tests {
         StreamChunk {
             stream_id: "s".into(),
             index,
+            first_index: index,
             turn: (1, 0),
             text: Some(text.into()),
             chunk: None,
         }
+    }
+
+    fn coalesced(first_index: u64, index: u64, text: &str) -> StreamChunk {
+        StreamChunk {
+            first_index,
+            ..chunk(index, text)
+        }
+    }
+
+    #[test]
+    fn a_coalesced_chunk_adds_only_what_was_not_applied() {
+        let mut assembly = StreamAssembly::default();
+        assert!(assembly.apply_chunk(&chunk(0, "w0 ")));
+        assert!(assembly.apply_chunk(&chunk(1, "w1 ")));
+        // A reconnect catches up with the whole run so far: only "w2 w3 " is new.
+        assert!(assembly.apply_chunk(&coalesced(0, 3, "w0 w1 w2 w3 ")));
+        assert_eq!(assembly.get("s").unwrap().text, "w0 w1 w2 w3 ");
+        assert!(!assembly.apply_chunk(&coalesced(0, 3, "w0 w1 w2 w3 ")));
+        assert!(!assembly.apply_chunk(&coalesced(5, 6, "w5 w6 ")), "a gap");
+        assert!(assembly.apply_chunk(&chunk(4, "w4")));
+        assert_eq!(assembly.get("s").unwrap().next_index, 5);
+        // A new assembly takes the run as it is.
+        let mut fresh = StreamAssembly::default();
+        assert!(fresh.apply_chunk(&coalesced(0, 3, "w0 w1 w2 w3 ")));
+        assert_eq!(fresh.get("s").unwrap().text, "w0 w1 w2 w3 ");
     }
 
     #[test]

@@ -35,6 +35,32 @@ pub struct StreamLimits {
     pub max_stream_bytes: usize,
     /// Streams one agent connection may have open at once.
     pub max_streams_per_owner: usize,
+    /// Bytes the open streams of one pool (the agent connections of one channel on a node)
+    /// may hold together.
+    pub max_pool_bytes: usize,
+    /// Bytes every open stream of the registry (a node's, replicas included) may hold
+    /// together.
+    pub max_total_bytes: usize,
+}
+
+impl StreamLimits {
+    /// No limit at all (replicas of streams another node accepted under its own limits are
+    /// bound only by the node's total, which the caller sets).
+    pub const UNBOUNDED: StreamLimits = StreamLimits {
+        max_stream_bytes: usize::MAX,
+        max_streams_per_owner: usize::MAX,
+        max_pool_bytes: usize::MAX,
+        max_total_bytes: usize::MAX,
+    };
+}
+
+/// Which budget a chunk would have taken over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Budget {
+    /// The bytes of the open streams of the chunk's pool (its channel on this node).
+    Pool,
+    /// The bytes of every open stream of the node.
+    Total,
 }
 
 /// Why a chunk was not accepted.
@@ -54,6 +80,15 @@ pub enum ChunkRefusal {
     TooManyStreams,
     /// The chunk would take the stream over `max_stream_bytes`: the stream was aborted.
     TooLarge,
+    /// The chunk would take its pool's or the node's open streams over their budget. A chunk
+    /// that would have opened the stream opened nothing; a later chunk aborted the stream
+    /// (`aborted`).
+    OverBudget {
+        /// The budget it would have crossed.
+        budget: Budget,
+        /// True when an open stream was aborted for it.
+        aborted: bool,
+    },
 }
 
 /// How a stream ended.
@@ -105,6 +140,8 @@ pub struct OpenStream<L> {
     pub owner: String,
     /// The node that agent connection is on.
     pub node: String,
+    /// The budget pool it counts against.
+    pub pool: String,
     /// The turn it answers.
     pub turn: StreamTurn,
     /// The lease fence of the delivery it answers (lease mode).
@@ -132,6 +169,8 @@ pub struct ChunkIn<'a, P> {
     pub owner: &'a str,
     /// Its node.
     pub node: &'a str,
+    /// The budget pool of the stream it opens (ignored after index 0).
+    pub pool: &'a str,
     /// Index within the stream.
     pub index: u64,
     /// The turn (required at index 0, ignored after).
@@ -150,6 +189,10 @@ pub struct StreamRegistry<C, L> {
     open: HashMap<C, HashMap<String, OpenStream<L>>>,
     ended: VecDeque<(C, String)>,
     ended_memory: usize,
+    /// Bytes held by the open streams of each pool that holds any.
+    pool_bytes: HashMap<String, usize>,
+    /// Bytes held by every open stream.
+    total_bytes: usize,
 }
 
 impl<C: Eq + Hash + Clone, L: ChunkLog> Default for StreamRegistry<C, L> {
@@ -165,6 +208,8 @@ impl<C: Eq + Hash + Clone, L: ChunkLog> StreamRegistry<C, L> {
             open: HashMap::new(),
             ended: VecDeque::new(),
             ended_memory,
+            pool_bytes: HashMap::new(),
+            total_bytes: 0,
         }
     }
 
@@ -193,8 +238,23 @@ impl<C: Eq + Hash + Clone, L: ChunkLog> StreamRegistry<C, L> {
                 self.end(conversation, stream_id);
                 return Err(ChunkRefusal::TooLarge);
             }
-            stream.bytes += chunk.bytes;
-            stream.chunks.push(chunk.payload);
+            let pool = stream.pool.clone();
+            if let Some(budget) = self.over_budget(&pool, chunk.bytes, limits) {
+                self.end(conversation, stream_id);
+                return Err(ChunkRefusal::OverBudget {
+                    budget,
+                    aborted: true,
+                });
+            }
+            if let Some(stream) = self
+                .open
+                .get_mut(conversation)
+                .and_then(|streams| streams.get_mut(stream_id))
+            {
+                stream.bytes += chunk.bytes;
+                stream.chunks.push(chunk.payload);
+            }
+            self.count_bytes(&pool, chunk.bytes);
             return Ok(Accepted::default());
         }
         if self.has_ended(conversation, stream_id) {
@@ -235,11 +295,19 @@ impl<C: Eq + Hash + Clone, L: ChunkLog> StreamRegistry<C, L> {
             self.remember_ended(conversation.clone(), stream_id.to_owned());
             return Err(ChunkRefusal::TooLarge);
         }
+        if let Some(budget) = self.over_budget(chunk.pool, chunk.bytes, limits) {
+            return Err(ChunkRefusal::OverBudget {
+                budget,
+                aborted: false,
+            });
+        }
+        self.count_bytes(chunk.pool, chunk.bytes);
         self.open.entry(conversation.clone()).or_default().insert(
             stream_id.to_owned(),
             OpenStream {
                 owner: chunk.owner.to_owned(),
                 node: chunk.node.to_owned(),
+                pool: chunk.pool.to_owned(),
                 turn,
                 fence: chunk.fence,
                 chunks: L::starting_with(chunk.payload),
@@ -259,6 +327,7 @@ impl<C: Eq + Hash + Clone, L: ChunkLog> StreamRegistry<C, L> {
         if streams.is_empty() {
             self.open.remove(conversation);
         }
+        self.uncount_bytes(&stream.pool, stream.bytes);
         self.remember_ended(conversation.clone(), stream_id.to_owned());
         Some(stream)
     }
@@ -338,11 +407,42 @@ impl<C: Eq + Hash + Clone, L: ChunkLog> StreamRegistry<C, L> {
 
     /// Payload bytes held by all open streams.
     pub fn open_bytes(&self) -> usize {
-        self.open
-            .values()
-            .flat_map(HashMap::values)
-            .map(|stream| stream.bytes)
-            .sum()
+        self.total_bytes
+    }
+
+    /// Payload bytes held by the open streams of `pool`.
+    pub fn pool_bytes(&self, pool: &str) -> usize {
+        self.pool_bytes.get(pool).copied().unwrap_or(0)
+    }
+
+    fn over_budget(&self, pool: &str, bytes: usize, limits: &StreamLimits) -> Option<Budget> {
+        if self.pool_bytes(pool).saturating_add(bytes) > limits.max_pool_bytes {
+            return Some(Budget::Pool);
+        }
+        if self.total_bytes.saturating_add(bytes) > limits.max_total_bytes {
+            return Some(Budget::Total);
+        }
+        None
+    }
+
+    fn count_bytes(&mut self, pool: &str, bytes: usize) {
+        self.total_bytes += bytes;
+        match self.pool_bytes.get_mut(pool) {
+            Some(held) => *held += bytes,
+            None => {
+                self.pool_bytes.insert(pool.to_owned(), bytes);
+            }
+        }
+    }
+
+    fn uncount_bytes(&mut self, pool: &str, bytes: usize) {
+        self.total_bytes = self.total_bytes.saturating_sub(bytes);
+        if let Some(held) = self.pool_bytes.get_mut(pool) {
+            *held = held.saturating_sub(bytes);
+            if *held == 0 {
+                self.pool_bytes.remove(pool);
+            }
+        }
     }
 
     fn owned_by(&self, owner: &str) -> usize {
@@ -389,22 +489,29 @@ pub enum ShowChunk {
 impl StreamCursor {
     /// Decides about chunk `index` of `stream_id`; `Show` advances the cursor.
     pub fn on_chunk(&mut self, stream_id: &str, index: u64) -> ShowChunk {
+        self.on_chunks(stream_id, index, index)
+    }
+
+    /// Decides about chunks `first..=last` of `stream_id` shown as one (a connection catching
+    /// up with an open stream gets its text so far coalesced): shown when `first` is the next
+    /// index and `last` is not before it; `Show` advances the cursor past `last`.
+    pub fn on_chunks(&mut self, stream_id: &str, first: u64, last: u64) -> ShowChunk {
         if self.ended.iter().any(|id| id == stream_id) {
             return ShowChunk::Drop;
         }
         let shown = self.next.get_mut(stream_id);
         let next = shown.as_deref().copied().unwrap_or(0);
-        if index < next {
+        if first < next || last < first {
             return ShowChunk::Drop;
         }
-        if index > next {
+        if first > next {
             return ShowChunk::Gap { from: next };
         }
         // The stream's id is copied once, at its first chunk, not at every chunk.
         match shown {
-            Some(shown) => *shown += 1,
+            Some(shown) => *shown = last + 1,
             None => {
-                self.next.insert(stream_id.to_owned(), 1);
+                self.next.insert(stream_id.to_owned(), last + 1);
             }
         }
         ShowChunk::Show
@@ -442,6 +549,8 @@ mod tests {
     const LIMITS: StreamLimits = StreamLimits {
         max_stream_bytes: 100,
         max_streams_per_owner: 2,
+        max_pool_bytes: usize::MAX,
+        max_total_bytes: usize::MAX,
     };
     const TURN: StreamTurn = StreamTurn {
         seq: 3,
@@ -452,6 +561,7 @@ mod tests {
         ChunkIn {
             owner,
             node: "n1",
+            pool: "p",
             index,
             turn: (index == 0).then_some(TURN),
             fence: None,
@@ -541,6 +651,65 @@ mod tests {
         assert_eq!(registry.open_bytes(), 1);
     }
 
+    fn in_pool<'a>(pool: &'a str, owner: &'a str, index: u64, bytes: usize) -> ChunkIn<'a, u64> {
+        ChunkIn {
+            pool,
+            ..chunk(owner, index, bytes)
+        }
+    }
+
+    #[test]
+    fn budgets_refuse_an_opening_and_abort_a_growing_stream() {
+        let limits = StreamLimits {
+            max_stream_bytes: 100,
+            max_streams_per_owner: 10,
+            max_pool_bytes: 50,
+            max_total_bytes: 80,
+        };
+        let mut registry = StreamRegistry::<u8, Vec<u64>>::default();
+        registry
+            .append(&1, "a", in_pool("p", "x", 0, 30), &limits)
+            .unwrap();
+        assert_eq!(
+            registry.append(&1, "b", in_pool("p", "y", 0, 30), &limits),
+            Err(ChunkRefusal::OverBudget {
+                budget: Budget::Pool,
+                aborted: false
+            })
+        );
+        assert!(
+            !registry.is_known(&1, "b"),
+            "a refused opening opens nothing and may come again"
+        );
+        registry
+            .append(&1, "c", in_pool("q", "y", 0, 40), &limits)
+            .unwrap();
+        registry
+            .append(&1, "d", in_pool("r", "z", 0, 5), &limits)
+            .unwrap();
+        // Pool q would hold 48 of its 50, but the node 83 of its 80.
+        assert_eq!(
+            registry.append(&1, "c", in_pool("q", "y", 1, 8), &limits),
+            Err(ChunkRefusal::OverBudget {
+                budget: Budget::Total,
+                aborted: true
+            })
+        );
+        assert!(registry.get(&1, "c").is_none() && registry.has_ended(&1, "c"));
+        assert_eq!(
+            (registry.pool_bytes("p"), registry.pool_bytes("q")),
+            (30, 0)
+        );
+        assert_eq!(registry.open_bytes(), 35);
+        registry.end(&1, "a");
+        registry.end(&1, "d");
+        assert!(
+            registry
+                .append(&1, "b", in_pool("p", "y", 0, 50), &limits)
+                .is_ok()
+        );
+    }
+
     #[test]
     fn a_newer_fence_takes_the_turn_over() {
         let mut registry = StreamRegistry::<u8, Vec<u64>>::default();
@@ -587,6 +756,25 @@ mod tests {
         assert!(!cursor.on_end("never-shown"));
     }
 
+    #[test]
+    fn a_coalesced_run_is_shown_from_the_next_index_and_advances_past_its_end() {
+        let mut cursor = StreamCursor::default();
+        assert_eq!(cursor.on_chunks("s", 1, 9), ShowChunk::Gap { from: 0 });
+        assert_eq!(cursor.on_chunks("s", 0, 9), ShowChunk::Show);
+        assert_eq!(cursor.next_index("s"), 10);
+        assert_eq!(
+            cursor.on_chunk("s", 9),
+            ShowChunk::Drop,
+            "covered by the run"
+        );
+        assert_eq!(
+            cursor.on_chunks("s", 5, 12),
+            ShowChunk::Drop,
+            "overlaps what was shown"
+        );
+        assert_eq!(cursor.on_chunk("s", 10), ShowChunk::Show);
+    }
+
     proptest! {
         /// Whatever order and repetition chunks reach a connection in (live feed and snapshot
         /// overlapping), filling gaps from the registry shows exactly the stream, in order.
@@ -596,7 +784,7 @@ mod tests {
             length in 1u64..20,
         ) {
             let mut registry = StreamRegistry::<u8, Vec<u64>>::default();
-            let limits = StreamLimits { max_stream_bytes: usize::MAX, max_streams_per_owner: 1 };
+            let limits = StreamLimits { max_streams_per_owner: 1, ..StreamLimits::UNBOUNDED };
             for index in 0..length {
                 registry.append(&1, "s", chunk("a", index, 1), &limits).unwrap();
             }
@@ -619,6 +807,44 @@ mod tests {
             prop_assert_eq!(shown, expected);
         }
 
+        /// Whatever is appended and ended, the bytes counted per pool and in all equal the
+        /// bytes of the open streams, and never pass a budget.
+        #[test]
+        fn budgets_count_exactly_what_is_open(
+            steps in proptest::collection::vec((0u8..4, 0u64..4, 0usize..40, 0u8..2, proptest::bool::ANY), 0..120),
+        ) {
+            let limits = StreamLimits {
+                max_stream_bytes: 90,
+                max_streams_per_owner: 3,
+                max_pool_bytes: 100,
+                max_total_bytes: 150,
+            };
+            let mut registry = StreamRegistry::<u8, Vec<u64>>::with_memory(0);
+            let pools = ["p0", "p1"];
+            for (stream, index, bytes, pool, end) in steps {
+                let id = format!("s{stream}");
+                if end {
+                    registry.end(&1, &id);
+                    continue;
+                }
+                let pool = pools[pool as usize];
+                let _ = registry.append(&1, &id, in_pool(pool, pool, index, bytes), &limits);
+                let open = registry.snapshot(&1);
+                let total: usize = open.iter().map(|(_, stream)| stream.bytes).sum();
+                prop_assert_eq!(registry.open_bytes(), total);
+                prop_assert!(total <= limits.max_total_bytes);
+                for pool in pools {
+                    let held: usize = open
+                        .iter()
+                        .filter(|(_, stream)| stream.pool == pool)
+                        .map(|(_, stream)| stream.bytes)
+                        .sum();
+                    prop_assert_eq!(registry.pool_bytes(pool), held);
+                    prop_assert!(held <= limits.max_pool_bytes);
+                }
+            }
+        }
+
         /// Chunks accepted by the owner's node, applied in order to a replica, leave the
         /// replica equal to the original.
         #[test]
@@ -631,7 +857,7 @@ mod tests {
                 let id = format!("s{stream}");
                 let accepted = original.append(&1, &id, chunk("a", index, bytes), &LIMITS);
                 if accepted.is_ok() {
-                    let relaxed = StreamLimits { max_stream_bytes: usize::MAX, max_streams_per_owner: usize::MAX };
+                    let relaxed = StreamLimits::UNBOUNDED;
                     prop_assert!(replica.append(&1, &id, chunk("a", index, bytes), &relaxed).is_ok());
                 } else if accepted == Err(ChunkRefusal::TooLarge) {
                     replica.end(&1, &id);

@@ -85,6 +85,8 @@ impl Server {
             converger_core::streams::StreamLimits {
                 max_stream_bytes: config.limits.max_stream_bytes,
                 max_streams_per_owner: config.limits.max_streams_per_connection,
+                max_pool_bytes: config.limits.max_stream_bytes_per_channel,
+                max_total_bytes: config.limits.max_stream_bytes_per_node,
             },
             std::time::Duration::from_millis(config.streams.relay_window_ms),
         );

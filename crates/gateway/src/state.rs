@@ -56,4 +56,10 @@ impl AppState {
     pub fn start_draining(&self) {
         self.draining.store(true, Ordering::Release);
     }
+
+    /// Places held under the connection caps now: connections, and HTTP/2 requests running
+    /// beside others on theirs (the status page shows it; tests wait on it).
+    pub fn connections_held(&self) -> usize {
+        self.admission.held()
+    }
 }

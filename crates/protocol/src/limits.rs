@@ -47,6 +47,12 @@ pub struct Limits {
     pub max_stream_bytes: usize,
     /// Streams one agent connection may have open at once.
     pub max_streams_per_connection: usize,
+    /// Bytes of chunks the open streams of one channel's agent connections on a node may hold
+    /// together; over it a stream is refused (or aborted).
+    pub max_stream_bytes_per_channel: usize,
+    /// Bytes of chunks every open stream a node holds may hold together (other nodes' streams
+    /// it shows included).
+    pub max_stream_bytes_per_node: usize,
 }
 
 impl Default for Limits {
@@ -69,6 +75,8 @@ impl Default for Limits {
             typing_throttle_ms: 1_000,
             max_stream_bytes: 256 * 1024,
             max_streams_per_connection: 64,
+            max_stream_bytes_per_channel: 32 * 1024 * 1024,
+            max_stream_bytes_per_node: 128 * 1024 * 1024,
         }
     }
 }
@@ -92,6 +100,9 @@ impl Limits {
             wire["maxConversations"] = serde_json::Value::from(self.max_conversations);
             wire["maxStreamsPerConnection"] =
                 serde_json::Value::from(self.max_streams_per_connection);
+            wire["maxStreamBytesPerChannel"] =
+                serde_json::Value::from(self.max_stream_bytes_per_channel);
+            wire["maxStreamBytesPerNode"] = serde_json::Value::from(self.max_stream_bytes_per_node);
         }
         wire
     }
@@ -125,6 +136,14 @@ impl Limits {
         }
         if self.max_stream_bytes > MAX_STREAM_BYTES_CEILING {
             return Err("limits.max_stream_bytes must be at most 67108864 (64 MiB)".into());
+        }
+        if self.max_stream_bytes_per_channel < self.max_stream_bytes
+            || self.max_stream_bytes_per_node < self.max_stream_bytes_per_channel
+        {
+            return Err(
+                "limits.max_stream_bytes_per_channel must be at least limits.max_stream_bytes, and limits.max_stream_bytes_per_node at least limits.max_stream_bytes_per_channel"
+                    .into(),
+            );
         }
         if self.hello_timeout_ms == 0 {
             return Err("limits.hello_timeout_ms must be greater than 0".into());

@@ -173,9 +173,15 @@ fn refusal(code: ErrorCode, message: &str, frame_type: &str) -> Refusal {
 /// A chunk as an end user of `profile` receives it, encoded. `from` is the writing agent's
 /// `{id, role}`. It is written straight to text (no `Value` tree): a chunk is rendered once per
 /// profile and node, but every chunk of every stream is.
+///
+/// `first_index` below `index` makes it a coalesced chunk (a connection catching up with an
+/// open stream): its text is the texts of chunks `first_index..=index` joined, and the
+/// converger profile names the range with `firstIndex`.
+#[allow(clippy::too_many_arguments)]
 pub fn end_user_chunk(
     profile: Profile,
     stream_id: &str,
+    first_index: u64,
     index: u64,
     seq: i64,
     revision: i32,
@@ -191,6 +197,7 @@ pub fn end_user_chunk(
             serde_json::to_string(&ConvergerChunk {
                 kind: "streamChunk",
                 stream_id,
+                first_index: (first_index < index).then_some(first_index),
                 index,
                 turn: ChunkTurn { seq, revision },
                 from,
@@ -225,6 +232,8 @@ struct ConvergerChunk<'a> {
     kind: &'static str,
     #[serde(rename = "streamId")]
     stream_id: &'a str,
+    #[serde(rename = "firstIndex", skip_serializing_if = "Option::is_none")]
+    first_index: Option<u64>,
     index: u64,
     turn: ChunkTurn,
     from: &'a Value,
@@ -377,10 +386,15 @@ mod tests {
         let from = json!({"id": "bot", "role": "agent"});
         let text = StreamContent::Text("he".into());
         let encoded = |profile| -> Value {
-            serde_json::from_str(&end_user_chunk(profile, "s", 2, 5, 1, &text, &from)).unwrap()
+            serde_json::from_str(&end_user_chunk(profile, "s", 2, 2, 5, 1, &text, &from)).unwrap()
         };
         let converger = encoded(Profile::Converger);
         assert_eq!(converger["index"], 2);
+        assert_eq!(
+            converger.get("firstIndex"),
+            None,
+            "one chunk names no range"
+        );
         assert_eq!(converger["from"], from);
         assert_eq!(converger.get("chunk"), None);
         assert_eq!(converger["type"], "streamChunk");
@@ -403,6 +417,7 @@ mod tests {
             Profile::Converger,
             "s",
             0,
+            0,
             5,
             0,
             &ui,
@@ -414,8 +429,41 @@ mod tests {
             (card.clone(), None)
         );
         let mekik: Value =
-            serde_json::from_str(&end_user_chunk(Profile::Mekik, "s", 0, 5, 0, &ui, &from))
+            serde_json::from_str(&end_user_chunk(Profile::Mekik, "s", 0, 0, 5, 0, &ui, &from))
                 .unwrap();
         assert_eq!(mekik["chunk"], card);
+    }
+
+    #[test]
+    fn a_coalesced_chunk_names_the_range_it_covers_for_the_converger_profile() {
+        let from = json!({"id": "bot", "role": "agent"});
+        let text = StreamContent::Text("hello world".into());
+        let converger: Value = serde_json::from_str(&end_user_chunk(
+            Profile::Converger,
+            "s",
+            0,
+            3,
+            5,
+            0,
+            &text,
+            &from,
+        ))
+        .unwrap();
+        assert_eq!(
+            (converger["firstIndex"].clone(), converger["index"].clone()),
+            (json!(0), json!(3))
+        );
+        let mekik: Value = serde_json::from_str(&end_user_chunk(
+            Profile::Mekik,
+            "s",
+            0,
+            3,
+            5,
+            0,
+            &text,
+            &from,
+        ))
+        .unwrap();
+        assert_eq!(mekik["chunk"]["content"], "hello world");
     }
 }

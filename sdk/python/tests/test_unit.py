@@ -247,6 +247,24 @@ def test_the_assembly_applies_each_chunk_once_in_order() -> None:
     assert stream.text == "Hello" and assembly.open == []
 
 
+def test_a_coalesced_chunk_adds_only_what_was_not_applied() -> None:
+    assembly = StreamAssembly()
+    assert assembly.apply_chunk(chunk(0, "w0 ")) is not None
+    stream = assembly.apply_chunk(chunk(1, "w1 "))
+    assert stream is not None
+    # a reconnect catches up with the whole run so far: only "w2 w3 " is new
+    assert assembly.apply_chunk(chunk(3, "w0 w1 w2 w3 ", firstIndex=0)) is stream
+    assert (stream.text, stream.next_index, stream.duplicates) == ("w0 w1 w2 w3 ", 4, 2)
+    assert assembly.apply_chunk(chunk(3, "w0 w1 w2 w3 ", firstIndex=0)) is None
+    assert assembly.apply_chunk(chunk(6, "w5 w6 ", firstIndex=5)) is None  # a gap
+    assert assembly.apply_chunk(chunk(4, "w4")) is stream
+    fresh = StreamAssembly()
+    caught_up = fresh.apply_chunk(chunk(3, "w0 w1 w2 w3 ", firstIndex=0))
+    assert caught_up is not None and caught_up.text == "w0 w1 w2 w3 "
+    bad = {"type": "streamChunk", "streamId": "s", "index": 1, "firstIndex": 2}
+    assert StreamChunk.parse(bad) is None
+
+
 def test_the_assembly_ends_a_stream_on_its_stored_answer_and_forgets_old_ended_ones() -> None:
     assembly = StreamAssembly(max_ended=2)
     assert assembly.apply_chunk(chunk(0, "a", stream_id="s-a")) is not None

@@ -289,9 +289,10 @@ pub async fn user(load: Arc<Load>, index: usize, conversation_id: Uuid, token: S
                     answered.insert(seq);
                 }
             }
-            Ok(ServerFrame::StreamChunk(chunk)) => load.history.stream_chunk_seen(
+            Ok(ServerFrame::StreamChunk(chunk)) => load.history.stream_chunks_seen(
                 &name,
                 (conversation_id, chunk.stream_id.clone()),
+                chunk.first_index,
                 chunk.index,
                 chunk.text.as_deref().unwrap_or_default(),
             ),

@@ -256,6 +256,9 @@ impl Config {
                     .into(),
             );
         }
+        if self.http.max_concurrent_streams == 0 {
+            return Err("http.max_concurrent_streams must be greater than 0".into());
+        }
         if self.admin.failures_burst == 0 || self.admin.failures_per_minute == 0 {
             return Err(
                 "admin.failures_burst and admin.failures_per_minute must be greater than 0".into(),

@@ -108,8 +108,10 @@ impl Default for DatabaseConfig {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct HttpConfig {
-    /// A request's headers must arrive within this (also an idle keep-alive connection's life),
-    /// in milliseconds.
+    /// A connection with no request in progress is closed after this, in milliseconds: its
+    /// first request's complete headers must arrive within it (whatever the connection sends
+    /// meanwhile: nothing, an HTTP/2 preface, partial headers), and so must the next request's
+    /// after each response.
     pub header_read_timeout_ms: u64,
     /// A request's body must arrive within this, in milliseconds.
     pub body_read_timeout_ms: u64,
@@ -119,6 +121,9 @@ pub struct HttpConfig {
     pub max_connections_per_address: usize,
     /// `Retry-After` of a connection refused over a cap, in seconds.
     pub retry_after_secs: u64,
+    /// Requests (streams) one HTTP/2 connection may run at once; each beyond the first also
+    /// takes a place under the connection caps.
+    pub max_concurrent_streams: u32,
 }
 
 impl Default for HttpConfig {
@@ -129,6 +134,7 @@ impl Default for HttpConfig {
             max_connections: 50_000,
             max_connections_per_address: 1_000,
             retry_after_secs: 5,
+            max_concurrent_streams: 10,
         }
     }
 }

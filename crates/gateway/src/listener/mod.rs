@@ -1,21 +1,29 @@
 //! The accept loop: every TCP connection is admitted or refused before any request is read, and
 //! every connection has a deadline for what it owes the server.
 //!
-//! - A node holds at most `http.max_connections` connections, and at most
-//!   `http.max_connections_per_address` from one client address; over either cap the connection
-//!   gets `503 Service Unavailable` with `Retry-After` and is closed, before any upgrade.
-//! - A request's headers must arrive within `http.header_read_timeout_ms` (which also bounds an
-//!   idle keep-alive connection), and its body within `http.body_read_timeout_ms` (a layer of
-//!   the router).
-//! - An admitted connection holds its [`ConnectionSlot`] until it closes; a WebSocket upgrade
-//!   takes the slot into its session, so a socket counts for as long as it is open.
+//! - A node holds at most `http.max_connections` places, and at most
+//!   `http.max_connections_per_address` from one client address (`admission.rs`): a TCP
+//!   connection takes one, and so does every HTTP/2 request beyond the first running at once on
+//!   a connection, so the caps count sessions, not sockets. Over either cap the connection (or
+//!   the HTTP/2 request) gets `503 Service Unavailable` with `Retry-After`, before any upgrade;
+//!   `/health/*` and `/metrics` are still answered.
+//! - A connection with no request in progress is closed after `http.header_read_timeout_ms`
+//!   (`in_use.rs`): silent sockets, bare HTTP/2 prefaces, headers that never end, idle
+//!   keep-alives. A request's body must arrive within `http.body_read_timeout_ms` (a layer of
+//!   the router); a WebSocket's `hello` within `limits.hello_timeout_ms` (the session).
+//! - A request holds a [`SessionSlot`] (its place and its mark on the connection) until its
+//!   response body is done; a WebSocket upgrade takes it into its session, so a socket counts
+//!   for as long as it is open.
+//! - Accept errors (out of descriptors) back off instead of spinning.
 
-use std::collections::HashMap;
+mod admission;
+mod in_use;
+
 use std::convert::Infallible;
 use std::future::Future;
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::pin::pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
@@ -30,92 +38,19 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
 use tower::ServiceExt as _;
 
+use self::admission::RefusalTurn;
+pub(crate) use self::admission::{Admission, ConnectionSlot};
+pub(crate) use self::in_use::SessionSlot;
+use self::in_use::{HeldBody, InUse};
 use crate::config::HttpConfig;
 
-/// Connections a node holds, per client address and in all.
-#[derive(Debug, Default)]
-struct Counts {
-    per_address: HashMap<IpAddr, usize>,
-    total: usize,
-}
+/// The first pause after a failed accept; it doubles up to [`ACCEPT_BACKOFF_MAX`] while
+/// accepts keep failing, and starts again after one succeeds.
+const ACCEPT_BACKOFF_MIN: Duration = Duration::from_millis(5);
+const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
 
-/// Admission of connections under the node's caps.
-#[derive(Debug, Clone)]
-pub(crate) struct Admission {
-    counts: Arc<Mutex<Counts>>,
-    max_total: usize,
-    max_per_address: usize,
-}
-
-impl Admission {
-    /// Admission under `config`'s caps (0: no cap).
-    pub(crate) fn new(config: &HttpConfig) -> Admission {
-        Admission {
-            counts: Arc::default(),
-            max_total: config.max_connections,
-            max_per_address: config.max_connections_per_address,
-        }
-    }
-
-    fn counts(&self) -> std::sync::MutexGuard<'_, Counts> {
-        self.counts
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-
-    /// A slot for a connection from `address`, or `None` when a cap is reached.
-    pub(crate) fn admit(&self, address: IpAddr) -> Option<ConnectionSlot> {
-        let mut counts = self.counts();
-        let from_address = counts.per_address.get(&address).copied().unwrap_or(0);
-        let over_total = self.max_total > 0 && counts.total >= self.max_total;
-        let over_address = self.max_per_address > 0 && from_address >= self.max_per_address;
-        if over_total || over_address {
-            let cap = if over_total { "node" } else { "address" };
-            metrics::counter!("converger_connections_refused_total", "cap" => cap).increment(1);
-            return None;
-        }
-        counts.total += 1;
-        *counts.per_address.entry(address).or_insert(0) += 1;
-        metrics::gauge!("converger_connections").set(counts.total as f64);
-        Some(ConnectionSlot {
-            _held: Arc::new(SlotInner {
-                admission: self.clone(),
-                address,
-            }),
-        })
-    }
-
-    /// Connections held now (all addresses).
-    pub(crate) fn held(&self) -> usize {
-        self.counts().total
-    }
-}
-
-/// One admitted connection's place under the caps, given back when the last clone drops.
-#[derive(Debug, Clone)]
-pub(crate) struct ConnectionSlot {
-    _held: Arc<SlotInner>,
-}
-
-#[derive(Debug)]
-struct SlotInner {
-    admission: Admission,
-    address: IpAddr,
-}
-
-impl Drop for SlotInner {
-    fn drop(&mut self) {
-        let mut counts = self.admission.counts();
-        counts.total = counts.total.saturating_sub(1);
-        if let Some(count) = counts.per_address.get_mut(&self.address) {
-            *count -= 1;
-            if *count == 0 {
-                counts.per_address.remove(&self.address);
-            }
-        }
-        metrics::gauge!("converger_connections").set(counts.total as f64);
-    }
-}
+/// How long an idle connection told to close may take to say goodbye.
+const IDLE_CLOSE_GRACE: Duration = Duration::from_secs(1);
 
 /// Accepts connections until `shutdown` completes, then stops accepting, lets every connection
 /// finish its requests (upgraded sockets are the sessions' to close), and returns.
@@ -130,14 +65,21 @@ pub(crate) async fn serve(
     // Each connection task holds a clone of `done_guard`; `recv` answers `None` once all are gone.
     let (done_guard, mut done) = mpsc::channel::<()>(1);
     let mut shutdown = pin!(shutdown);
+    let mut backoff = ACCEPT_BACKOFF_MIN;
     loop {
         let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
-                Ok(accepted) => accepted,
+                Ok(accepted) => {
+                    backoff = ACCEPT_BACKOFF_MIN;
+                    accepted
+                }
                 Err(error) => {
-                    // Out of descriptors or a reset before accept: keep serving the others.
-                    tracing::warn!(%error, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    // Out of descriptors or a reset before accept: keep serving the others, and
+                    // give closing connections time to free descriptors before trying again.
+                    metrics::counter!("converger_accept_errors_total").increment(1);
+                    tracing::warn!(%error, pause_ms = backoff.as_millis() as u64, "accept failed");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(ACCEPT_BACKOFF_MAX);
                     continue;
                 }
             },
@@ -150,23 +92,28 @@ pub(crate) async fn serve(
         }
         let stopping = stopping.clone();
         let done = done_guard.clone();
-        match admission.admit(peer.ip()) {
-            Some(slot) => {
-                let router = router.clone();
-                let config = config.clone();
-                tokio::spawn(async move {
-                    serve_admitted(stream, peer, slot, router, &config, stopping).await;
-                    drop(done);
-                });
-            }
-            None => {
-                let config = config.clone();
-                tokio::spawn(async move {
-                    refuse(stream, &config).await;
-                    drop(done);
-                });
-            }
+        let connection = Connection {
+            peer,
+            router: router.clone(),
+            admission: admission.clone(),
+            config: config.clone(),
+        };
+        if let Some(slot) = admission.admit(peer.ip()) {
+            tokio::spawn(async move {
+                connection.serve_admitted(stream, slot, stopping).await;
+                drop(done);
+            });
+            continue;
         }
+        // Over a cap: answered 503 while few are being answered, else closed at once.
+        let Some(turn) = admission.refusal() else {
+            drop(stream);
+            continue;
+        };
+        tokio::spawn(async move {
+            connection.refuse(stream, turn).await;
+            drop(done);
+        });
     }
     drop(stop);
     drop(done_guard);
@@ -174,7 +121,8 @@ pub(crate) async fn serve(
     Ok(())
 }
 
-/// Builds the HTTP/1 and HTTP/2 connection server with the header deadline.
+/// Builds the HTTP/1 and HTTP/2 connection server with the header deadline and the HTTP/2
+/// stream cap.
 fn builder(config: &HttpConfig) -> Builder<TokioExecutor> {
     let mut builder = Builder::new(TokioExecutor::new());
     builder
@@ -184,70 +132,149 @@ fn builder(config: &HttpConfig) -> Builder<TokioExecutor> {
     builder
         .http2()
         .timer(TokioTimer::new())
+        .max_concurrent_streams(config.max_concurrent_streams)
         .enable_connect_protocol();
     builder
 }
 
-async fn serve_admitted(
-    stream: TcpStream,
+/// Why an admitted connection's serving loop stopped.
+enum Ending<E> {
+    Finished(Result<(), E>),
+    Stopping,
+    Idle,
+}
+
+/// One accepted TCP connection and what serving it needs.
+#[derive(Clone)]
+struct Connection {
     peer: SocketAddr,
-    slot: ConnectionSlot,
     router: Router,
-    config: &HttpConfig,
-    mut stopping: watch::Receiver<()>,
-) {
-    let service = router.map_request(move |request: Request<Incoming>| {
-        let mut request = request.map(Body::new);
-        request.extensions_mut().insert(ConnectInfo(peer));
-        request.extensions_mut().insert(slot.clone());
-        request
-    });
-    let builder = builder(config);
-    let mut connection =
-        pin!(builder.serve_connection_with_upgrades(
+    admission: Admission,
+    config: HttpConfig,
+}
+
+impl Connection {
+    /// Serves an admitted connection until it closes, goes idle, or the node stops.
+    async fn serve_admitted(
+        self,
+        stream: TcpStream,
+        slot: ConnectionSlot,
+        mut stopping: watch::Receiver<()>,
+    ) {
+        let peer = self.peer;
+        let idle_deadline = Duration::from_millis(self.config.header_read_timeout_ms);
+        let builder = builder(&self.config);
+        let in_use = InUse::new();
+        let service = {
+            let in_use = Arc::clone(&in_use);
+            tower::service_fn(move |request: Request<Incoming>| {
+                let connection = self.clone();
+                let (before, hold) = in_use.begin();
+                // The connection's own place covers its first request; an HTTP/2 request that
+                // runs beside others takes a place of its own.
+                let place = if before == 0 {
+                    Some(slot.clone())
+                } else {
+                    connection.admission.admit(peer.ip())
+                };
+                async move {
+                    let response = match place {
+                        Some(place) => {
+                            connection
+                                .handle(request, SessionSlot::new(place, hold))
+                                .await
+                        }
+                        None => connection.over_cap(request).await,
+                    };
+                    Ok::<_, Infallible>(response)
+                }
+            })
+        };
+        let mut connection = pin!(builder.serve_connection_with_upgrades(
             TokioIo::new(stream),
             TowerToHyperService::new(service)
         ));
-    let finished = tokio::select! {
-        result = connection.as_mut() => Some(result),
-        // The node stops: requests in flight finish, then the connection closes.
-        _ = stopping.changed() => None,
-    };
-    let result = match finished {
-        Some(result) => result,
-        None => {
-            connection.as_mut().graceful_shutdown();
-            connection.await
+        let ending = tokio::select! {
+            result = connection.as_mut() => Ending::Finished(result),
+            // The node stops: requests in flight finish, then the connection closes.
+            _ = stopping.changed() => Ending::Stopping,
+            // Nothing in progress for a header deadline: a silent socket, a bare HTTP/2 preface,
+            // headers that never end, or an idle keep-alive.
+            () = in_use.idle_for(idle_deadline) => Ending::Idle,
+        };
+        let result = match ending {
+            Ending::Finished(result) => result,
+            Ending::Stopping => {
+                connection.as_mut().graceful_shutdown();
+                connection.await
+            }
+            Ending::Idle => {
+                metrics::counter!("converger_connections_idle_closed_total").increment(1);
+                connection.as_mut().graceful_shutdown();
+                tokio::time::timeout(IDLE_CLOSE_GRACE, connection)
+                    .await
+                    .unwrap_or(Ok(()))
+            }
+        };
+        if let Err(error) = result {
+            tracing::debug!(%error, %peer, "connection ended with an error");
         }
-    };
-    if let Err(error) = result {
-        tracing::debug!(%error, %peer, "connection ended with an error");
     }
-}
 
-/// Answers every request of a connection over a cap with 503 and `Retry-After`, then closes.
-async fn refuse(stream: TcpStream, config: &HttpConfig) {
-    let retry_after = HeaderValue::from(config.retry_after_secs.max(1));
-    let service = tower::service_fn(move |_request: Request<Incoming>| {
-        let retry_after = retry_after.clone();
-        async move {
-            let body = r#"{"error":{"code":"unavailable","message":"too many connections"}}"#;
-            let mut response = Response::new(Body::from(body));
-            *response.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
-            let headers = response.headers_mut();
-            headers.insert(header::RETRY_AFTER, retry_after);
-            headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
-            headers.insert(
-                header::CONTENT_TYPE,
-                HeaderValue::from_static("application/json"),
-            );
-            Ok::<_, Infallible>(response)
+    /// Serves one admitted request; its response body holds `slot`.
+    async fn handle(&self, request: Request<Incoming>, slot: SessionSlot) -> Response<Body> {
+        let mut request = request.map(Body::new);
+        request.extensions_mut().insert(ConnectInfo(self.peer));
+        request.extensions_mut().insert(slot.clone());
+        let response = match self.router.clone().oneshot(request).await {
+            Ok(response) => response,
+            Err(infallible) => match infallible {},
+        };
+        response.map(|body| Body::new(HeldBody::new(body, slot)))
+    }
+
+    /// A request over a cap: the health checks and metrics are answered (a load balancer and
+    /// a scraper must still see the node), anything else gets 503 with `Retry-After`.
+    async fn over_cap(&self, request: Request<Incoming>) -> Response<Body> {
+        let path = request.uri().path();
+        if path.starts_with("/health/") || path == "/metrics" {
+            let mut request = request.map(Body::new);
+            request.extensions_mut().insert(ConnectInfo(self.peer));
+            return match self.router.clone().oneshot(request).await {
+                Ok(response) => response,
+                Err(infallible) => match infallible {},
+            };
         }
-    });
-    let builder = builder(config);
-    let connection =
-        builder.serve_connection(TokioIo::new(stream), TowerToHyperService::new(service));
-    // A refused client gets one header deadline to read its answer.
-    let deadline = Duration::from_millis(config.header_read_timeout_ms);
-    let _ = tokio::time::timeout(deadline, connection).await;
+        let retry_after = HeaderValue::from(self.config.retry_after_secs.max(1));
+        let body = r#"{"error":{"code":"unavailable","message":"too many connections"}}"#;
+        let mut response = Response::new(Body::from(body));
+        *response.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+        let headers = response.headers_mut();
+        headers.insert(header::RETRY_AFTER, retry_after);
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        response
+    }
+
+    /// Answers the requests of a connection over a cap (see [`Connection::over_cap`]) for one
+    /// header deadline at most, then closes it.
+    async fn refuse(self, stream: TcpStream, _turn: RefusalTurn) {
+        let deadline = Duration::from_millis(self.config.header_read_timeout_ms);
+        let builder = builder(&self.config);
+        let service = tower::service_fn(move |request: Request<Incoming>| {
+            let connection = self.clone();
+            async move {
+                let mut response = connection.over_cap(request).await;
+                response
+                    .headers_mut()
+                    .insert(header::CONNECTION, HeaderValue::from_static("close"));
+                Ok::<_, Infallible>(response)
+            }
+        });
+        let connection =
+            builder.serve_connection(TokioIo::new(stream), TowerToHyperService::new(service));
+        let _ = tokio::time::timeout(deadline, connection).await;
+    }
 }

@@ -13,7 +13,7 @@ use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use converger_core::replay::{LiveDecision, ReplayCursor};
-use converger_core::streams::{ChunkLog, OpenStream, ShowChunk, StreamCursor};
+use converger_core::streams::{OpenStream, ShowChunk, StreamCursor};
 use converger_protocol::{ErrorCode, ErrorFrame, Profile, USER_ROLE, Viewer};
 use converger_store::Activity;
 use converger_store::bus::Origin;
@@ -26,7 +26,7 @@ use crate::auth::{bearer, verified_claims};
 use crate::error::ApiError;
 use crate::hub::{EndUserViews, HubEvent, SessionControl, SessionGuard, SessionIdentity};
 use crate::state::AppState;
-use crate::streams::{PackedChunks, StreamChange, StreamEvent, chunk_frame};
+use crate::streams::{PackedChunks, StreamChange, StreamEvent, catch_up_frames};
 use crate::tokens::Scope;
 use crate::wire;
 
@@ -336,13 +336,12 @@ impl Follow {
         stream: &OpenStream<PackedChunks>,
     ) -> Result<(), Stop> {
         let from = seen.next_index(stream_id);
-        for index in from..stream.chunks.len() as u64 {
-            if seen.on_chunk(stream_id, index) != ShowChunk::Show {
+        for piece in catch_up_frames(Profile::Converger, stream_id, stream, from) {
+            if seen.on_chunks(stream_id, piece.first, piece.last) != ShowChunk::Show {
                 continue;
             }
-            if let Some(frame) = chunk_frame(Profile::Converger, stream_id, index, stream) {
-                self.send(Event::default().data(frame.as_str())).await?;
-            }
+            self.send(Event::default().data(piece.frame.as_str()))
+                .await?;
         }
         Ok(())
     }

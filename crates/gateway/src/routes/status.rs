@@ -184,7 +184,7 @@ async fn render(state: &AppState) -> String {
         "<tr><th>Open WebSocket sessions</th><td id=\"sessions\">{}</td></tr>\
          <tr><th>Open connections</th><td id=\"connections\">{}</td></tr>",
         state.hub.session_count(),
-        state.admission.held()
+        state.connections_held()
     );
     let rate = |value: Option<f64>| value.map_or("–".to_owned(), |value| format!("{value:.1}/s"));
     let _ = write!(

@@ -101,6 +101,7 @@ fn render(profile: Profile, change: &StreamChange) -> String {
             profile,
             stream_id,
             *index,
+            *index,
             turn.seq,
             turn.revision,
             &body.content,
@@ -112,24 +113,48 @@ fn render(profile: Profile, change: &StreamChange) -> String {
     }
 }
 
-/// The chunk `index` of an open stream as a session shows it (a snapshot read).
-pub fn chunk_frame(
+/// One frame of a catch-up with an open stream, and the chunk indices it covers.
+#[derive(Debug)]
+pub struct CatchUpFrame {
+    /// The first chunk index covered.
+    pub first: u64,
+    /// The last chunk index covered.
+    pub last: u64,
+    /// The frame for the session's profile.
+    pub frame: Utf8Bytes,
+}
+
+/// An open stream from chunk `from` on as a session catching up is shown it (a snapshot read):
+/// each run of text chunks coalesced into one chunk frame, each UI chunk as it is.
+pub fn catch_up_frames(
     profile: Profile,
     stream_id: &str,
-    index: u64,
     stream: &OpenStream<PackedChunks>,
-) -> Option<Utf8Bytes> {
-    let content = stream.chunks.content(usize::try_from(index).ok()?)?;
-    let frame = end_user_chunk(
-        profile,
-        stream_id,
-        index,
-        stream.turn.seq,
-        stream.turn.revision,
-        &content,
-        stream.chunks.from(),
-    );
-    Some(frame.into())
+    from: u64,
+) -> Vec<CatchUpFrame> {
+    let Ok(from) = usize::try_from(from) else {
+        return Vec::new();
+    };
+    stream
+        .chunks
+        .catch_up(from)
+        .into_iter()
+        .map(|piece| CatchUpFrame {
+            first: piece.first,
+            last: piece.last,
+            frame: end_user_chunk(
+                profile,
+                stream_id,
+                piece.first,
+                piece.last,
+                stream.turn.seq,
+                stream.turn.revision,
+                &piece.content,
+                stream.chunks.from(),
+            )
+            .into(),
+        })
+        .collect()
 }
 
 /// A chunk an agent connection of this node sent.
@@ -147,6 +172,8 @@ pub struct LocalChunk<'a> {
     pub fence: Option<i64>,
     /// The writing connection.
     pub owner: &'a str,
+    /// The writing connection's channel: its streams count against that channel's budget.
+    pub channel: &'a str,
     /// The content.
     pub body: ChunkBody,
 }
@@ -199,6 +226,7 @@ impl LiveStreams {
                 ChunkIn {
                     owner: chunk.owner,
                     node: &self.node_id,
+                    pool: chunk.channel,
                     index: chunk.index,
                     turn: chunk.turn,
                     fence: chunk.fence,
@@ -222,6 +250,20 @@ impl LiveStreams {
                     Some("too_large"),
                 );
                 return Err(ChunkRefusal::TooLarge);
+            }
+            Err(refusal @ ChunkRefusal::OverBudget { aborted: true, .. }) => {
+                metrics::counter!("converger_stream_budget_refusals_total").increment(1);
+                self.announce_end(
+                    hub,
+                    chunk.conversation_id,
+                    chunk.stream_id,
+                    Some("over_budget"),
+                );
+                return Err(refusal);
+            }
+            Err(refusal @ ChunkRefusal::OverBudget { aborted: false, .. }) => {
+                metrics::counter!("converger_stream_budget_refusals_total").increment(1);
+                return Err(refusal);
             }
             Err(refusal) => return Err(refusal),
         };
@@ -399,9 +441,10 @@ impl LiveStreams {
             content,
             from: Arc::new(event.get("f").cloned().unwrap_or(Value::Null)),
         });
+        // The owner's node applied the stream's own limits; here only the node's budget holds.
         let replica_limits = StreamLimits {
-            max_stream_bytes: usize::MAX,
-            max_streams_per_owner: usize::MAX,
+            max_total_bytes: self.limits.max_total_bytes,
+            ..StreamLimits::UNBOUNDED
         };
         let outcome = lock(&self.registry).append(
             &conversation_id,
@@ -409,6 +452,7 @@ impl LiveStreams {
             ChunkIn {
                 owner,
                 node,
+                pool: node,
                 index,
                 turn: Some(turn),
                 fence: event.get("x").and_then(Value::as_i64),
@@ -420,6 +464,17 @@ impl LiveStreams {
         // A replica that missed the stream's start cannot show it: the committed answer will.
         let accepted = match outcome {
             Ok(accepted) => accepted,
+            Err(ChunkRefusal::OverBudget { aborted: true, .. }) => {
+                // This node cannot hold the rest: its viewers get the committed answer.
+                metrics::counter!("converger_stream_budget_refusals_total").increment(1);
+                publish_end(
+                    hub,
+                    conversation_id,
+                    stream_id.to_owned(),
+                    Some("over_budget".into()),
+                );
+                return;
+            }
             Err(refusal) => {
                 tracing::debug!(?refusal, %conversation_id, stream_id, index, "replica chunk not applied");
                 return;

@@ -34,17 +34,71 @@ impl PackedChunks {
     /// The content of chunk `index`, when it is held.
     pub fn content(&self, index: usize) -> Option<StreamContent> {
         let end = *self.ends.get(index)? as usize;
+        if let Some(ui) = self.ui_chunk(index) {
+            return Some(StreamContent::Chunk(ui.clone()));
+        }
+        let start = self.text_start(index);
+        Some(StreamContent::Text(self.text.get(start..end)?.to_owned()))
+    }
+}
+
+/// A part of an open stream as a connection catching up is shown it: a run of consecutive text
+/// chunks as one text, or one UI chunk.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CatchUpPiece {
+    /// The first chunk index it covers.
+    pub first: u64,
+    /// The last chunk index it covers.
+    pub last: u64,
+    /// The texts of `first..=last` joined, or the UI chunk at `first` (= `last`).
+    pub content: StreamContent,
+}
+
+impl PackedChunks {
+    /// The chunks from index `from` on, with each run of text chunks joined into one piece: a
+    /// stream of thousands of text chunks is caught up with one frame.
+    pub fn catch_up(&self, from: usize) -> Vec<CatchUpPiece> {
+        let mut pieces = Vec::new();
+        let mut index = from;
+        while index < self.ends.len() {
+            if let Some(ui) = self.ui_chunk(index) {
+                pieces.push(CatchUpPiece {
+                    first: index as u64,
+                    last: index as u64,
+                    content: StreamContent::Chunk(ui.clone()),
+                });
+                index += 1;
+                continue;
+            }
+            let run_start = index;
+            while index < self.ends.len() && self.ui_chunk(index).is_none() {
+                index += 1;
+            }
+            let start = self.text_start(run_start);
+            let end = self.ends[index - 1] as usize;
+            pieces.push(CatchUpPiece {
+                first: run_start as u64,
+                last: (index - 1) as u64,
+                content: StreamContent::Text(self.text.get(start..end).unwrap_or("").to_owned()),
+            });
+        }
+        pieces
+    }
+
+    fn ui_chunk(&self, index: usize) -> Option<&Value> {
         let position = u32::try_from(index).ok()?;
-        if let Ok(found) = self
+        let found = self
             .ui_chunks
             .binary_search_by_key(&position, |(at, _)| *at)
-        {
-            return Some(StreamContent::Chunk(self.ui_chunks[found].1.clone()));
-        }
-        let start = index
+            .ok()?;
+        Some(&self.ui_chunks[found].1)
+    }
+
+    /// Where chunk `index`'s text starts in `text`.
+    fn text_start(&self, index: usize) -> usize {
+        index
             .checked_sub(1)
-            .map_or(0, |before| self.ends[before] as usize);
-        Some(StreamContent::Text(self.text.get(start..end)?.to_owned()))
+            .map_or(0, |before| self.ends[before] as usize)
     }
 }
 
@@ -113,5 +167,29 @@ mod tests {
         }
         assert_eq!(log.content(pushed.len()), None);
         assert_eq!(log.from(), &json!({"id": "bot", "role": "agent"}));
+        let text = |first, last, text: &str| CatchUpPiece {
+            first,
+            last,
+            content: StreamContent::Text(text.into()),
+        };
+        assert_eq!(
+            log.catch_up(0),
+            vec![
+                text(0, 1, "Hel"),
+                CatchUpPiece {
+                    first: 2,
+                    last: 2,
+                    content: pushed[2].clone()
+                },
+                text(3, 3, "lo"),
+                CatchUpPiece {
+                    first: 4,
+                    last: 4,
+                    content: pushed[4].clone()
+                },
+            ]
+        );
+        assert_eq!(log.catch_up(1)[0], text(1, 1, ""));
+        assert!(log.catch_up(5).is_empty());
     }
 }

@@ -26,7 +26,7 @@ use axum::response::{IntoResponse, Response};
 use converger_protocol::{ErrorCode, SUBPROTOCOL};
 
 use crate::error::ApiError;
-use crate::listener::ConnectionSlot;
+use crate::listener::SessionSlot;
 use crate::state::AppState;
 
 /// Initial read buffer of a socket.
@@ -54,7 +54,7 @@ pub(crate) struct UpgradeRequest {
 /// `GET /socket/converger/v1`.
 pub(crate) async fn upgrade(
     State(state): State<AppState>,
-    slot: Option<Extension<ConnectionSlot>>,
+    slot: Option<Extension<SessionSlot>>,
     headers: HeaderMap,
     Query(query): Query<HashMap<String, String>>,
     upgrade: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,

@@ -603,12 +603,15 @@ class StreamChunk:
     ``index`` counts from 0 within the stream ``stream_id``; ``turn`` is the turn answered and
     ``sender`` the writing agent (the wire's ``from``). A chunk carries either ``text`` (a
     delta to append) or ``chunk`` (a genui chunk object, shown as it is). A new connection is
-    shown every open stream from index 0 again: assemble with a
-    :class:`~converger.StreamAssembly`, which applies each index once.
+    shown every open stream from index 0 again, each run of text chunks coalesced into one
+    chunk that covers ``first_index`` to ``index`` (the wire's ``firstIndex``; equal to
+    ``index`` for a single chunk): assemble with a :class:`~converger.StreamAssembly`, which
+    applies each index once.
     """
 
     stream_id: str
     index: int
+    first_index: int
     turn: TurnRef | None
     sender: Participant | None
     text: str | None
@@ -622,10 +625,16 @@ class StreamChunk:
         index = as_int(frame.get("index"))
         if stream_id is None or index is None or index < 0:
             return None
+        first_index = as_int(frame.get("firstIndex"))
+        if first_index is None:
+            first_index = index
+        if first_index < 0 or first_index > index:
+            return None
         chunk = frame.get("chunk")
         return StreamChunk(
             stream_id=stream_id,
             index=index,
+            first_index=first_index,
             turn=TurnRef.parse(frame.get("turn")),
             sender=Participant.parse(frame.get("from")),
             text=as_str(frame.get("text")),

@@ -354,6 +354,7 @@ class AssembledStream:
     __slots__ = (
         "_parts",
         "_text",
+        "_text_ends",
         "chunks",
         "duplicates",
         "next_index",
@@ -375,6 +376,9 @@ class AssembledStream:
         self.duplicates = 0
         self._parts: list[str] = []
         self._text: str | None = ""
+        # Per chunk applied: the length of the text up to its end, so a coalesced chunk that
+        # overlaps what was applied adds only the rest.
+        self._text_ends: list[int] = []
 
     @property
     def text(self) -> str:
@@ -439,26 +443,39 @@ class StreamAssembly:
         self._max_ended = max(max_ended, 1)
 
     def apply_chunk(self, chunk: StreamChunk) -> AssembledStream | None:
-        """Applies ``chunk``; the stream when it was applied, ``None`` for a repeat or a gap."""
+        """Applies ``chunk``; the stream when it was applied, ``None`` for a repeat or a gap.
+
+        A coalesced chunk (``first_index`` below ``index``) that covers chunks applied already
+        adds only the text after them.
+        """
         stream = self._streams.get(chunk.stream_id)
         if stream is None:
-            if chunk.index != 0:
+            if chunk.first_index != 0:
                 return None
             stream = AssembledStream(chunk.stream_id)
             self._streams[chunk.stream_id] = stream
-        if stream.ended or chunk.index != stream.next_index:
-            if chunk.index < stream.next_index:
+        following = stream.next_index
+        if stream.ended or chunk.index < following or chunk.first_index > following:
+            if chunk.index < following:
                 stream.duplicates += 1
             return None
-        if stream.next_index == 0:
+        if following == 0:
             stream.turn = chunk.turn
             stream.sender = chunk.sender
-        stream.next_index += 1
+        # chunks of the range that were applied already arrived again: their text is dropped
+        stream.duplicates += following - chunk.first_index
+        held_length = stream._text_ends[-1] if stream._text_ends else 0
         if chunk.text is not None:
-            stream._parts.append(chunk.text)
-            stream._text = None
+            run_start = stream._text_ends[chunk.first_index - 1] if chunk.first_index > 0 else 0
+            new_text = chunk.text[held_length - run_start :]
+            if new_text:
+                stream._parts.append(new_text)
+                stream._text = None
+            held_length += len(new_text)
         if chunk.chunk is not None:
             stream.chunks.append(chunk.chunk)
+        stream._text_ends.extend([held_length] * (chunk.index + 1 - following))
+        stream.next_index = chunk.index + 1
         return stream
 
     def apply_end(self, end: StreamEnd) -> AssembledStream | None:

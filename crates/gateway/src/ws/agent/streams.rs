@@ -2,7 +2,7 @@
 //! for a delivered turn (checked once against the turn registry) and appends to it;
 //! `streamAbort` ends it; the turn's result, or the connection's end, ends it otherwise.
 
-use converger_core::streams::{ChunkRefusal, StreamTurn};
+use converger_core::streams::{Budget, ChunkRefusal, StreamTurn};
 use converger_protocol::{ErrorCode, ErrorFrame, StreamAbort, StreamChunk};
 use serde_json::json;
 use uuid::Uuid;
@@ -26,6 +26,7 @@ impl AgentSession<'_> {
             return self.enveloped_error(conversation_id, refusal);
         }
         let connection = self.connection_id.to_string();
+        let channel = self.channel_id.to_string();
         let accepted = self.state.streams.accept(
             &self.state.hub,
             LocalChunk {
@@ -38,6 +39,7 @@ impl AgentSession<'_> {
                 }),
                 fence: chunk.turn.and_then(|turn| turn.fence),
                 owner: &connection,
+                channel: &channel,
                 body: ChunkBody {
                     content: chunk.content,
                     from: self.sender_ref(),
@@ -176,6 +178,23 @@ fn chunk_refused(refusal: ChunkRefusal, stream_id: &str, index: u64) -> ErrorFra
             ErrorCode::PayloadTooLarge,
             "the stream would exceed maxStreamBytes; it was aborted",
         ),
+        ChunkRefusal::OverBudget { budget, aborted } => {
+            details["budget"] = json!(match budget {
+                Budget::Pool => "channel",
+                Budget::Total => "node",
+            });
+            if aborted {
+                (
+                    ErrorCode::PayloadTooLarge,
+                    "the open streams would exceed maxStreamBytesPerChannel or maxStreamBytesPerNode; the stream was aborted",
+                )
+            } else {
+                (
+                    ErrorCode::TooManyStreams,
+                    "the open streams hold maxStreamBytesPerChannel or maxStreamBytesPerNode; answer without streaming, or stream after one ends",
+                )
+            }
+        }
     };
     ErrorFrame {
         frame_type: Some("streamChunk".into()),

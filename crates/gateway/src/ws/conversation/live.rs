@@ -106,14 +106,14 @@ impl Session<'_> {
                 views,
             }) => self.on_committed(seq, activity, &views).await,
             Ok(HubEvent::Regenerated { .. }) => Ok(()),
-            Ok(HubEvent::Stream(event)) => self.on_stream(&event),
+            Ok(HubEvent::Stream(event)) => self.on_stream(&event).await,
             Ok(HubEvent::Transient { frame, origin }) => {
                 self.on_transient(&frame, origin.as_deref())
             }
             // Fell behind the hub's buffer: whatever was missed is read back from the database.
             Err(broadcast::error::RecvError::Lagged(_)) => {
                 // Streams first: their chunks are in this node's memory, not the database.
-                self.catch_up_streams()?;
+                self.catch_up_streams().await?;
                 let head = match self.state.store.conversation(self.conversation_id).await {
                     Ok(Some(conversation)) => conversation.last_seq,
                     _ => return Ok(()),

@@ -282,7 +282,7 @@ impl Session<'_> {
         self.replay(plan).await?;
         // After the stored frames, the answers streaming now: what was sent so far, then the
         // live rest (the cursor drops chunks the live feed repeats).
-        self.catch_up_streams()
+        self.catch_up_streams().await
     }
 
     /// The main loop, then the sends it read and did not commit yet.
