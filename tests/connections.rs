@@ -215,6 +215,19 @@ async fn a_node_at_its_connection_cap_still_answers_its_health_checks() {
         let answer = fresh().get(node.url(path)).send().await.unwrap();
         assert_eq!(answer.status(), 200, "{path} at the cap");
     }
+    // Silent sockets over the cap, more than the node answers at once, do not shut the health
+    // checks out: each new refusal ends the oldest.
+    let mut silent = Vec::new();
+    for _ in 0..200 {
+        silent.push(TcpStream::connect(node.server.addr()).await.unwrap());
+    }
+    let answer = fresh().get(node.url("/health/ready")).send().await.unwrap();
+    assert_eq!(
+        answer.status(),
+        200,
+        "health beside a flood of silent sockets"
+    );
+    drop(silent);
     // The setup's REST client may still hold a keep-alive connection, which counts too.
     assert!(!held.is_empty());
 }

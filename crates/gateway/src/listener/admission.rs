@@ -2,9 +2,11 @@
 //! TCP connection and, on HTTP/2, by every request beyond the first that runs on it at once, so
 //! the caps count sessions (WebSocket, Server-Sent Events), not sockets.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
+
+use tokio::sync::Notify;
 
 use crate::config::HttpConfig;
 
@@ -13,8 +15,11 @@ use crate::config::HttpConfig;
 struct Counts {
     per_address: HashMap<IpAddr, usize>,
     total: usize,
-    /// Connections being answered 503 right now (each holds a descriptor until it is answered).
-    refusing: usize,
+    /// Connections being answered 503 right now, oldest first, each with the signal that ends
+    /// it early (each holds a descriptor until it is answered).
+    refusing: VecDeque<(u64, Arc<Notify>)>,
+    /// The number of the next refusal.
+    next_refusal: u64,
 }
 
 /// Admission of connections and sessions under the node's caps.
@@ -25,8 +30,10 @@ pub(crate) struct Admission {
     max_per_address: usize,
 }
 
-/// Connections answered 503 at once at most; beyond them a connection over a cap is closed at
-/// accept without an answer, so refusals cannot use up the descriptors kept free below the cap.
+/// Connections answered 503 at once at most, so refusals cannot use up the descriptors kept
+/// free below the cap. A new refusal beyond them ends the oldest: a client that sends its
+/// request at once (a load balancer's health check) is answered even while silent sockets
+/// flood the node, and a silent one is cut short.
 pub(crate) const MAX_REFUSING: usize = 128;
 
 impl Admission {
@@ -67,19 +74,26 @@ impl Admission {
         })
     }
 
-    /// A turn at answering a refused connection with 503, or `None` when [`MAX_REFUSING`] are
-    /// being answered already (the connection is then closed at once).
-    pub(crate) fn refusal(&self) -> Option<RefusalTurn> {
+    /// A turn at answering a refused connection with 503; when [`MAX_REFUSING`] are being
+    /// answered already, the oldest of them is told to end ([`RefusalTurn::evicted`]).
+    pub(crate) fn refusal(&self) -> RefusalTurn {
         let mut counts = self.counts();
-        if counts.refusing >= MAX_REFUSING {
+        if counts.refusing.len() >= MAX_REFUSING
+            && let Some((_, oldest)) = counts.refusing.pop_front()
+        {
             metrics::counter!("converger_connections_refused_total", "cap" => "refusing")
                 .increment(1);
-            return None;
+            oldest.notify_one();
         }
-        counts.refusing += 1;
-        Some(RefusalTurn {
+        let id = counts.next_refusal;
+        counts.next_refusal += 1;
+        let evicted = Arc::new(Notify::new());
+        counts.refusing.push_back((id, Arc::clone(&evicted)));
+        RefusalTurn {
             admission: self.clone(),
-        })
+            id,
+            evicted,
+        }
     }
 
     /// Places held now (all addresses).
@@ -119,12 +133,21 @@ impl Drop for SlotInner {
 #[derive(Debug)]
 pub(crate) struct RefusalTurn {
     admission: Admission,
+    id: u64,
+    evicted: Arc<Notify>,
+}
+
+impl RefusalTurn {
+    /// Completes when a newer refusal took this one's turn.
+    pub(crate) async fn evicted(&self) {
+        self.evicted.notified().await;
+    }
 }
 
 impl Drop for RefusalTurn {
     fn drop(&mut self) {
         let mut counts = self.admission.counts();
-        counts.refusing = counts.refusing.saturating_sub(1);
+        counts.refusing.retain(|(id, _)| *id != self.id);
     }
 }
 
@@ -157,14 +180,21 @@ mod tests {
         );
     }
 
-    #[test]
-    fn refusals_have_a_cap_of_their_own() {
+    #[tokio::test]
+    async fn a_refusal_beyond_the_cap_ends_the_oldest() {
         let admission = admission(1, 1);
-        let turns: Vec<_> = (0..MAX_REFUSING)
-            .map(|_| admission.refusal().unwrap())
-            .collect();
-        assert!(admission.refusal().is_none());
+        let turns: Vec<_> = (0..MAX_REFUSING).map(|_| admission.refusal()).collect();
+        let newest = admission.refusal();
+        // The oldest was told to end; the others were not.
+        tokio::time::timeout(std::time::Duration::from_secs(1), turns[0].evicted())
+            .await
+            .expect("the oldest refusal is evicted");
+        let second = tokio::time::timeout(std::time::Duration::from_millis(50), turns[1].evicted());
+        assert!(second.await.is_err(), "only the oldest");
+        assert_eq!(admission.counts().refusing.len(), MAX_REFUSING);
         drop(turns);
-        assert!(admission.refusal().is_some());
+        assert_eq!(admission.counts().refusing.len(), 1);
+        drop(newest);
+        assert!(admission.counts().refusing.is_empty());
     }
 }

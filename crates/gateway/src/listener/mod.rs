@@ -105,11 +105,8 @@ pub(crate) async fn serve(
             });
             continue;
         }
-        // Over a cap: answered 503 while few are being answered, else closed at once.
-        let Some(turn) = admission.refusal() else {
-            drop(stream);
-            continue;
-        };
+        // Over a cap: answered 503 (the oldest refusal gives way when too many are answered).
+        let turn = admission.refusal();
         tokio::spawn(async move {
             connection.refuse(stream, turn).await;
             drop(done);
@@ -259,8 +256,8 @@ impl Connection {
     }
 
     /// Answers the requests of a connection over a cap (see [`Connection::over_cap`]) for one
-    /// header deadline at most, then closes it.
-    async fn refuse(self, stream: TcpStream, _turn: RefusalTurn) {
+    /// header deadline at most, or until a newer refusal needs its turn, then closes it.
+    async fn refuse(self, stream: TcpStream, turn: RefusalTurn) {
         let deadline = Duration::from_millis(self.config.header_read_timeout_ms);
         let builder = builder(&self.config);
         let service = tower::service_fn(move |request: Request<Incoming>| {
@@ -275,6 +272,9 @@ impl Connection {
         });
         let connection =
             builder.serve_connection(TokioIo::new(stream), TowerToHyperService::new(service));
-        let _ = tokio::time::timeout(deadline, connection).await;
+        tokio::select! {
+            _ = tokio::time::timeout(deadline, connection) => {}
+            () = turn.evicted() => {}
+        }
     }
 }

@@ -26,7 +26,7 @@ use uuid::Uuid;
 
 pub use self::packed::PackedChunks;
 use self::relay::{
-    RELAY_TIMEOUT, RelayOrder, RelayedChunk, RelayedEnd, content_from_wire, turn_from_wire,
+    Backlog, RELAY_TIMEOUT, RelayOrder, RelayedChunk, RelayedEnd, content_from_wire, turn_from_wire,
 };
 use crate::hub::{Hub, HubEvent, lock};
 
@@ -183,6 +183,8 @@ pub struct LiveStreams {
     node_id: String,
     registry: Mutex<StreamRegistry<Uuid, PackedChunks>>,
     relay: mpsc::UnboundedSender<RelayOrder>,
+    /// What the relay holds and has not sent yet (part of the node's stream budget).
+    relay_backlog: Arc<Backlog>,
     limits: StreamLimits,
 }
 
@@ -204,11 +206,19 @@ impl LiveStreams {
         relay_window: Duration,
     ) -> Arc<LiveStreams> {
         let (relay, orders) = mpsc::unbounded_channel();
-        tokio::spawn(relay::run(store, node_id.to_owned(), relay_window, orders));
+        let relay_backlog = Arc::new(Backlog::default());
+        tokio::spawn(relay::run(
+            store,
+            node_id.to_owned(),
+            relay_window,
+            Arc::clone(&relay_backlog),
+            orders,
+        ));
         Arc::new(LiveStreams {
             node_id: node_id.to_owned(),
             registry: Mutex::new(StreamRegistry::default()),
             relay,
+            relay_backlog,
             limits,
         })
     }
@@ -220,6 +230,12 @@ impl LiveStreams {
         let body = Arc::new(chunk.body);
         let (outcome, turn) = {
             let mut registry = lock(&self.registry);
+            // What the node holds is its open streams and what the relay has not sent yet: a
+            // relay that falls behind takes from the same budget.
+            let limits = StreamLimits {
+                max_total_bytes: self.total_budget_left(),
+                ..self.limits
+            };
             let outcome = registry.append(
                 &chunk.conversation_id,
                 chunk.stream_id,
@@ -233,7 +249,7 @@ impl LiveStreams {
                     payload: Arc::clone(&body),
                     bytes: body.content.size(),
                 },
-                &self.limits,
+                &limits,
             );
             let turn = registry
                 .get(&chunk.conversation_id, chunk.stream_id)
@@ -380,6 +396,13 @@ impl LiveStreams {
             .cloned()
     }
 
+    /// The node's stream budget less what the relay holds unsent.
+    fn total_budget_left(&self) -> usize {
+        self.limits
+            .max_total_bytes
+            .saturating_sub(self.relay_backlog.bytes())
+    }
+
     /// Open streams and the bytes they hold (the status page and metrics).
     pub fn usage(&self) -> (usize, usize) {
         let registry = lock(&self.registry);
@@ -443,7 +466,7 @@ impl LiveStreams {
         });
         // The owner's node applied the stream's own limits; here only the node's budget holds.
         let replica_limits = StreamLimits {
-            max_total_bytes: self.limits.max_total_bytes,
+            max_total_bytes: self.total_budget_left(),
             ..StreamLimits::UNBOUNDED
         };
         let outcome = lock(&self.registry).append(
@@ -523,7 +546,12 @@ impl LiveStreams {
     fn relay_event(&self, event: &impl Serialize) {
         match serde_json::to_string(event) {
             Ok(text) => {
-                let _ = self.relay.send(RelayOrder::Event(text));
+                // Counted before it is sent, so the relay never takes away what was not added.
+                let bytes = text.len();
+                self.relay_backlog.add(bytes);
+                if self.relay.send(RelayOrder::Event(text)).is_err() {
+                    self.relay_backlog.remove(bytes);
+                }
             }
             // Only a map with non-string keys fails to encode, and a chunk holds none.
             Err(error) => tracing::warn!(%error, "stream event not encoded for the relay"),

@@ -3,6 +3,8 @@
 //! statement of `pg_notify` calls, so a node costs at most one transaction per window however
 //! many chunks it relays.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use converger_core::streams::StreamTurn;
@@ -93,12 +95,38 @@ pub(super) fn turn_from_wire(wire: &Value) -> Option<StreamTurn> {
     Some(StreamTurn { seq, revision })
 }
 
+/// Bytes of encoded events queued for the relay and not sent (or given up) yet: they count
+/// against the node's stream budget, so a relay that falls behind refuses chunks instead of
+/// growing without bound.
+#[derive(Debug, Default)]
+pub(super) struct Backlog(AtomicUsize);
+
+impl Backlog {
+    pub(super) fn add(&self, bytes: usize) {
+        self.0.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    pub(super) fn remove(&self, bytes: usize) {
+        // Saturating: every removal follows its own addition, but never wrap whatever happens.
+        let _ = self
+            .0
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |held| {
+                Some(held.saturating_sub(bytes))
+            });
+    }
+
+    pub(super) fn bytes(&self) -> usize {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
 /// Sends queued stream events to the other nodes: from the first event queued, whatever else
 /// comes within `window` (or until a flush is asked for) goes in the same statement.
 pub(super) async fn run(
     store: Store,
     node_id: String,
     window: Duration,
+    backlog: Arc<Backlog>,
     mut orders: mpsc::UnboundedReceiver<RelayOrder>,
 ) {
     while let Some(first) = orders.recv().await {
@@ -133,6 +161,7 @@ pub(super) async fn run(
                 ),
                 Err(_) => tracing::warn!(events = events.len(), "stream relay timed out"),
             }
+            backlog.remove(events.iter().map(String::len).sum());
         }
         for done in flushed {
             let _ = done.send(());
