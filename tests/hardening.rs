@@ -52,10 +52,16 @@ async fn a_nul_character_anywhere_is_refused_on_the_end_user_socket_and_nothing_
         }
         client.send(hello).await;
         assert_eq!(client.recv_type("welcome").await["type"], "welcome");
+        let mekik = profile.get("protocol").is_none();
         for frame in poisoned_frames() {
             client.send_text(&frame.to_string()).await;
             let error = client.recv_type("error").await;
             assert_refused_as_invalid(&error, frame["clientId"].as_str());
+            // The widget shows no error: a refused message is followed by a notice it shows.
+            if let (true, Some(client_id)) = (mekik, error["data"]["clientId"].as_str()) {
+                let notice = client.recv().await;
+                assert_eq!(notice["id"], format!("refused-{client_id}"), "{notice}");
+            }
         }
     }
     assert_eq!(stored(&node, conversation_id).await, 0);

@@ -264,7 +264,7 @@ async fn mekik_shaped_genui_chunks_from_an_agent_reach_the_widget_in_order() {
         agent
             .send(json!({"conversationId": conversation_id, "frame": {
                 "type": "genui", "streamId": "s-14", "clientId": format!("chunk-{n}"),
-                "chunk": {"type": "text", "content": content, "id": format!("c-{n}")},
+                "chunk": {"type": "text", "content": content, "id": "run-1"},
                 "done": false}}))
             .await;
     }
@@ -297,12 +297,16 @@ async fn mekik_shaped_genui_chunks_from_an_agent_reach_the_widget_in_order() {
             .windows(2)
             .all(|pair| pair[0]["seq"].as_i64() < pair[1]["seq"].as_i64())
     );
+    // One text run (one chunk id) grows one bubble, keyed as chativa's engine keys it.
     let stream = widget
         .bubbles
         .iter()
-        .find(|bubble| bubble.id == "s-14")
+        .find(|bubble| bubble.id == "mekik-text-s-14-run-1")
         .expect("one bubble for the stream");
-    assert_eq!(stream.text, "Hello there");
+    assert_eq!(
+        (stream.text.as_str(), stream.streaming),
+        ("Hello there", false)
+    );
 }
 
 #[tokio::test]
@@ -432,4 +436,244 @@ async fn an_answer_the_gateway_refuses_is_told_to_the_end_user_in_both_profiles(
     }
     assert_eq!(seen[0]["data"]["code"], "answer_refused");
     assert_eq!(seen[0]["data"]["retryable"], false);
+}
+
+/// An agent's enveloped text chunk `index` of stream `stream` for turn `seq`.
+fn chunk(conversation_id: &str, stream: &str, index: u64, seq: i64, text: &str) -> Value {
+    support::stream_chunk(conversation_id, stream, index, seq, text)
+}
+
+/// The words `w<from> ` … `w<to - 1> ` joined.
+fn words(from: u64, to: u64) -> String {
+    (from..to).map(|n| format!("w{n} ")).collect()
+}
+
+/// Streams chunks `from..to` (texts `w<n> `), and waits until the node took them: a repeated
+/// first chunk is refused with the index the stream expects next.
+async fn stream_words(agent: &mut WsClient, conversation_id: &str, seq: i64, from: u64, to: u64) {
+    for index in from..to {
+        agent
+            .send(chunk(
+                conversation_id,
+                "s-1",
+                index,
+                seq,
+                &format!("w{index} "),
+            ))
+            .await;
+    }
+    agent
+        .send(chunk(conversation_id, "s-1", 0, seq, "again"))
+        .await;
+    loop {
+        let frame = agent.recv().await;
+        if frame["frame"]["type"] == "error" {
+            assert_eq!(frame["frame"]["data"]["details"]["expected"], to, "{frame}");
+            return;
+        }
+    }
+}
+
+/// The widget's bot bubbles, and none of them empty.
+fn bot_bubbles(widget: &Widget) -> Vec<&support::mekik::Bubble> {
+    let bot = widget.bubbles_from("bot");
+    assert!(
+        bot.iter().all(|bubble| !bubble.text.is_empty()),
+        "no empty bubble: {:?}",
+        widget.bubbles
+    );
+    bot
+}
+
+/// A chat whose widget asked, and shows the first three words of the answer streaming:
+/// (node, agent, widget, conversation id, the turn's seq).
+async fn three_words_shown() -> (TestNode, WsClient, Widget, String, i64) {
+    let Chat {
+        node,
+        mut agent,
+        mut widget,
+        ..
+    } = chat().await;
+    widget.send_text("count for me").await;
+    let (conversation_id, seq, _, _) = next_turn(&mut agent).await;
+    stream_words(&mut agent, &conversation_id, seq, 0, 3).await;
+    while bot_bubbles(&widget).first().map(|b| b.text.as_str()) != Some(&words(0, 3)) {
+        widget.read_until(|frame| frame["type"] == "genui").await;
+    }
+    (node, agent, widget, conversation_id, seq)
+}
+
+/// The result that commits stream `s-1` as `answer`.
+fn stream_result(conversation_id: &str, seq: i64, answer: &str) -> Value {
+    json!({"conversationId": conversation_id, "frame": {
+        "type": "turnResult", "clientId": "r-1", "turn": {"seq": seq},
+        "frames": [{"type": "text", "streamId": "s-1", "data": {"text": answer}}]}})
+}
+
+#[tokio::test]
+async fn a_streamed_answer_is_one_bubble_that_ends_as_the_answer_even_across_a_cut_socket() {
+    let (_node, mut agent, mut widget, conversation_id, seq) = three_words_shown().await;
+
+    // The socket is cut at chunk 3 of 12; the rest streams meanwhile; the widget reconnects.
+    widget.cut();
+    stream_words(&mut agent, &conversation_id, seq, 3, 9).await;
+    widget.connect().await;
+    let expected = words(0, 9);
+    while bot_bubbles(&widget)[0].text.len() < expected.len() {
+        widget.read_until(|frame| frame["type"] == "genui").await;
+    }
+    assert_eq!(bot_bubbles(&widget)[0].text, expected, "no text twice");
+    stream_words(&mut agent, &conversation_id, seq, 9, 12).await;
+    let answer = words(0, 12);
+    agent
+        .send(stream_result(&conversation_id, seq, &answer))
+        .await;
+    // The stored answer and the stream's end may come in either order.
+    let ended_and_stored = |widget: &Widget| {
+        let received = &widget.received;
+        received
+            .iter()
+            .any(|f| f["type"] == "genui" && f["done"] == true)
+            && received.iter().any(|f| f["seq"].as_i64() == Some(seq + 1))
+    };
+    while !ended_and_stored(&widget) {
+        widget.read_until(|_| true).await;
+    }
+    let bot = bot_bubbles(&widget);
+    assert_eq!(bot.len(), 1, "one bubble: {:?}", widget.bubbles);
+    assert_eq!(
+        (bot[0].text.as_str(), bot[0].streaming),
+        (answer.as_str(), false)
+    );
+
+    // A reload shows the stored answer, once.
+    let mut reloaded = widget.reloaded();
+    reloaded.connect().await;
+    reloaded.read_through(seq + 1).await;
+    assert_eq!(bot_bubbles(&reloaded).len(), 1);
+    assert_eq!(bot_bubbles(&reloaded)[0].text, answer);
+}
+
+#[tokio::test]
+async fn a_stream_that_ends_while_the_socket_is_cut_shows_the_answer_and_stops_the_partial_one() {
+    let (_node, mut agent, mut widget, conversation_id, seq) = three_words_shown().await;
+    widget.cut();
+    stream_words(&mut agent, &conversation_id, seq, 3, 6).await;
+    let answer = words(0, 6);
+    agent
+        .send(stream_result(&conversation_id, seq, &answer))
+        .await;
+    loop {
+        let frame = agent.recv().await;
+        if frame["frame"]["type"] == "ack" && frame["frame"]["clientId"] == "r-1" {
+            break;
+        }
+    }
+    widget.connect().await;
+    widget.read_through(seq + 1).await;
+    let bot = bot_bubbles(&widget);
+    assert!(
+        bot.iter().all(|bubble| !bubble.streaming),
+        "nothing left streaming: {bot:?}"
+    );
+    assert_eq!(
+        bot.last().unwrap().text,
+        answer,
+        "the answer is shown whole"
+    );
+}
+
+#[tokio::test]
+async fn an_aborted_stream_says_so_and_a_close_and_a_refused_send_are_shown_as_text() {
+    let Chat {
+        node,
+        conversation_id,
+        token,
+        mut agent,
+        mut widget,
+    } = chat().await;
+    widget.send_text("tell me").await;
+    let (conversation, seq, _, _) = next_turn(&mut agent).await;
+    stream_words(&mut agent, &conversation, seq, 0, 2).await;
+    agent
+        .send(json!({"conversationId": conversation, "frame": {
+            "type": "streamAbort", "streamId": "s-1", "reason": "tool failed"}}))
+        .await;
+    widget
+        .read_until(|frame| frame["type"] == "genui" && frame["done"] == true)
+        .await;
+    let aborted = bot_bubbles(&widget)[0].clone();
+    assert_eq!(
+        aborted.text,
+        format!("{}{}", words(0, 2), converger_protocol::mekik::ABORT_NOTICE)
+    );
+    assert!(!aborted.streaming);
+
+    // The tenant closes the conversation: a text, not an empty bubble; a send then is refused
+    // with a notice the widget shows.
+    let closed = node
+        .http
+        .post(node.url(&format!(
+            "/api/v1/converger/conversations/{conversation_id}/close"
+        )))
+        .bearer_auth(&token)
+        .json(&json!({}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(closed.status(), 200);
+    widget
+        .read_until(|frame| frame["data"]["event"] == "closed")
+        .await;
+    widget.send_text("hello?").await;
+    widget
+        .read_until(|frame| {
+            frame["id"]
+                .as_str()
+                .is_some_and(|id| id.starts_with("refused-"))
+        })
+        .await;
+    let reopened = node
+        .http
+        .post(node.url(&format!(
+            "/api/v1/converger/conversations/{conversation_id}/reopen"
+        )))
+        .bearer_auth(&token)
+        .json(&json!({}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(reopened.status(), 200);
+    widget
+        .read_until(|frame| frame["data"]["event"] == "reopened")
+        .await;
+    let texts: Vec<&str> = bot_bubbles(&widget)
+        .iter()
+        .map(|bubble| bubble.text.as_str())
+        .collect();
+    assert_eq!(
+        texts[1..],
+        [
+            "This conversation was closed.",
+            "⚠️ This conversation is closed; your message was not delivered.",
+            "This conversation was reopened.",
+        ]
+    );
+    // A reload shows the close and the reopen as the same texts.
+    let mut reloaded = widget.reloaded();
+    reloaded.connect().await;
+    reloaded
+        .read_until(|frame| frame["data"]["event"] == "reopened")
+        .await;
+    let again: Vec<&str> = bot_bubbles(&reloaded)
+        .iter()
+        .map(|bubble| bubble.text.as_str())
+        .collect();
+    assert_eq!(
+        again[again.len() - 2..],
+        [
+            "This conversation was closed.",
+            "This conversation was reopened."
+        ]
+    );
 }

@@ -552,7 +552,7 @@ async fn tabs_of_both_profiles_joining_a_ten_thousand_chunk_stream_get_it_once_a
         shown = widget
             .bubbles
             .iter()
-            .find(|bubble| bubble.id == "s-1")
+            .find(|bubble| bubble.id == "mekik-text-s-1-s-1")
             .map(|bubble| bubble.text.clone())
             .unwrap_or_default();
         assert!(so_far.starts_with(&shown), "no text twice: {shown:?}");

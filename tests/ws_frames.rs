@@ -511,7 +511,7 @@ async fn silent_connections_are_closed_4408() {
 }
 
 #[tokio::test]
-async fn token_expiry_without_auth_closes_4401_in_both_profiles() {
+async fn token_expiry_without_auth_closes_4401_and_a_mekik_widget_is_told_to_reconnect() {
     let node = TestNode::start().await;
     let (_, _, token) = setup(&node).await;
     let claims = node.server.state().tokens.verify(&token).unwrap();
@@ -538,13 +538,18 @@ async fn token_expiry_without_auth_closes_4401_in_both_profiles() {
     assert_eq!(error["data"]["retryable"], true);
     assert_eq!(closed.code, 4401);
 
+    // The chativa connector gives up for good on `unauthorized` or 4401; any other close makes
+    // it reconnect with a fresh token from its token function.
     let (frames, closed) = mekik.recv_until_closed().await;
-    assert_eq!(frames.last().unwrap()["data"]["code"], "unauthorized");
+    assert_eq!(frames.last().unwrap()["data"]["code"], "token_expired");
     assert_eq!(
         frames.last().unwrap()["data"]["details"]["reason"],
         "token_expired"
     );
-    assert_eq!(closed.code, 4401);
+    assert_eq!(
+        (closed.code, closed.reason.as_str()),
+        (1000, "token_expired")
+    );
 }
 
 #[tokio::test]

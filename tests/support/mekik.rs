@@ -1,9 +1,16 @@
-//! A mekik client that behaves like the chativa widget's mekik connector, as far as what a
-//! person sees goes: `hello` without `protocol`, its own `<ms>-<7 base36>` ids on what it
-//! sends, one bubble per frame it receives, de-duplicated by `id` only, `replaces` ignored,
-//! `genui` chunks gathered into one bubble per `streamId`, no application pings.
+//! A mekik client that behaves like the chativa widget's mekik connector and chat engine, as far
+//! as what a person sees goes (read from chativa's `connector-mekik` and `ChatEngine`):
+//! `hello` without `protocol`, its own `<ms>-<7 base36>` ids on what it sends, the highest
+//! `seq` of any frame as its watermark (a number, sent back as is), no application pings.
+//! - `welcome`, `error`, `run`, `typing`, `interrupt_resolved`, `tool_call`, `genui_components`
+//!   and `skills` frames show nothing; every other frame is a bubble of its `data.text` (empty
+//!   when it has none), de-duplicated by `id` alone (a frame without one counts as the id
+//!   `undefined`); `replaces` is ignored.
+//! - A `genui` text chunk appends to its stream's open text run when the chunk's `id` is the
+//!   run's; otherwise it adds the bubble `mekik-text-<streamId>-<chunk id>` (dropped when that
+//!   id was shown, though the run then continues on it); `done` ends the run.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use serde_json::{Value, json};
@@ -22,6 +29,8 @@ pub struct Bubble {
     pub kind: String,
     /// `data.text`, or the gathered `genui` chunk contents.
     pub text: String,
+    /// True while a stream's run still grows it (the widget shows a caret).
+    pub streaming: bool,
 }
 
 /// One widget: its bubbles live across reconnects, not across reloads.
@@ -33,9 +42,11 @@ pub struct Widget {
     pub conversation_id: Option<Uuid>,
     /// The user, from the first welcome (what the widget sends back to rejoin).
     pub user_id: Option<String>,
-    /// The highest seq received.
-    pub watermark: i64,
+    /// The highest seq received (a stream chunk's seq has a fraction).
+    pub watermark: f64,
     seen_ids: HashSet<String>,
+    /// Per stream: its open text run, as (bubble id, chunk id).
+    text_runs: HashMap<String, (String, String)>,
     /// Every bubble shown, in order.
     pub bubbles: Vec<Bubble>,
     /// Every frame received, in order (bubbles or not).
@@ -52,8 +63,9 @@ impl Widget {
             token: token.to_owned(),
             conversation_id: None,
             user_id: None,
-            watermark: 0,
+            watermark: 0.0,
             seen_ids: HashSet::new(),
+            text_runs: HashMap::new(),
             bubbles: Vec::new(),
             received: Vec::new(),
             sent: 0,
@@ -73,7 +85,13 @@ impl Widget {
     /// returns the welcome.
     pub async fn connect(&mut self) -> Value {
         let mut socket = WsClient::connect_with(&self.url, &[], None).await;
-        let mut hello = json!({"type": "hello", "token": self.token, "watermark": self.watermark});
+        // JavaScript writes a whole number without a fraction.
+        let watermark = if self.watermark.fract() == 0.0 {
+            json!(self.watermark as u64)
+        } else {
+            json!(self.watermark)
+        };
+        let mut hello = json!({"type": "hello", "token": self.token, "watermark": watermark});
         if let Some(conversation_id) = self.conversation_id {
             hello["conversationId"] = json!(conversation_id.to_string());
         }
@@ -110,6 +128,7 @@ impl Widget {
             from: "user".into(),
             kind: "text".into(),
             text: text.to_owned(),
+            streaming: false,
         });
         let frame = json!({"type": "text", "id": id, "data": {"text": text}});
         self.socket().send(frame).await;
@@ -166,44 +185,74 @@ impl Widget {
     /// What the widget does with one frame.
     fn show(&mut self, frame: &Value) {
         self.received.push(frame.clone());
-        if let Some(seq) = frame["seq"].as_i64() {
+        if let Some(seq) = frame["seq"].as_f64() {
             self.watermark = self.watermark.max(seq);
         }
         let kind = frame["type"].as_str().unwrap_or_default().to_owned();
-        if kind == "genui"
-            && let Some(stream) = frame["streamId"].as_str()
-        {
-            let content = frame["chunk"]["content"].as_str().unwrap_or_default();
-            // The stream's bubble carries the stream's id, so the stored answer that takes the
-            // same id is the same bubble, not a second one.
-            self.seen_ids.insert(stream.to_owned());
-            match self.bubbles.iter_mut().find(|bubble| bubble.id == stream) {
-                Some(bubble) => bubble.text.push_str(content),
-                None => self.bubbles.push(Bubble {
-                    id: stream.to_owned(),
-                    from: frame["from"].as_str().unwrap_or("bot").to_owned(),
-                    kind,
-                    text: content.to_owned(),
-                }),
-            }
-            return;
+        match kind.as_str() {
+            "welcome" | "error" | "run" | "typing" | "interrupt_resolved" | "tool_call"
+            | "genui_components" | "skills" => return,
+            "genui" => return self.show_genui(frame),
+            _ => {}
         }
-        // Only stored frames become bubbles (the widget renders typing and run states apart).
-        let Some(id) = frame["id"].as_str() else {
-            return;
-        };
-        if frame["seq"].is_null() || !self.seen_ids.insert(id.to_owned()) {
+        let id = frame["id"].as_str().unwrap_or("undefined").to_owned();
+        if !self.seen_ids.insert(id.clone()) {
             return;
         }
         self.bubbles.push(Bubble {
-            id: id.to_owned(),
-            from: frame["from"].as_str().unwrap_or_default().to_owned(),
+            id,
+            from: frame["from"].as_str().unwrap_or("bot").to_owned(),
             kind,
             text: frame["data"]["text"]
                 .as_str()
                 .unwrap_or_default()
                 .to_owned(),
+            streaming: false,
         });
+    }
+
+    /// A `genui` frame: text chunks grow the stream's run, `done` ends it.
+    fn show_genui(&mut self, frame: &Value) {
+        let (Some(stream), Some(chunk)) = (frame["streamId"].as_str(), frame["chunk"].as_object())
+        else {
+            return;
+        };
+        if chunk.get("type").and_then(Value::as_str) == Some("text") {
+            let chunk_id = chunk.get("id").and_then(Value::as_str).unwrap_or_default();
+            let content = chunk
+                .get("content")
+                .and_then(Value::as_str)
+                .unwrap_or_default();
+            match self.text_runs.get(stream) {
+                Some((bubble_id, run)) if run == chunk_id => {
+                    let bubble_id = bubble_id.clone();
+                    if let Some(bubble) = self.bubbles.iter_mut().find(|b| b.id == bubble_id) {
+                        bubble.text.push_str(content);
+                        bubble.streaming = true;
+                    }
+                }
+                _ => {
+                    let bubble_id = format!("mekik-text-{stream}-{chunk_id}");
+                    if self.seen_ids.insert(bubble_id.clone()) {
+                        self.bubbles.push(Bubble {
+                            id: bubble_id.clone(),
+                            from: "bot".into(),
+                            kind: "text".into(),
+                            text: content.to_owned(),
+                            streaming: true,
+                        });
+                    }
+                    self.text_runs
+                        .insert(stream.to_owned(), (bubble_id, chunk_id.to_owned()));
+                }
+            }
+        }
+        if frame["done"] == true
+            && let Some((bubble_id, _)) = self.text_runs.remove(stream)
+            && let Some(bubble) = self.bubbles.iter_mut().find(|b| b.id == bubble_id)
+        {
+            bubble.streaming = false;
+        }
     }
 
     /// The bubbles from `from` (`user` or `bot`).

@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use axum::extract::ws::Utf8Bytes;
-use converger_protocol::{ErrorFrame, Viewer};
+use converger_protocol::{ErrorFrame, Profile, Viewer};
 use converger_store::Activity;
 use converger_store::bus::{DisconnectOrder, Origin};
 use serde_json::Value;
@@ -76,25 +76,32 @@ impl HubEvent {
 /// flood to slow consumers, that is the difference between megabytes and gigabytes held).
 #[derive(Debug, Default)]
 pub struct EndUserViews {
-    for_author: OnceLock<Utf8Bytes>,
-    for_others: OnceLock<Utf8Bytes>,
+    /// By profile (converger, mekik), then for the frame's author and for everyone else.
+    cells: [[OnceLock<Utf8Bytes>; 2]; 2],
 }
 
 impl EndUserViews {
-    /// `activity` as the end user `user_id` sees it.
-    pub fn render(&self, activity: &Activity, user_id: &str) -> Utf8Bytes {
-        // An end user's view depends only on whether the viewer is the frame's sender: that
-        // decides `from` (with the sender's role) and whether `clientId` is shown.
+    /// `activity` as the end user `user_id` of `profile` sees it.
+    pub fn render(&self, activity: &Activity, user_id: &str, profile: Profile) -> Utf8Bytes {
+        // An end user's view depends only on the profile and on whether the viewer is the
+        // frame's sender: that decides `from` (with the sender's role) and whether `clientId`
+        // is shown.
+        let by_profile = match profile {
+            Profile::Converger => &self.cells[0],
+            Profile::Mekik => &self.cells[1],
+        };
         let cell = if activity.sender_id == user_id {
-            &self.for_author
+            &by_profile[0]
         } else {
-            &self.for_others
+            &by_profile[1]
         };
         cell.get_or_init(|| {
-            crate::wire::persistent(activity)
-                .view(Viewer::EndUser { user_id })
-                .encode()
-                .into()
+            let frame = crate::wire::persistent(activity).view(Viewer::EndUser { user_id });
+            match profile {
+                Profile::Converger => frame.encode(),
+                Profile::Mekik => frame.for_mekik().encode(),
+            }
+            .into()
         })
         .clone()
     }

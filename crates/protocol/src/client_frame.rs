@@ -30,6 +30,9 @@ pub struct Hello {
     pub user_id: Option<String>,
     /// Highest seq the client has.
     pub watermark: Option<u64>,
+    /// How much of the stream answering `watermark`'s turn the client shows, from a fractional
+    /// watermark (the mekik profile's stream chunks carry such seqs, `mekik.rs`).
+    pub stream_progress: Option<crate::mekik::StreamProgress>,
     /// Credential.
     pub token: Option<String>,
     /// Channel scope: the agent group to join.
@@ -300,11 +303,15 @@ pub fn parse_client_frame(value: &Value, limits: &Limits) -> Result<ClientFrame,
 fn parse_hello(object: &Map<String, Value>) -> Hello {
     let string = |field: &str| object.get(field).and_then(Value::as_str).map(str::to_owned);
     let object_field = |field: &str| object.get(field).filter(|value| value.is_object()).cloned();
+    let watermark = object
+        .get("watermark")
+        .and_then(crate::mekik::split_watermark);
     Hello {
         protocol: string("protocol"),
         conversation_id: string("conversationId"),
         user_id: string("userId"),
-        watermark: object.get("watermark").and_then(Value::as_u64),
+        watermark: watermark.map(|(whole, _)| whole),
+        stream_progress: watermark.and_then(|(_, progress)| progress),
         token: string("token").filter(|token| !token.is_empty()),
         group: object.get("group").cloned(),
         watermarks: object.get("watermarks").and_then(Value::as_object).cloned(),

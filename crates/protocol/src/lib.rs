@@ -10,6 +10,7 @@ mod error_code;
 mod frame;
 mod ids;
 mod limits;
+pub mod mekik;
 mod persistent;
 mod profile;
 mod server_frame;
@@ -29,7 +30,9 @@ pub use frame::{
 };
 pub use ids::{MAX_USER_ID_BYTES, is_valid_client_id, is_valid_group, is_valid_user_id};
 pub use limits::{Limits, MAX_STREAM_BYTES_CEILING};
-pub use persistent::{Participant, PersistentFrame, RenderedFrame, USER_ROLE, Viewer};
+pub use persistent::{
+    CONVERSATION_UPDATE, Participant, PersistentFrame, RenderedFrame, USER_ROLE, Viewer,
+};
 pub use profile::{MEKIK_PROTOCOL_NAME, Profile};
 pub use server_frame::{
     Ack, Catalog, ErrorFrame, Heartbeat, TurnNumber, answer_refused, presence, read_receipt,

@@ -5,6 +5,8 @@
 //! `metadata`, `clientId`, `meta`) always win over any top-level field the sender stored with
 //! the frame, so a client can never forge them.
 
+use std::borrow::Cow;
+
 use serde::ser::{Serialize, SerializeMap, Serializer};
 use serde_json::{Map, Value};
 
@@ -24,6 +26,9 @@ pub enum Viewer<'a> {
 
 /// The role of the end user in `sender.role`.
 pub const USER_ROLE: &str = "user";
+
+/// The type of the frame a close or a reopen appends (docs/protocol.md §3.8).
+pub const CONVERSATION_UPDATE: &str = "conversationUpdate";
 
 /// Top-level names the server writes itself; stored extra fields never override them.
 const SERVER_FIELDS: &[&str] = &[
@@ -71,7 +76,16 @@ impl<'a> PersistentFrame<'a> {
             frame: self,
             viewer,
             meta: None,
+            mekik: false,
         }
+    }
+
+    /// The stream an agent's stored text answer replaced (its `streamId`), when it is one.
+    pub fn answered_stream(&self) -> Option<&'a str> {
+        if self.kind != "text" || self.sender_role == USER_ROLE {
+            return None;
+        }
+        self.extra?.get("streamId")?.as_str()
     }
 
     fn written_by_user(&self, user_id: &str) -> bool {
@@ -85,6 +99,8 @@ pub struct RenderedFrame<'a> {
     frame: PersistentFrame<'a>,
     viewer: Viewer<'a>,
     meta: Option<&'a TurnMeta<'a>>,
+    /// Shown as the mekik profile shows it to the chativa widget (`mekik.rs`).
+    mekik: bool,
 }
 
 impl<'a> RenderedFrame<'a> {
@@ -94,6 +110,37 @@ impl<'a> RenderedFrame<'a> {
             meta: Some(meta),
             ..self
         }
+    }
+
+    /// The frame as the mekik profile shows it: a streamed answer under its stream's bubble id,
+    /// a `conversationUpdate` as a text notice (docs/protocol.md §3.7).
+    pub fn for_mekik(self) -> RenderedFrame<'a> {
+        RenderedFrame {
+            mekik: true,
+            ..self
+        }
+    }
+
+    /// The id shown: a streamed text answer's, in the mekik profile, is its stream's bubble.
+    fn shown_id(&self) -> Cow<'a, str> {
+        match self.frame.answered_stream() {
+            Some(stream_id) if self.mekik => Cow::Owned(crate::mekik::stream_bubble_id(stream_id)),
+            _ => Cow::Borrowed(self.frame.id),
+        }
+    }
+
+    /// A `conversationUpdate` shown to the mekik profile as text: its data with `text` added.
+    fn mekik_notice(&self) -> Option<Value> {
+        if !self.mekik || self.frame.kind != CONVERSATION_UPDATE {
+            return None;
+        }
+        let mut data = match self.frame.data {
+            Value::Object(fields) => fields.clone(),
+            _ => Map::new(),
+        };
+        let notice = crate::mekik::conversation_update_notice(self.frame.data);
+        data.insert("text".into(), Value::from(notice));
+        Some(Value::Object(data))
     }
 
     /// `from`: `user` for the conversation's end user's own frames, else `bot`.
@@ -144,8 +191,10 @@ impl Serialize for RenderedFrame<'_> {
                 }
             }
         }
-        map.serialize_entry("type", frame.kind)?;
-        map.serialize_entry("id", frame.id)?;
+        let notice = self.mekik_notice();
+        let kind = if notice.is_some() { "text" } else { frame.kind };
+        map.serialize_entry("type", kind)?;
+        map.serialize_entry("id", &self.shown_id())?;
         map.serialize_entry("seq", &frame.seq)?;
         map.serialize_entry("from", self.from())?;
         map.serialize_entry(
@@ -155,7 +204,7 @@ impl Serialize for RenderedFrame<'_> {
                 role: frame.sender_role,
             },
         )?;
-        map.serialize_entry("data", frame.data)?;
+        map.serialize_entry("data", notice.as_ref().unwrap_or(frame.data))?;
         map.serialize_entry("timestamp", &frame.timestamp_ms)?;
         if let Some(metadata) = frame.metadata {
             map.serialize_entry("metadata", metadata)?;
@@ -218,5 +267,44 @@ mod tests {
         let for_agent = stored(&data, &extra).view(Viewer::Agent).to_value();
         assert!(for_agent.get("clientId").is_none());
         assert_eq!(for_agent["from"], "user");
+    }
+
+    #[test]
+    fn the_mekik_profile_shows_a_streamed_answer_on_its_bubble_and_a_close_as_text() {
+        let data = json!({"text": "Hello"});
+        let Value::Object(extra) = json!({"streamId": "s-1"}) else {
+            unreachable!()
+        };
+        let answer = PersistentFrame {
+            sender_id: "bot-1",
+            sender_role: "agent",
+            ..stored(&data, &extra)
+        };
+        let viewer = Viewer::EndUser { user_id: "alice" };
+        assert_eq!(answer.view(viewer).to_value()["id"], "f-1");
+        let mekik = answer.view(viewer).for_mekik().to_value();
+        assert_eq!(mekik["id"], "mekik-text-s-1-s-1");
+        assert_eq!(mekik["data"], data, "only the id changes");
+
+        let update = json!({"event": "closed", "status": "closed", "reason": null});
+        let empty = Map::new();
+        let close = PersistentFrame {
+            kind: CONVERSATION_UPDATE,
+            sender_id: "system",
+            sender_role: "system",
+            ..stored(&update, &empty)
+        };
+        assert_eq!(close.view(viewer).to_value()["type"], CONVERSATION_UPDATE);
+        let shown = close.view(viewer).for_mekik().to_value();
+        assert_eq!(
+            (shown["type"].as_str(), shown["data"]["text"].as_str()),
+            (Some("text"), Some("This conversation was closed."))
+        );
+        assert_eq!(shown["data"]["event"], "closed", "its fields stay");
+        // A user's own frame keeps its id, stream or not.
+        assert_eq!(
+            stored(&data, &extra).view(viewer).for_mekik().to_value()["id"],
+            "f-1"
+        );
     }
 }

@@ -217,6 +217,7 @@ pub fn end_user_chunk(
             serde_json::to_string(&MekikChunk {
                 kind: "genui",
                 stream_id,
+                seq: crate::mekik::chunk_seq(seq, index + 1),
                 chunk,
                 done: false,
             })
@@ -255,6 +256,9 @@ struct MekikChunk<'a> {
     kind: &'static str,
     #[serde(rename = "streamId")]
     stream_id: &'a str,
+    /// The widget's watermark after this chunk: how much of the stream it shows (`mekik.rs`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    seq: Option<f64>,
     chunk: MekikChunkBody<'a>,
     done: bool,
 }
@@ -288,10 +292,17 @@ pub fn end_user_stream_end(profile: Profile, stream_id: &str, aborted: Option<&s
             frame
         }
         Profile::Mekik => {
+            // An abort appends its notice to the bubble (the widget reads no status), so the
+            // partial text does not pass for the answer.
+            let content = if aborted.is_some() {
+                crate::mekik::ABORT_NOTICE
+            } else {
+                ""
+            };
             let mut frame = json!({
                 "type": "genui",
                 "streamId": stream_id,
-                "chunk": {"type": "text", "content": "", "id": stream_id},
+                "chunk": {"type": "text", "content": content, "id": stream_id},
                 "done": true,
             });
             if let Some(reason) = aborted {
@@ -404,6 +415,7 @@ mod tests {
         assert_eq!(
             mekik,
             json!({"type": "genui", "streamId": "s", "done": false,
+                   "seq": 5.0 + 3.0 / 1_048_576.0,
                    "chunk": {"type": "text", "content": "he", "id": "s"}})
         );
         assert_eq!(
@@ -411,6 +423,11 @@ mod tests {
             json!({"type": "streamEnd", "streamId": "s", "status": "aborted", "reason": "agent"})
         );
         assert_eq!(end_user_stream_end(Profile::Mekik, "s", None)["done"], true);
+        assert_eq!(
+            end_user_stream_end(Profile::Mekik, "s", Some("agent"))["chunk"]["content"],
+            crate::mekik::ABORT_NOTICE,
+            "an abort is shown as one, not as a finished answer"
+        );
         let card = json!({"type": "card", "title": "x"});
         let ui = StreamContent::Chunk(card.clone());
         let converger: Value = serde_json::from_str(&end_user_chunk(

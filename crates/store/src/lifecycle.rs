@@ -12,8 +12,8 @@ use crate::{NOTIFY_CHANNEL, Store, StoreError};
 
 /// Sender id (and role) of the frames the gateway itself writes.
 pub const SYSTEM_SENDER: &str = "system";
-/// The `type` of the frame a status change appends.
-pub const CONVERSATION_UPDATE: &str = "conversationUpdate";
+/// The `type` of the frame a status change appends (the wire owns the name).
+pub use converger_protocol::CONVERSATION_UPDATE;
 /// Longest `reason` of a status change, in characters.
 pub const MAX_REASON_CHARS: usize = 200;
 

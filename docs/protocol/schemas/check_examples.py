@@ -329,8 +329,9 @@ def targets_for(example: Example) -> list[str] | str:
         return [SC]  # bare run/error in section 4 are the relayed shapes end users get
     if kind == "streamChunk" and "from" in obj:
         return [SC]  # a stream chunk as end users receive it (4.9)
-    if kind == "genui" and "done" in obj and "seq" not in obj:
-        return [SC, f"{CH}#envelopedFrame"]  # mekik agents send it, mekik end users get it
+    if kind == "genui" and "done" in obj and not isinstance(obj.get("seq", 0.5), int):
+        # mekik agents send it, mekik end users get it (a stream chunk's seq has a fraction)
+        return [SC, f"{CH}#envelopedFrame"]
     if kind in CLIENT_CONVERSATION_TYPES:
         return [CC, f"{SH}#envelopedFrame"] if kind in FORWARDED and channel else [CC]
     if "seq" in obj:

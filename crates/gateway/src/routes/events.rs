@@ -225,7 +225,7 @@ impl Follow {
             LiveDecision::Send => {
                 match activity {
                     Some(activity) => {
-                        let text = views.render(&activity, &self.user_id);
+                        let text = views.render(&activity, &self.user_id, Profile::Converger);
                         self.send(frame_event(seq, text.as_str())).await?;
                     }
                     None => self.send_range(seq - 1, seq).await?,

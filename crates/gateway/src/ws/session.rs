@@ -53,6 +53,15 @@ impl Ending {
             reason: "token_expired".into(),
         }
     }
+
+    /// The token expired, for a client that cannot send `auth` but reconnects with a fresh
+    /// token after any close but 4401 (the mekik profile).
+    pub(super) fn token_expired_reconnect() -> Ending {
+        Ending::Close {
+            code: CloseCode::Normal.number(),
+            reason: "token_expired".into(),
+        }
+    }
 }
 
 /// What one read from the socket means for a session.

@@ -3,7 +3,6 @@
 //! `converger_core::replay`).
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use converger_core::replay::{LiveDecision, ReplayPlan};
 use converger_core::transcript::ChatView;
@@ -12,7 +11,6 @@ use converger_store::Activity;
 use converger_store::bus::Origin;
 use serde_json::Value;
 use tokio::sync::broadcast;
-use tokio::time::Instant;
 
 use super::Session;
 use crate::hub::{EndUserViews, HubEvent};
@@ -58,7 +56,6 @@ impl Session<'_> {
         let batch = self.state.config.limits.replay_batch as i64;
         let mut next_after = after as i64;
         let upto = upto as i64;
-        let write_timeout = Duration::from_millis(self.state.config.limits.write_timeout_ms);
         while next_after < upto {
             let limit = batch.min(upto - next_after);
             let rows = self
@@ -84,11 +81,8 @@ impl Session<'_> {
                     },
                     None => wire::persistent(&row),
                 };
-                let text = frame.view(self.viewer()).encode();
-                match self.outbound.push_text_waiting(text, write_timeout).await {
-                    Ok(()) => self.last_outbound = Instant::now(),
-                    Err(error) => return Err(self.push_failed(error)),
-                }
+                let text = self.replayed(frame).await?;
+                self.push_waiting(text).await?;
             }
             next_after = last;
         }
@@ -140,7 +134,7 @@ impl Session<'_> {
                 if !self.own_seqs.contains(&seq) {
                     match activity {
                         Some(activity) => {
-                            let text = views.render(&activity, &self.user_id);
+                            let text = views.render(&activity, &self.user_id, self.profile);
                             self.push(text, false)?;
                         }
                         None => self.push_range(seq_u - 1, seq_u, true, None).await?,

@@ -25,6 +25,7 @@ use std::time::Duration;
 use axum::extract::ws::{Message, Utf8Bytes, WebSocket};
 use converger_core::replay::{ReplayCursor, ReplayPlan};
 use converger_core::streams::StreamCursor;
+use converger_protocol::mekik::{self, StreamProgress};
 use converger_protocol::{
     Catalog, ClientFrame, ConversationWelcome, ErrorCode, ErrorFrame, Hello, PendingInterrupt,
     Profile, USER_ROLE, Viewer, parse_client_text,
@@ -62,6 +63,9 @@ struct Session<'a> {
     cursor: ReplayCursor,
     /// What this connection was shown of each streamed answer.
     streams_seen: StreamCursor,
+    /// A reconnecting mekik widget's progress in a stream that ended while it was away: the
+    /// replay shows that stream's answer apart (`streams.rs`).
+    stream_ended_away: Option<StreamProgress>,
     /// Seqs this connection sent and had acked, not yet passed by the cursor: never pushed back.
     own_seqs: BTreeSet<i64>,
     sends: VecDeque<PendingSend>,
@@ -127,6 +131,7 @@ pub(super) async fn run(
         connection_id: guard.connection_id(),
         cursor,
         streams_seen: StreamCursor::default(),
+        stream_ended_away: None,
         own_seqs: BTreeSet::new(),
         sends: VecDeque::new(),
         in_flight: false,
@@ -206,8 +211,24 @@ impl Session<'_> {
     }
 
     /// Errors are never dropped under pressure: a client may be waiting on one for its send.
+    /// A mekik widget shows no `error` frame, so a refused message is followed by a notice it
+    /// shows (docs/protocol.md §3.7).
     fn push_error(&mut self, error: ErrorFrame) -> Result<(), Ending> {
-        self.push(error.encode(), false)
+        self.push(error.encode(), false)?;
+        if self.is_converger() {
+            return Ok(());
+        }
+        let refused_message = error
+            .client_id
+            .as_deref()
+            .filter(|_| error.frame_type.as_deref().is_none_or(mekik::shows_refusal));
+        match refused_message {
+            Some(client_id) => {
+                let notice = mekik::refusal_notice(client_id, error.code, &error.message);
+                self.push(notice, false)
+            }
+            None => Ok(()),
+        }
     }
 
     fn viewer(&self) -> Viewer<'_> {
@@ -278,6 +299,13 @@ impl Session<'_> {
                 ErrorCode::InvalidWatermark,
                 "watermark is above the conversation head",
             ))?;
+        }
+        // A mekik widget back from a cut socket says how much of a stream it shows.
+        let progress = hello
+            .stream_progress
+            .filter(|progress| !self.is_converger() && progress.turn_seq == plan.after);
+        if let Some(progress) = progress {
+            self.resume_stream(progress);
         }
         self.replay(plan).await?;
         // After the stored frames, the answers streaming now: what was sent so far, then the

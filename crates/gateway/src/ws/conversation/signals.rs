@@ -176,19 +176,24 @@ impl Session<'_> {
     }
 
     pub(super) fn on_token_expired(&mut self) -> Ending {
-        let error = if self.is_converger() {
-            ErrorFrame::new(
+        if self.is_converger() {
+            let _ = self.push_error(ErrorFrame::new(
                 ErrorCode::TokenExpired,
                 "token expired; send auth with a new token",
+            ));
+            return Ending::token_expired();
+        }
+        // The chativa connector gives up for good on `unauthorized` and 4401 (a refused
+        // credential), but reconnects on any other close, asking its token function for a
+        // fresh token first: an expiry is told as one, so the widget carries on (ADR 0027).
+        let _ = self.push_error(ErrorFrame {
+            details: Some(json!({"reason": "token_expired"})),
+            ..ErrorFrame::new(
+                ErrorCode::TokenExpired,
+                "token expired; reconnect with a new token",
             )
-        } else {
-            ErrorFrame {
-                details: Some(json!({"reason": "token_expired"})),
-                ..ErrorFrame::new(ErrorCode::Unauthorized, "token expired")
-            }
-        };
-        let _ = self.push_error(error);
-        Ending::token_expired()
+        });
+        Ending::token_expired_reconnect()
     }
 
     pub(super) fn on_control(&mut self, control: Option<SessionControl>) -> Result<(), Ending> {

@@ -7,10 +7,18 @@
 //! What the registry shows (a catch-up) is a finite backlog, not live pressure: each run of text
 //! chunks goes out as one coalesced chunk, and the frames wait for queue room like a replay, so
 //! joining a stream of any length never trips the slow-consumer rule (ADR 0026).
+//!
+//! A mekik widget cannot de-duplicate chunks (its `genui` frames carry no index), so it tells
+//! how much of a stream it shows through its watermark (`converger_protocol::mekik`): after a
+//! cut socket it is sent only the rest; when the stream ended while it was away, its partial
+//! bubble is closed and the stored answer is shown apart (ADR 0027).
 
 use std::time::Duration;
 
+use axum::extract::ws::Utf8Bytes;
 use converger_core::streams::{OpenStream, ShowChunk};
+use converger_protocol::mekik::StreamProgress;
+use converger_protocol::{PersistentFrame, Profile, end_user_stream_end};
 
 use super::Session;
 use crate::streams::{PackedChunks, StreamChange, StreamEvent, catch_up_frames};
@@ -32,6 +40,55 @@ impl Session<'_> {
                 }
                 Ok(())
             }
+        }
+    }
+
+    /// Takes a reconnecting mekik widget's progress: the open stream answering its turn is
+    /// shown from where the widget is; if none is open, the stream ended while it was away.
+    pub(super) fn resume_stream(&mut self, progress: StreamProgress) {
+        let open = self
+            .state
+            .streams
+            .snapshot(self.conversation_id)
+            .into_iter()
+            .find(|(_, stream)| u64::try_from(stream.turn.seq).ok() == Some(progress.turn_seq));
+        match open {
+            Some((stream_id, _)) => {
+                let shown = progress.chunks_shown.saturating_sub(1);
+                self.streams_seen.on_chunks(&stream_id, 0, shown);
+            }
+            None => self.stream_ended_away = Some(progress),
+        }
+    }
+
+    /// A stored frame as this connection shows it in a replay. For a mekik widget whose stream
+    /// ended while it was away, the stream's answer is shown as a bubble of its own, after the
+    /// end that stops the partial one (which the widget cannot replace).
+    pub(super) async fn replayed(&mut self, frame: PersistentFrame<'_>) -> Result<String, Ending> {
+        if self.is_converger() {
+            return Ok(frame.view(self.viewer()).encode());
+        }
+        let ended_away = match frame.answered_stream() {
+            Some(stream_id) if self.stream_ended_away.take().is_some() => Some(stream_id),
+            _ => None,
+        };
+        let Some(stream_id) = ended_away else {
+            return Ok(frame.view(self.viewer()).for_mekik().encode());
+        };
+        let end = end_user_stream_end(Profile::Mekik, stream_id, None).to_string();
+        self.push_waiting(end).await?;
+        Ok(frame.view(self.viewer()).encode())
+    }
+
+    /// Queues a frame, waiting for room like a replay.
+    pub(super) async fn push_waiting(&mut self, text: impl Into<Utf8Bytes>) -> Result<(), Ending> {
+        let write_timeout = Duration::from_millis(self.state.config.limits.write_timeout_ms);
+        match self.outbound.push_text_waiting(text, write_timeout).await {
+            Ok(()) => {
+                self.last_outbound = tokio::time::Instant::now();
+                Ok(())
+            }
+            Err(error) => Err(self.push_failed(error)),
         }
     }
 
@@ -58,7 +115,6 @@ impl Session<'_> {
         stream: &OpenStream<PackedChunks>,
     ) -> Result<(), Ending> {
         let from = self.streams_seen.next_index(stream_id);
-        let write_timeout = Duration::from_millis(self.state.config.limits.write_timeout_ms);
         for piece in catch_up_frames(self.profile, stream_id, stream, from) {
             if self
                 .streams_seen
@@ -67,14 +123,7 @@ impl Session<'_> {
             {
                 continue;
             }
-            match self
-                .outbound
-                .push_text_waiting(piece.frame, write_timeout)
-                .await
-            {
-                Ok(()) => self.last_outbound = tokio::time::Instant::now(),
-                Err(error) => return Err(self.push_failed(error)),
-            }
+            self.push_waiting(piece.frame).await?;
         }
         Ok(())
     }
