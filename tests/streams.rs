@@ -615,7 +615,9 @@ async fn stream_budgets_per_channel_and_per_node_refuse_with_their_codes() {
         (&json!("channel"), &json!("b"))
     );
     // Growing an open one past the budget (not past its own limit) aborts it, and its viewers
-    // are told.
+    // are told. (What the relay has not sent yet counts against the node's budget: each step
+    // waits until it is sent.)
+    relay_drained(&node).await;
     agent
         .send(chunk(&conversation, "e", 0, seq, &words(300)))
         .await;
@@ -646,9 +648,14 @@ async fn stream_budgets_per_channel_and_per_node_refuse_with_their_codes() {
         .await;
     let (other_conversation_id, other_seq, _) = next_turn(&mut other_agent).await;
     assert_eq!(other_conversation_id, other_conversation.to_string());
+    relay_drained(&node).await;
     agent
         .send(chunk(&conversation, "c", 0, seq, &words(700)))
         .await;
+    // Taken: the first chunk again is refused with the index the stream expects next.
+    agent.send(chunk(&conversation, "c", 0, seq, "x")).await;
+    assert_eq!(agent_error(&mut agent).await["details"]["expected"], 1);
+    relay_drained(&node).await;
     other_agent
         .send(chunk(
             &other_conversation_id,
@@ -663,6 +670,21 @@ async fn stream_budgets_per_channel_and_per_node_refuse_with_their_codes() {
         (&over_node["code"], &over_node["details"]["budget"]),
         (&json!("too_many_streams"), &json!("node"))
     );
+}
+
+/// Waits until the node's relay has sent every stream event to the other nodes.
+async fn relay_drained(node: &TestNode) {
+    support::eventually(
+        "the stream relay has nothing left to send",
+        std::time::Duration::from_secs(10),
+        || async {
+            node.metrics()
+                .await
+                .lines()
+                .any(|line| line == "converger_stream_relay_backlog_bytes 0")
+        },
+    )
+    .await;
 }
 
 /// The `limits` a fresh agent connection of a new channel is told at welcome.
