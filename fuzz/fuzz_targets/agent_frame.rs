@@ -6,7 +6,8 @@
 #![no_main]
 
 use converger_protocol::{
-    AgentFrame, EnvelopedFrame, ErrorCode, Limits, MessageFrame, Refusal, TurnResult,
+    AgentFrame, EnvelopedFrame, ErrorCode, Limits, MessageFrame, Refusal, StreamContent,
+    TurnResult,
     contains_nul, is_valid_client_id, parse_agent_text, validate_message_frame,
 };
 use libfuzzer_sys::fuzz_target;
@@ -110,6 +111,21 @@ fn check(frame: &Result<AgentFrame, Refusal>, limits: &Limits, fence_required: b
             EnvelopedFrame::Message(Ok(message)) => check_storable_message(message, limits),
             EnvelopedFrame::Run { data } | EnvelopedFrame::Error { data } => {
                 assert!(!contains_nul(data), "a relayed frame with NUL was accepted");
+            }
+            EnvelopedFrame::StreamChunk(Err(refusal))
+            | EnvelopedFrame::StreamAbort(Err(refusal)) => check_refusal(refusal),
+            EnvelopedFrame::StreamChunk(Ok(chunk)) => {
+                assert!(is_valid_client_id(&chunk.stream_id), "a chunk with a bad stream id");
+                let content = match &chunk.content {
+                    StreamContent::Text(text) => text.clone(),
+                    StreamContent::Chunk(value) => value.to_string(),
+                };
+                assert!(!content.contains('\0'), "a chunk with NUL was accepted");
+            }
+            EnvelopedFrame::StreamAbort(Ok(abort)) => {
+                assert!(is_valid_client_id(&abort.stream_id), "an abort with a bad stream id");
+                assert!(abort.reason.chars().count() <= 64, "an abort reason over 64 characters");
+                assert!(!abort.reason.contains('\0'), "an abort reason with NUL");
             }
             EnvelopedFrame::Typing { .. } | EnvelopedFrame::Sync(Ok(_)) => {}
         },
