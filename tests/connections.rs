@@ -52,6 +52,17 @@ const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 const SETTINGS: u8 = 0x4;
 const HEADERS: u8 = 0x1;
 
+/// A connection that sent the HTTP/2 preface and an empty SETTINGS frame.
+async fn h2_connection(addr: std::net::SocketAddr) -> TcpStream {
+    let mut stream = TcpStream::connect(addr).await.unwrap();
+    stream.write_all(H2_PREFACE).await.unwrap();
+    stream
+        .write_all(&h2_frame(SETTINGS, 0, 0, &[]))
+        .await
+        .unwrap();
+    stream
+}
+
 #[tokio::test]
 async fn connections_that_never_finish_a_request_are_closed_at_the_header_deadline() {
     let node = TestNode::start_with(|config| {
@@ -67,21 +78,11 @@ async fn connections_that_never_finish_a_request_are_closed_at_the_header_deadli
     assert!(started.elapsed() >= Duration::from_millis(DEADLINE_MS - 50));
 
     // An HTTP/2 preface and SETTINGS, then nothing.
-    let mut preface = TcpStream::connect(addr).await.unwrap();
-    preface.write_all(H2_PREFACE).await.unwrap();
-    preface
-        .write_all(&h2_frame(SETTINGS, 0, 0, &[]))
-        .await
-        .unwrap();
+    let mut preface = h2_connection(addr).await;
     wait_until_closed(&mut preface).await;
 
     // HTTP/2 HEADERS without END_HEADERS: the header block never ends.
-    let mut unfinished = TcpStream::connect(addr).await.unwrap();
-    unfinished.write_all(H2_PREFACE).await.unwrap();
-    unfinished
-        .write_all(&h2_frame(SETTINGS, 0, 0, &[]))
-        .await
-        .unwrap();
+    let mut unfinished = h2_connection(addr).await;
     // 0x82: `:method: GET` from the static table; flags 0: neither END_HEADERS nor END_STREAM.
     unfinished
         .write_all(&h2_frame(HEADERS, 0, 1, &[0x82]))
@@ -182,13 +183,7 @@ async fn http2_requests_running_at_once_each_take_a_place_under_the_per_address_
                 .bearer_auth(&token)
                 .send()
                 .await
-                .is_ok_and(|response| {
-                    let admitted = response.status() == 200;
-                    if admitted {
-                        drop(response);
-                    }
-                    admitted
-                })
+                .is_ok_and(|response| response.status() == 200)
         },
     )
     .await;

@@ -373,7 +373,7 @@ async fn an_event_stream_joining_a_ten_thousand_chunk_stream_gets_it_once() {
         }
     }
     let id = conversation.to_string();
-    let so_far = support::stream_many_chunks(&mut bot, &id, "s-1", seq, 10_000).await;
+    let so_far = support::stream_words(&mut bot, &id, "s-1", seq, 0..10_000).await;
 
     let url = node.url(&format!(
         "/api/v1/converger/conversations/{conversation}/events"

@@ -438,40 +438,24 @@ async fn an_answer_the_gateway_refuses_is_told_to_the_end_user_in_both_profiles(
     assert_eq!(seen[0]["data"]["retryable"], false);
 }
 
-/// An agent's enveloped text chunk `index` of stream `stream` for turn `seq`.
-fn chunk(conversation_id: &str, stream: &str, index: u64, seq: i64, text: &str) -> Value {
-    support::stream_chunk(conversation_id, stream, index, seq, text)
-}
-
 /// The words `w<from> ` … `w<to - 1> ` joined.
 fn words(from: u64, to: u64) -> String {
     (from..to).map(|n| format!("w{n} ")).collect()
 }
 
-/// Streams chunks `from..to` (texts `w<n> `), and waits until the node took them: a repeated
-/// first chunk is refused with the index the stream expects next.
-async fn stream_words(agent: &mut WsClient, conversation_id: &str, seq: i64, from: u64, to: u64) {
-    for index in from..to {
-        agent
-            .send(chunk(
-                conversation_id,
-                "s-1",
-                index,
-                seq,
-                &format!("w{index} "),
-            ))
-            .await;
-    }
-    agent
-        .send(chunk(conversation_id, "s-1", 0, seq, "again"))
-        .await;
-    loop {
-        let frame = agent.recv().await;
-        if frame["frame"]["type"] == "error" {
-            assert_eq!(frame["frame"]["data"]["details"]["expected"], to, "{frame}");
-            return;
-        }
-    }
+/// `POST …/conversations/{id}/{change}` (`close`, `reopen`) with `token`: the status.
+async fn lifecycle(node: &TestNode, conversation_id: Uuid, token: &str, change: &str) -> u16 {
+    node.http
+        .post(node.url(&format!(
+            "/api/v1/converger/conversations/{conversation_id}/{change}"
+        )))
+        .bearer_auth(token)
+        .json(&json!({}))
+        .send()
+        .await
+        .unwrap()
+        .status()
+        .as_u16()
 }
 
 /// The widget's bot bubbles, and none of them empty.
@@ -496,7 +480,7 @@ async fn three_words_shown() -> (TestNode, WsClient, Widget, String, i64) {
     } = chat().await;
     widget.send_text("count for me").await;
     let (conversation_id, seq, _, _) = next_turn(&mut agent).await;
-    stream_words(&mut agent, &conversation_id, seq, 0, 3).await;
+    support::stream_words(&mut agent, &conversation_id, "s-1", seq, 0..3).await;
     while bot_bubbles(&widget).first().map(|b| b.text.as_str()) != Some(&words(0, 3)) {
         widget.read_until(|frame| frame["type"] == "genui").await;
     }
@@ -516,14 +500,14 @@ async fn a_streamed_answer_is_one_bubble_that_ends_as_the_answer_even_across_a_c
 
     // The socket is cut at chunk 3 of 12; the rest streams meanwhile; the widget reconnects.
     widget.cut();
-    stream_words(&mut agent, &conversation_id, seq, 3, 9).await;
+    support::stream_words(&mut agent, &conversation_id, "s-1", seq, 3..9).await;
     widget.connect().await;
     let expected = words(0, 9);
     while bot_bubbles(&widget)[0].text.len() < expected.len() {
         widget.read_until(|frame| frame["type"] == "genui").await;
     }
     assert_eq!(bot_bubbles(&widget)[0].text, expected, "no text twice");
-    stream_words(&mut agent, &conversation_id, seq, 9, 12).await;
+    support::stream_words(&mut agent, &conversation_id, "s-1", seq, 9..12).await;
     let answer = words(0, 12);
     agent
         .send(stream_result(&conversation_id, seq, &answer))
@@ -558,7 +542,7 @@ async fn a_streamed_answer_is_one_bubble_that_ends_as_the_answer_even_across_a_c
 async fn a_stream_that_ends_while_the_socket_is_cut_shows_the_answer_and_stops_the_partial_one() {
     let (_node, mut agent, mut widget, conversation_id, seq) = three_words_shown().await;
     widget.cut();
-    stream_words(&mut agent, &conversation_id, seq, 3, 6).await;
+    support::stream_words(&mut agent, &conversation_id, "s-1", seq, 3..6).await;
     let answer = words(0, 6);
     agent
         .send(stream_result(&conversation_id, seq, &answer))
@@ -594,7 +578,7 @@ async fn an_aborted_stream_says_so_and_a_close_and_a_refused_send_are_shown_as_t
     } = chat().await;
     widget.send_text("tell me").await;
     let (conversation, seq, _, _) = next_turn(&mut agent).await;
-    stream_words(&mut agent, &conversation, seq, 0, 2).await;
+    support::stream_words(&mut agent, &conversation, "s-1", seq, 0..2).await;
     agent
         .send(json!({"conversationId": conversation, "frame": {
             "type": "streamAbort", "streamId": "s-1", "reason": "tool failed"}}))
@@ -609,19 +593,12 @@ async fn an_aborted_stream_says_so_and_a_close_and_a_refused_send_are_shown_as_t
     );
     assert!(!aborted.streaming);
 
-    // The tenant closes the conversation: a text, not an empty bubble; a send then is refused
+    // The user closes the conversation: a text, not an empty bubble; a send then is refused
     // with a notice the widget shows.
-    let closed = node
-        .http
-        .post(node.url(&format!(
-            "/api/v1/converger/conversations/{conversation_id}/close"
-        )))
-        .bearer_auth(&token)
-        .json(&json!({}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(closed.status(), 200);
+    assert_eq!(
+        lifecycle(&node, conversation_id, &token, "close").await,
+        200
+    );
     widget
         .read_until(|frame| frame["data"]["event"] == "closed")
         .await;
@@ -633,17 +610,10 @@ async fn an_aborted_stream_says_so_and_a_close_and_a_refused_send_are_shown_as_t
                 .is_some_and(|id| id.starts_with("refused-"))
         })
         .await;
-    let reopened = node
-        .http
-        .post(node.url(&format!(
-            "/api/v1/converger/conversations/{conversation_id}/reopen"
-        )))
-        .bearer_auth(&token)
-        .json(&json!({}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(reopened.status(), 200);
+    assert_eq!(
+        lifecycle(&node, conversation_id, &token, "reopen").await,
+        200
+    );
     widget
         .read_until(|frame| frame["data"]["event"] == "reopened")
         .await;

@@ -432,25 +432,39 @@ pub fn stream_chunk(
     serde_json::json!({"conversationId": conversation, "frame": frame})
 }
 
-/// Streams chunks `0..count` of `stream` (texts `w0 `, `w1 `, …) answering turn `seq`, then
-/// waits until the node took every one: the first chunk sent again is refused with the index
-/// the stream expects next, which the node tells only after all the chunks before it. Returns
-/// the stream's text. The agent's `limits.max_frames_per_sec` must allow the burst.
-pub async fn stream_many_chunks(
+/// Streams chunks `indices` of `stream` (texts `w<index> `) answering turn `seq`, then waits
+/// until the node took every one ([`wait_until_taken`]). Returns the text sent. The agent's
+/// `limits.max_frames_per_sec` must allow the burst.
+pub async fn stream_words(
     agent: &mut ws::WsClient,
     conversation: &str,
     stream: &str,
     seq: i64,
-    count: u64,
+    indices: std::ops::Range<u64>,
 ) -> String {
     let mut text = String::new();
-    for index in 0..count {
+    let next = indices.end;
+    for index in indices {
         let word = format!("w{index} ");
         agent
             .send(stream_chunk(conversation, stream, index, seq, &word))
             .await;
         text.push_str(&word);
     }
+    wait_until_taken(agent, conversation, stream, seq, next).await;
+    text
+}
+
+/// Waits until the node took the chunks of `stream` before index `next`: the first chunk sent
+/// again is refused with the index the stream expects next, which the node tells only after
+/// every chunk before it.
+pub async fn wait_until_taken(
+    agent: &mut ws::WsClient,
+    conversation: &str,
+    stream: &str,
+    seq: i64,
+    next: u64,
+) {
     agent
         .send(stream_chunk(conversation, stream, 0, seq, "again"))
         .await;
@@ -461,7 +475,7 @@ pub async fn stream_many_chunks(
         }
         let details = &frame["frame"]["data"]["details"];
         assert_eq!(details["streamId"], stream, "{frame}");
-        assert_eq!(details["expected"], count, "every chunk was taken: {frame}");
-        return text;
+        assert_eq!(details["expected"], next, "every chunk was taken: {frame}");
+        return;
     }
 }

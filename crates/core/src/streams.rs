@@ -91,6 +91,18 @@ pub enum ChunkRefusal {
     },
 }
 
+impl ChunkRefusal {
+    /// The reason viewers are told when the refusal aborted an open stream; `None` when the
+    /// stream (if any) stays as it was.
+    pub fn abort_reason(&self) -> Option<&'static str> {
+        match self {
+            ChunkRefusal::TooLarge => Some("too_large"),
+            ChunkRefusal::OverBudget { aborted: true, .. } => Some("over_budget"),
+            _ => None,
+        }
+    }
+}
+
 /// How a stream ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StreamEnding {
@@ -189,10 +201,54 @@ pub struct StreamRegistry<C, L> {
     open: HashMap<C, HashMap<String, OpenStream<L>>>,
     ended: VecDeque<(C, String)>,
     ended_memory: usize,
-    /// Bytes held by the open streams of each pool that holds any.
-    pool_bytes: HashMap<String, usize>,
-    /// Bytes held by every open stream.
-    total_bytes: usize,
+    /// Payload bytes the open streams hold, per pool and in all.
+    held: HeldBytes,
+}
+
+/// Payload bytes held by open streams, per budget pool and in all (kept apart from the streams
+/// so a chunk is checked against its stream's pool while the stream is borrowed).
+#[derive(Debug, Clone, Default)]
+struct HeldBytes {
+    /// Per pool that holds any.
+    per_pool: HashMap<String, usize>,
+    total: usize,
+}
+
+impl HeldBytes {
+    fn pool(&self, pool: &str) -> usize {
+        self.per_pool.get(pool).copied().unwrap_or(0)
+    }
+
+    /// The budget `bytes` more in `pool` would cross, if any.
+    fn over(&self, pool: &str, bytes: usize, limits: &StreamLimits) -> Option<Budget> {
+        if self.pool(pool).saturating_add(bytes) > limits.max_pool_bytes {
+            return Some(Budget::Pool);
+        }
+        if self.total.saturating_add(bytes) > limits.max_total_bytes {
+            return Some(Budget::Total);
+        }
+        None
+    }
+
+    fn add(&mut self, pool: &str, bytes: usize) {
+        self.total += bytes;
+        match self.per_pool.get_mut(pool) {
+            Some(held) => *held += bytes,
+            None => {
+                self.per_pool.insert(pool.to_owned(), bytes);
+            }
+        }
+    }
+
+    fn remove(&mut self, pool: &str, bytes: usize) {
+        self.total = self.total.saturating_sub(bytes);
+        if let Some(held) = self.per_pool.get_mut(pool) {
+            *held = held.saturating_sub(bytes);
+            if *held == 0 {
+                self.per_pool.remove(pool);
+            }
+        }
+    }
 }
 
 impl<C: Eq + Hash + Clone, L: ChunkLog> Default for StreamRegistry<C, L> {
@@ -208,8 +264,7 @@ impl<C: Eq + Hash + Clone, L: ChunkLog> StreamRegistry<C, L> {
             open: HashMap::new(),
             ended: VecDeque::new(),
             ended_memory,
-            pool_bytes: HashMap::new(),
-            total_bytes: 0,
+            held: HeldBytes::default(),
         }
     }
 
@@ -234,28 +289,21 @@ impl<C: Eq + Hash + Clone, L: ChunkLog> StreamRegistry<C, L> {
             if chunk.index != expected {
                 return Err(ChunkRefusal::OutOfOrder { expected });
             }
-            if stream.bytes + chunk.bytes > limits.max_stream_bytes {
-                self.end(conversation, stream_id);
-                return Err(ChunkRefusal::TooLarge);
-            }
-            let pool = stream.pool.clone();
-            if let Some(budget) = self.over_budget(&pool, chunk.bytes, limits) {
-                self.end(conversation, stream_id);
-                return Err(ChunkRefusal::OverBudget {
+            let refusal = if stream.bytes + chunk.bytes > limits.max_stream_bytes {
+                ChunkRefusal::TooLarge
+            } else if let Some(budget) = self.held.over(&stream.pool, chunk.bytes, limits) {
+                ChunkRefusal::OverBudget {
                     budget,
                     aborted: true,
-                });
-            }
-            if let Some(stream) = self
-                .open
-                .get_mut(conversation)
-                .and_then(|streams| streams.get_mut(stream_id))
-            {
+                }
+            } else {
+                self.held.add(&stream.pool, chunk.bytes);
                 stream.bytes += chunk.bytes;
                 stream.chunks.push(chunk.payload);
-            }
-            self.count_bytes(&pool, chunk.bytes);
-            return Ok(Accepted::default());
+                return Ok(Accepted::default());
+            };
+            self.end(conversation, stream_id);
+            return Err(refusal);
         }
         if self.has_ended(conversation, stream_id) {
             return Err(ChunkRefusal::Closed);
@@ -295,13 +343,13 @@ impl<C: Eq + Hash + Clone, L: ChunkLog> StreamRegistry<C, L> {
             self.remember_ended(conversation.clone(), stream_id.to_owned());
             return Err(ChunkRefusal::TooLarge);
         }
-        if let Some(budget) = self.over_budget(chunk.pool, chunk.bytes, limits) {
+        if let Some(budget) = self.held.over(chunk.pool, chunk.bytes, limits) {
             return Err(ChunkRefusal::OverBudget {
                 budget,
                 aborted: false,
             });
         }
-        self.count_bytes(chunk.pool, chunk.bytes);
+        self.held.add(chunk.pool, chunk.bytes);
         self.open.entry(conversation.clone()).or_default().insert(
             stream_id.to_owned(),
             OpenStream {
@@ -327,7 +375,7 @@ impl<C: Eq + Hash + Clone, L: ChunkLog> StreamRegistry<C, L> {
         if streams.is_empty() {
             self.open.remove(conversation);
         }
-        self.uncount_bytes(&stream.pool, stream.bytes);
+        self.held.remove(&stream.pool, stream.bytes);
         self.remember_ended(conversation.clone(), stream_id.to_owned());
         Some(stream)
     }
@@ -407,42 +455,21 @@ impl<C: Eq + Hash + Clone, L: ChunkLog> StreamRegistry<C, L> {
 
     /// Payload bytes held by all open streams.
     pub fn open_bytes(&self) -> usize {
-        self.total_bytes
+        self.held.total
     }
 
     /// Payload bytes held by the open streams of `pool`.
     pub fn pool_bytes(&self, pool: &str) -> usize {
-        self.pool_bytes.get(pool).copied().unwrap_or(0)
+        self.held.pool(pool)
     }
 
-    fn over_budget(&self, pool: &str, bytes: usize, limits: &StreamLimits) -> Option<Budget> {
-        if self.pool_bytes(pool).saturating_add(bytes) > limits.max_pool_bytes {
-            return Some(Budget::Pool);
-        }
-        if self.total_bytes.saturating_add(bytes) > limits.max_total_bytes {
-            return Some(Budget::Total);
-        }
-        None
-    }
-
-    fn count_bytes(&mut self, pool: &str, bytes: usize) {
-        self.total_bytes += bytes;
-        match self.pool_bytes.get_mut(pool) {
-            Some(held) => *held += bytes,
-            None => {
-                self.pool_bytes.insert(pool.to_owned(), bytes);
-            }
-        }
-    }
-
-    fn uncount_bytes(&mut self, pool: &str, bytes: usize) {
-        self.total_bytes = self.total_bytes.saturating_sub(bytes);
-        if let Some(held) = self.pool_bytes.get_mut(pool) {
-            *held = held.saturating_sub(bytes);
-            if *held == 0 {
-                self.pool_bytes.remove(pool);
-            }
-        }
+    /// An open stream of the conversation answering the turn at `seq`, when there is one.
+    pub fn open_for_turn_seq(&self, conversation: &C, seq: i64) -> Option<&str> {
+        self.open
+            .get(conversation)?
+            .iter()
+            .find(|(_, stream)| stream.turn.seq == seq)
+            .map(|(id, _)| id.as_str())
     }
 
     fn owned_by(&self, owner: &str) -> usize {

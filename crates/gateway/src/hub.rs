@@ -83,9 +83,14 @@ pub struct EndUserViews {
 impl EndUserViews {
     /// `activity` as the end user `user_id` of `profile` sees it.
     pub fn render(&self, activity: &Activity, user_id: &str, profile: Profile) -> Utf8Bytes {
-        // An end user's view depends only on the profile and on whether the viewer is the
-        // frame's sender: that decides `from` (with the sender's role) and whether `clientId`
-        // is shown.
+        let frame = crate::wire::persistent(activity);
+        // A frame the mekik profile shows as the converger one does shares its bytes.
+        let profile = match profile {
+            Profile::Mekik if frame.shown_apart_to_mekik() => Profile::Mekik,
+            _ => Profile::Converger,
+        };
+        // An end user's view depends only on that and on whether the viewer is the frame's
+        // sender: that decides `from` (with the sender's role) and whether `clientId` is shown.
         let by_profile = match profile {
             Profile::Converger => &self.cells[0],
             Profile::Mekik => &self.cells[1],
@@ -96,10 +101,10 @@ impl EndUserViews {
             &by_profile[1]
         };
         cell.get_or_init(|| {
-            let frame = crate::wire::persistent(activity).view(Viewer::EndUser { user_id });
+            let rendered = frame.view(Viewer::EndUser { user_id });
             match profile {
-                Profile::Converger => frame.encode(),
-                Profile::Mekik => frame.for_mekik().encode(),
+                Profile::Converger => rendered.encode(),
+                Profile::Mekik => rendered.for_mekik().encode(),
             }
             .into()
         })

@@ -88,6 +88,12 @@ impl<'a> PersistentFrame<'a> {
         self.extra?.get("streamId")?.as_str()
     }
 
+    /// Whether the mekik profile shows this frame otherwise than the converger profile (a
+    /// streamed answer, a close or reopen); every other frame is the same bytes in both.
+    pub fn shown_apart_to_mekik(&self) -> bool {
+        self.kind == CONVERSATION_UPDATE || self.answered_stream().is_some()
+    }
+
     fn written_by_user(&self, user_id: &str) -> bool {
         self.sender_role == USER_ROLE && self.sender_id == user_id
     }

@@ -2,6 +2,8 @@
 //! and `streamAbort`, and what end users receive of them, `streamChunk` / `streamEnd` in the
 //! converger profile and `genui {streamId, chunk, done}` in the mekik profile.
 
+use std::ops::RangeInclusive;
+
 use serde_json::{Map, Value, json};
 
 use crate::frame::FrameError;
@@ -174,20 +176,19 @@ fn refusal(code: ErrorCode, message: &str, frame_type: &str) -> Refusal {
 /// `{id, role}`. It is written straight to text (no `Value` tree): a chunk is rendered once per
 /// profile and node, but every chunk of every stream is.
 ///
-/// `first_index` below `index` makes it a coalesced chunk (a connection catching up with an
-/// open stream): its text is the texts of chunks `first_index..=index` joined, and the
-/// converger profile names the range with `firstIndex`.
-#[allow(clippy::too_many_arguments)]
+/// `indices` is the chunk's index, or for a coalesced chunk (a connection catching up with an
+/// open stream) the range whose texts it joins, which the converger profile names with
+/// `firstIndex`.
 pub fn end_user_chunk(
     profile: Profile,
     stream_id: &str,
-    first_index: u64,
-    index: u64,
+    indices: RangeInclusive<u64>,
     seq: i64,
     revision: i32,
     content: &StreamContent,
     from: &Value,
 ) -> String {
+    let (first_index, index) = indices.into_inner();
     let encoded = match profile {
         Profile::Converger => {
             let (text, chunk) = match content {
@@ -318,6 +319,19 @@ pub fn end_user_stream_end(profile: Profile, stream_id: &str, aborted: Option<&s
 mod tests {
     use super::*;
 
+    /// A chunk of stream `s` by the agent `bot`, as an end user of `profile` receives it.
+    fn chunk_value(
+        profile: Profile,
+        indices: RangeInclusive<u64>,
+        seq: i64,
+        revision: i32,
+        content: &StreamContent,
+    ) -> Value {
+        let from = json!({"id": "bot", "role": "agent"});
+        let encoded = end_user_chunk(profile, "s", indices, seq, revision, content, &from);
+        serde_json::from_str(&encoded).unwrap()
+    }
+
     fn object(value: Value) -> Map<String, Value> {
         match value {
             Value::Object(object) => object,
@@ -396,9 +410,7 @@ mod tests {
     fn end_users_see_their_profile_shape() {
         let from = json!({"id": "bot", "role": "agent"});
         let text = StreamContent::Text("he".into());
-        let encoded = |profile| -> Value {
-            serde_json::from_str(&end_user_chunk(profile, "s", 2, 2, 5, 1, &text, &from)).unwrap()
-        };
+        let encoded = |profile| -> Value { chunk_value(profile, 2..=2, 5, 1, &text) };
         let converger = encoded(Profile::Converger);
         assert_eq!(converger["index"], 2);
         assert_eq!(
@@ -430,57 +442,24 @@ mod tests {
         );
         let card = json!({"type": "card", "title": "x"});
         let ui = StreamContent::Chunk(card.clone());
-        let converger: Value = serde_json::from_str(&end_user_chunk(
-            Profile::Converger,
-            "s",
-            0,
-            0,
-            5,
-            0,
-            &ui,
-            &from,
-        ))
-        .unwrap();
+        let converger: Value = chunk_value(Profile::Converger, 0..=0, 5, 0, &ui);
         assert_eq!(
             (converger["chunk"].clone(), converger.get("text")),
             (card.clone(), None)
         );
-        let mekik: Value =
-            serde_json::from_str(&end_user_chunk(Profile::Mekik, "s", 0, 0, 5, 0, &ui, &from))
-                .unwrap();
+        let mekik: Value = chunk_value(Profile::Mekik, 0..=0, 5, 0, &ui);
         assert_eq!(mekik["chunk"], card);
     }
 
     #[test]
     fn a_coalesced_chunk_names_the_range_it_covers_for_the_converger_profile() {
-        let from = json!({"id": "bot", "role": "agent"});
         let text = StreamContent::Text("hello world".into());
-        let converger: Value = serde_json::from_str(&end_user_chunk(
-            Profile::Converger,
-            "s",
-            0,
-            3,
-            5,
-            0,
-            &text,
-            &from,
-        ))
-        .unwrap();
+        let converger: Value = chunk_value(Profile::Converger, 0..=3, 5, 0, &text);
         assert_eq!(
             (converger["firstIndex"].clone(), converger["index"].clone()),
             (json!(0), json!(3))
         );
-        let mekik: Value = serde_json::from_str(&end_user_chunk(
-            Profile::Mekik,
-            "s",
-            0,
-            3,
-            5,
-            0,
-            &text,
-            &from,
-        ))
-        .unwrap();
+        let mekik: Value = chunk_value(Profile::Mekik, 0..=3, 5, 0, &text);
         assert_eq!(mekik["chunk"]["content"], "hello world");
     }
 }

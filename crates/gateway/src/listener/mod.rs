@@ -29,7 +29,7 @@ use std::time::Duration;
 use axum::Router;
 use axum::body::Body;
 use axum::extract::ConnectInfo;
-use axum::http::{HeaderValue, Request, Response, StatusCode, header};
+use axum::http::{HeaderValue, Request, Response, StatusCode, Version, header};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto::Builder;
@@ -263,10 +263,14 @@ impl Connection {
         let service = tower::service_fn(move |request: Request<Incoming>| {
             let connection = self.clone();
             async move {
+                // HTTP/2 has no `Connection` header (hyper would strip it with a warning).
+                let http1 = request.version() < Version::HTTP_2;
                 let mut response = connection.over_cap(request).await;
-                response
-                    .headers_mut()
-                    .insert(header::CONNECTION, HeaderValue::from_static("close"));
+                if http1 {
+                    response
+                        .headers_mut()
+                        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+                }
                 Ok::<_, Infallible>(response)
             }
         });

@@ -59,6 +59,7 @@ pub(crate) async fn metrics(
         }
     }
     state.store.record_pool_metrics();
+    state.streams.record_metrics();
     let body = state.metrics.render();
     Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response())
 }

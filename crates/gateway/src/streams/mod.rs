@@ -100,8 +100,7 @@ fn render(profile: Profile, change: &StreamChange) -> String {
         } => end_user_chunk(
             profile,
             stream_id,
-            *index,
-            *index,
+            *index..=*index,
             turn.seq,
             turn.revision,
             &body.content,
@@ -145,8 +144,7 @@ pub fn catch_up_frames(
             frame: end_user_chunk(
                 profile,
                 stream_id,
-                piece.first,
-                piece.last,
+                piece.first..=piece.last,
                 stream.turn.seq,
                 stream.turn.revision,
                 &piece.content,
@@ -258,30 +256,16 @@ impl LiveStreams {
         };
         let Accepted { fenced, .. } = match outcome {
             Ok(accepted) => accepted,
-            Err(ChunkRefusal::TooLarge) => {
-                self.announce_end(
-                    hub,
-                    chunk.conversation_id,
-                    chunk.stream_id,
-                    Some("too_large"),
-                );
-                return Err(ChunkRefusal::TooLarge);
-            }
-            Err(refusal @ ChunkRefusal::OverBudget { aborted: true, .. }) => {
-                metrics::counter!("converger_stream_budget_refusals_total").increment(1);
-                self.announce_end(
-                    hub,
-                    chunk.conversation_id,
-                    chunk.stream_id,
-                    Some("over_budget"),
-                );
+            Err(refusal) => {
+                if matches!(refusal, ChunkRefusal::OverBudget { .. }) {
+                    metrics::counter!("converger_stream_budget_refusals_total").increment(1);
+                }
+                // Viewers never keep half a stream without an end.
+                if let Some(reason) = refusal.abort_reason() {
+                    self.announce_end(hub, chunk.conversation_id, chunk.stream_id, Some(reason));
+                }
                 return Err(refusal);
             }
-            Err(refusal @ ChunkRefusal::OverBudget { aborted: false, .. }) => {
-                metrics::counter!("converger_stream_budget_refusals_total").increment(1);
-                return Err(refusal);
-            }
-            Err(refusal) => return Err(refusal),
         };
         for stream_id in fenced {
             self.announce_end(hub, chunk.conversation_id, &stream_id, Some("fenced"));
@@ -383,6 +367,19 @@ impl LiveStreams {
     /// The open streams of a conversation, for a session that joins or fell behind.
     pub fn snapshot(&self, conversation_id: Uuid) -> Vec<(String, OpenStream<PackedChunks>)> {
         lock(&self.registry).snapshot(&conversation_id)
+    }
+
+    /// The id of an open stream of the conversation answering the turn at `seq`.
+    pub fn open_for_turn_seq(&self, conversation_id: Uuid, seq: i64) -> Option<String> {
+        lock(&self.registry)
+            .open_for_turn_seq(&conversation_id, seq)
+            .map(str::to_owned)
+    }
+
+    /// Sets the gauges only a scrape needs (none is touched per chunk).
+    pub fn record_metrics(&self) {
+        metrics::gauge!("converger_stream_relay_backlog_bytes")
+            .set(self.relay_backlog.bytes() as f64);
     }
 
     /// One open stream, when it is.
@@ -487,15 +484,11 @@ impl LiveStreams {
         // A replica that missed the stream's start cannot show it: the committed answer will.
         let accepted = match outcome {
             Ok(accepted) => accepted,
-            Err(ChunkRefusal::OverBudget { aborted: true, .. }) => {
+            Err(refusal @ ChunkRefusal::OverBudget { aborted: true, .. }) => {
                 // This node cannot hold the rest: its viewers get the committed answer.
                 metrics::counter!("converger_stream_budget_refusals_total").increment(1);
-                publish_end(
-                    hub,
-                    conversation_id,
-                    stream_id.to_owned(),
-                    Some("over_budget".into()),
-                );
+                let reason = refusal.abort_reason().map(str::to_owned);
+                publish_end(hub, conversation_id, stream_id.to_owned(), reason);
                 return;
             }
             Err(refusal) => {

@@ -103,20 +103,16 @@ pub(super) struct Backlog(AtomicUsize);
 
 impl Backlog {
     pub(super) fn add(&self, bytes: usize) {
-        let held = self.0.fetch_add(bytes, Ordering::Relaxed) + bytes;
-        metrics::gauge!("converger_stream_relay_backlog_bytes").set(held as f64);
+        self.0.fetch_add(bytes, Ordering::Relaxed);
     }
 
     pub(super) fn remove(&self, bytes: usize) {
         // Saturating: every removal follows its own addition, but never wrap whatever happens.
-        let before = self
+        let _ = self
             .0
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |held| {
                 Some(held.saturating_sub(bytes))
-            })
-            .unwrap_or_default();
-        let held = before.saturating_sub(bytes);
-        metrics::gauge!("converger_stream_relay_backlog_bytes").set(held as f64);
+            });
     }
 
     pub(super) fn bytes(&self) -> usize {

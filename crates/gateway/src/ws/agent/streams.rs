@@ -25,8 +25,13 @@ impl AgentSession<'_> {
         if opening && let Some(refusal) = self.refuse_opening(conversation_id, &chunk).await {
             return self.enveloped_error(conversation_id, refusal);
         }
-        let connection = self.connection_id.to_string();
-        let channel = self.channel_id.to_string();
+        // The ids as text on the stack: a chunk costs no allocation for them.
+        let (mut connection, mut channel) = (Uuid::encode_buffer(), Uuid::encode_buffer());
+        let connection = &*self
+            .connection_id
+            .hyphenated()
+            .encode_lower(&mut connection);
+        let channel = &*self.channel_id.hyphenated().encode_lower(&mut channel);
         let accepted = self.state.streams.accept(
             &self.state.hub,
             LocalChunk {
@@ -38,8 +43,8 @@ impl AgentSession<'_> {
                     revision: turn.revision,
                 }),
                 fence: chunk.turn.and_then(|turn| turn.fence),
-                owner: &connection,
-                channel: &channel,
+                owner: connection,
+                channel,
                 body: ChunkBody {
                     content: chunk.content,
                     from: self.sender_ref(),

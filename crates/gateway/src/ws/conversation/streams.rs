@@ -46,14 +46,13 @@ impl Session<'_> {
     /// Takes a reconnecting mekik widget's progress: the open stream answering its turn is
     /// shown from where the widget is; if none is open, the stream ended while it was away.
     pub(super) fn resume_stream(&mut self, progress: StreamProgress) {
-        let open = self
-            .state
-            .streams
-            .snapshot(self.conversation_id)
-            .into_iter()
-            .find(|(_, stream)| u64::try_from(stream.turn.seq).ok() == Some(progress.turn_seq));
+        let open = i64::try_from(progress.turn_seq).ok().and_then(|seq| {
+            self.state
+                .streams
+                .open_for_turn_seq(self.conversation_id, seq)
+        });
         match open {
-            Some((stream_id, _)) => {
+            Some(stream_id) => {
                 let shown = progress.chunks_shown.saturating_sub(1);
                 self.streams_seen.on_chunks(&stream_id, 0, shown);
             }
