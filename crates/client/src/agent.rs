@@ -51,7 +51,53 @@ pub struct Turn {
     /// Lease mode: the fencing token of this delivery (`meta.turn.fence`), sent back with the
     /// reply.
     pub fence: Option<i64>,
+    /// Set when the end user stops the turn (a `cancel`, docs/protocol.md §4.10).
+    pub cancellation: Cancellation,
 }
+
+/// A turn's cancellation: set once the agent reads the turn's `cancel` (while it reads, in
+/// [`Agent::next_turn`] or [`Agent::reply`]). An agent that stops work on it may still answer
+/// within the grace period; one that does not loses only the race (the gateway settles it).
+#[derive(Debug, Clone)]
+pub struct Cancellation {
+    reason: tokio::sync::watch::Receiver<Option<String>>,
+}
+
+impl Cancellation {
+    /// A cancellation that is not set, with the sender that sets it.
+    fn new() -> (tokio::sync::watch::Sender<Option<String>>, Cancellation) {
+        let (sender, reason) = tokio::sync::watch::channel(None);
+        (sender, Cancellation { reason })
+    }
+
+    /// True once the turn was cancelled.
+    pub fn is_cancelled(&self) -> bool {
+        self.reason.borrow().is_some()
+    }
+
+    /// Why (`stopped`, `superseded`, …), once cancelled.
+    pub fn reason(&self) -> Option<String> {
+        self.reason.borrow().clone()
+    }
+
+    /// Resolves when the turn is cancelled (never, if the agent is dropped first).
+    pub async fn cancelled(&mut self) -> String {
+        match self.reason.wait_for(Option::is_some).await {
+            Ok(reason) => reason.clone().unwrap_or_default(),
+            Err(_) => std::future::pending().await,
+        }
+    }
+}
+
+/// Two turns' cancellations are equal when they are the same one.
+impl PartialEq for Cancellation {
+    fn eq(&self, other: &Self) -> bool {
+        self.reason.same_channel(&other.reason)
+    }
+}
+
+/// Turns whose cancellation an agent can still set: the most recent deliveries.
+const CANCELLABLE_TURNS: usize = 4_096;
 
 impl Turn {
     /// The user's text, for `text` turns.
@@ -73,6 +119,7 @@ impl Turn {
             runtime_state: frame["meta"]["runtime"]["state"].clone(),
             frame: frame.clone(),
             fence: turn["fence"].as_i64(),
+            cancellation: Cancellation::new().1,
         })
     }
 }
@@ -156,6 +203,8 @@ pub struct Agent {
     reply_attempts: u32,
     lease: bool,
     hello_watermarks: usize,
+    /// The cancellations of recent turns, by turn key, oldest first.
+    cancellable: VecDeque<(String, tokio::sync::watch::Sender<Option<String>>)>,
 }
 
 impl Agent {
@@ -191,6 +240,7 @@ impl Agent {
             reply_attempts: options.reply_attempts.max(1),
             lease: options.lease,
             hello_watermarks: options.hello_watermarks,
+            cancellable: VecDeque::new(),
         };
         let opened = agent.link.connect_once(&agent.hello()).await?;
         agent.on_welcome(opened.welcome, opened.early);
@@ -228,13 +278,22 @@ impl Agent {
                 self.outbox.settle(client_id);
                 continue;
             }
-            let Some(turn) = Turn::from_envelope(&envelope) else {
+            if self.cancel(&envelope) {
+                continue;
+            }
+            let Some(mut turn) = Turn::from_envelope(&envelope) else {
                 continue;
             };
             if self
                 .seen
                 .first_delivery(turn.conversation_id, turn.seq, turn.revision, turn.fence)
             {
+                let (sender, cancellation) = Cancellation::new();
+                turn.cancellation = cancellation;
+                if self.cancellable.len() >= CANCELLABLE_TURNS {
+                    self.cancellable.pop_front();
+                }
+                self.cancellable.push_back((turn.key.clone(), sender));
                 return Ok(turn);
             }
         }
@@ -269,6 +328,9 @@ impl Agent {
             let Some(envelope) = self.step().await? else {
                 continue;
             };
+            if self.cancel(&envelope) {
+                continue;
+            }
             let Some(answered) = answered_client_id(&envelope) else {
                 self.pending.push_back(envelope);
                 continue;
@@ -352,6 +414,22 @@ impl Agent {
         };
         self.observe(&envelope);
         Ok(Some(envelope))
+    }
+
+    /// Sets the cancellation of the turn a `cancel` names; false for any other frame.
+    fn cancel(&mut self, envelope: &Value) -> bool {
+        let frame = &envelope["frame"];
+        if frame["type"] != "cancel" {
+            return false;
+        }
+        let key = frame["turn"]["key"].as_str().unwrap_or_default();
+        let reason = frame["reason"].as_str().unwrap_or("stopped").to_owned();
+        if let Some(position) = self.cancellable.iter().position(|(turn, _)| turn == key) {
+            if let Some((_, sender)) = self.cancellable.remove(position) {
+                let _ = sender.send(Some(reason));
+            }
+        }
+        true
     }
 
     /// Raises the conversation's watermark for a delivered persistent frame.

@@ -33,6 +33,13 @@ pub fn spawn(
                 streams.apply_remote(&hub, &node, events);
                 continue;
             }
+            if let BusEvent::TurnStopped(stop) = event {
+                // Its own node applied it when it stopped the turn.
+                if stop.node != hub.node_id() {
+                    crate::stops::apply(&hub, &streams, &stop);
+                }
+                continue;
+            }
             dispatch(&store, &hub, &mut channels, event).await;
         }
     });
@@ -73,7 +80,7 @@ impl ChannelsOf {
 async fn dispatch(store: &Store, hub: &Hub, channels: &mut ChannelsOf, event: BusEvent) {
     match event {
         // Handled by the caller, which holds the streams.
-        BusEvent::Streams { .. } => {}
+        BusEvent::Streams { .. } | BusEvent::TurnStopped(_) => {}
         BusEvent::Committed {
             conversation_id,
             first_seq,

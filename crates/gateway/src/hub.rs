@@ -39,6 +39,8 @@ pub enum HubEvent {
         /// The new revision.
         revision: i32,
     },
+    /// A turn was stopped, for the agents: its owners get `cancel` (ADR 0028).
+    TurnStopped(Arc<converger_store::bus::TurnStop>),
     /// A chunk or the end of a streamed answer, for end users.
     Stream(Arc<crate::streams::StreamEvent>),
     /// A transient frame for end users.

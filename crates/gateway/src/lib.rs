@@ -17,6 +17,7 @@ mod routes;
 pub mod server;
 pub mod state;
 mod status_rates;
+mod stops;
 pub mod streams;
 mod throttle;
 pub mod tokens;

@@ -156,6 +156,7 @@ impl Server {
         let pruner = spawn_outbox_pruner(self.state.clone());
         let expiry = crate::lifecycle::spawn_expiry(self.state.clone());
         let reaper = crate::presence::spawn_reaper(self.state.clone());
+        let stop_sweep = crate::stops::spawn_sweep(self.state.clone());
         let draining_state = self.state.clone();
         let shutdown = async move {
             shutdown.await;
@@ -173,6 +174,7 @@ impl Server {
         .await;
         pruner.abort();
         reaper.abort();
+        stop_sweep.abort();
         if let Some(expiry) = expiry {
             expiry.abort();
         }

@@ -112,6 +112,17 @@ pub enum ClientFrame {
         /// Idempotency key.
         client_id: Option<String>,
     },
+    /// `stop {clientId?, seq?}`, and the mekik `abort` (also forwarded to agents as sent): stop
+    /// the turn at `seq`, or the latest unanswered one (ADR 0028).
+    Stop {
+        /// Echoed in the answer (an ack with `stopped`), which is sent only when given; never
+        /// for an `abort`, which is not answered.
+        client_id: Option<String>,
+        /// The turn to stop.
+        seq: Option<u64>,
+        /// The frame as sent, when it is also forwarded to agents (`abort`).
+        forwarded: Option<Map<String, Value>>,
+    },
     /// `resume`, `abort`, `genui_event`, `client_tools`, `client_skills`, `survey`.
     Forwarded {
         /// The frame type.
@@ -278,6 +289,17 @@ pub fn parse_client_frame(value: &Value, limits: &Limits) -> Result<ClientFrame,
         "regenerate" => Ok(ClientFrame::Regenerate {
             target: turn_target(object)?,
             client_id: client_id(object)?,
+        }),
+        "stop" => Ok(ClientFrame::Stop {
+            client_id: client_id(object)?,
+            seq: turn_target(object)?.seq,
+            forwarded: None,
+        }),
+        // The mekik client's stop button; agents that read it still get it.
+        "abort" => Ok(ClientFrame::Stop {
+            client_id: None,
+            seq: None,
+            forwarded: Some(object.clone()),
         }),
         kind if FORWARDED_TYPES.contains(&kind) => Ok(ClientFrame::Forwarded {
             kind: kind.to_owned(),

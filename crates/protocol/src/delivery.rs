@@ -63,6 +63,55 @@ impl TurnRef {
     }
 }
 
+/// Why a turn was stopped, as `cancel.reason` and the registry's `stop_reason` say it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopReason {
+    /// An end user stopped it (`stop`, `abort`, REST).
+    Stopped,
+    /// A newer turn of the conversation interrupted it (`turnPolicy` `interrupt`, `rollback`).
+    Superseded,
+    /// Its conversation was closed.
+    ConversationClosed,
+    /// The last end-user connection of its conversation left (`on_disconnect = "cancel"`).
+    Disconnected,
+}
+
+impl StopReason {
+    /// The wire form.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StopReason::Stopped => "stopped",
+            StopReason::Superseded => "superseded",
+            StopReason::ConversationClosed => "conversation_closed",
+            StopReason::Disconnected => "disconnected",
+        }
+    }
+}
+
+/// `cancel`: a turn the agent was delivered is stopped; its answer is taken until the grace
+/// period ends, then the gateway settles the turn (docs/protocol.md §4.10).
+#[derive(Debug, Clone, Serialize)]
+pub struct Cancel<'a> {
+    /// Always `cancel`.
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    /// The turn stopped.
+    pub turn: &'a TurnRef,
+    /// Why.
+    pub reason: &'a str,
+}
+
+impl<'a> Cancel<'a> {
+    /// The `cancel` of `turn` for `reason`.
+    pub fn new(turn: &'a TurnRef, reason: &'a str) -> Cancel<'a> {
+        Cancel {
+            kind: "cancel",
+            turn,
+            reason,
+        }
+    }
+}
+
 /// `meta.runtime`: the conversation's runtime state at delivery.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct RuntimeRef<'a> {

@@ -28,6 +28,8 @@ pub enum ErrorCode {
     StaleRuntime,
     LeaseLost,
     StreamClosed,
+    TurnStopped,
+    TurnInProgress,
     Busy,
     Interrupted,
     NotInterrupted,
@@ -71,7 +73,7 @@ impl CloseCode {
 
 impl ErrorCode {
     /// All codes, in table order.
-    pub const ALL: [ErrorCode; 30] = [
+    pub const ALL: [ErrorCode; 32] = [
         ErrorCode::BadRequest,
         ErrorCode::NoSession,
         ErrorCode::UnsupportedProtocol,
@@ -94,6 +96,8 @@ impl ErrorCode {
         ErrorCode::StaleRuntime,
         ErrorCode::LeaseLost,
         ErrorCode::StreamClosed,
+        ErrorCode::TurnStopped,
+        ErrorCode::TurnInProgress,
         ErrorCode::Busy,
         ErrorCode::Interrupted,
         ErrorCode::NotInterrupted,
@@ -129,6 +133,8 @@ impl ErrorCode {
             ErrorCode::StaleRuntime => "stale_runtime",
             ErrorCode::LeaseLost => "lease_lost",
             ErrorCode::StreamClosed => "stream_closed",
+            ErrorCode::TurnStopped => "turn_stopped",
+            ErrorCode::TurnInProgress => "turn_in_progress",
             ErrorCode::Busy => "busy",
             ErrorCode::Interrupted => "interrupted",
             ErrorCode::NotInterrupted => "not_interrupted",
@@ -165,6 +171,8 @@ impl ErrorCode {
             ErrorCode::StaleRuntime => 4102,
             ErrorCode::LeaseLost => 4103,
             ErrorCode::StreamClosed => 4104,
+            ErrorCode::TurnStopped => 4105,
+            ErrorCode::TurnInProgress => 4106,
             ErrorCode::Busy => 5000,
             ErrorCode::Interrupted => 5001,
             ErrorCode::NotInterrupted => 5002,

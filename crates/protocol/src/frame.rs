@@ -20,6 +20,7 @@ pub const SERVER_ONLY_TYPES: &[&str] = &[
     "streamChunk",
     "streamEnd",
     "streamAbort",
+    "cancel",
 ];
 
 /// Control frame types that are never stored as messages.
@@ -32,6 +33,7 @@ pub const CONTROL_TYPES: &[&str] = &[
     "auth",
     "edit",
     "regenerate",
+    "stop",
     "resume",
     "abort",
     "genui_event",

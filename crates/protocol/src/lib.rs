@@ -22,7 +22,10 @@ pub use agent_frame::{AgentFrame, EnvelopedFrame, ResultRuntime, TurnResult, par
 pub use client_frame::{
     ClientFrame, FORWARDED_TYPES, Hello, Refusal, TurnTarget, parse_client_frame, parse_client_text,
 };
-pub use delivery::{ChannelRef, Envelope, RuntimeRef, TurnMeta, TurnRef, delivered_turn, turn_key};
+pub use delivery::{
+    Cancel, ChannelRef, Envelope, RuntimeRef, StopReason, TurnMeta, TurnRef, delivered_turn,
+    turn_key,
+};
 pub use error_code::{CloseCode, ErrorCode};
 pub use frame::{
     CONTROL_TYPES, FrameError, MessageFrame, SERVER_ONLY_TYPES, validate_agent_message_frame,

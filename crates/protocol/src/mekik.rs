@@ -26,6 +26,20 @@ const MAX_FRACTIONAL_SEQ: u64 = 1 << 33;
 /// Appended to a stream the widget was shown when it ends without an answer.
 pub const ABORT_NOTICE: &str = "\n\n⚠️ The answer was interrupted.";
 
+/// Appended to a stream the widget was shown when its turn was stopped.
+pub const STOP_NOTICE: &str = "\n\n⏹️ Stopped.";
+
+/// Shown for a stopped turn whose answer had no text yet.
+pub const STOPPED_NOTICE: &str = "⏹️ Stopped.";
+
+/// What the end of an aborted stream appends to its bubble, by the abort's reason.
+pub fn abort_notice(reason: &str) -> &'static str {
+    match reason {
+        "stopped" | "superseded" | "conversation_closed" | "disconnected" => STOP_NOTICE,
+        _ => ABORT_NOTICE,
+    }
+}
+
 /// The id the widget's engine gives the text bubble of stream `stream_id` (whose text chunks
 /// carry the stream's id as their chunk id).
 pub fn stream_bubble_id(stream_id: &str) -> String {

@@ -91,7 +91,19 @@ impl<'a> PersistentFrame<'a> {
     /// Whether the mekik profile shows this frame otherwise than the converger profile (a
     /// streamed answer, a close or reopen); every other frame is the same bytes in both.
     pub fn shown_apart_to_mekik(&self) -> bool {
-        self.kind == CONVERSATION_UPDATE || self.answered_stream().is_some()
+        self.mekik_notice().is_some() || self.answered_stream().is_some()
+    }
+
+    /// The text the mekik profile shows for a frame that has none of its own to show: a close
+    /// or reopen, or a stopped turn settled before any text (the widget shows no empty bubble).
+    fn mekik_notice(&self) -> Option<&'static str> {
+        if self.kind == CONVERSATION_UPDATE {
+            return Some(crate::mekik::conversation_update_notice(self.data));
+        }
+        let stopped_empty = self.sender_role == "system"
+            && self.data.get("status").and_then(Value::as_str) == Some("stopped")
+            && self.data.get("text").and_then(Value::as_str) == Some("");
+        stopped_empty.then_some(crate::mekik::STOPPED_NOTICE)
     }
 
     fn written_by_user(&self, user_id: &str) -> bool {
@@ -135,16 +147,17 @@ impl<'a> RenderedFrame<'a> {
         }
     }
 
-    /// A `conversationUpdate` shown to the mekik profile as text: its data with `text` added.
+    /// A frame with a notice ([`PersistentFrame::mekik_notice`]) shown to the mekik profile as
+    /// text: its data with `text` set to the notice.
     fn mekik_notice(&self) -> Option<Value> {
-        if !self.mekik || self.frame.kind != CONVERSATION_UPDATE {
+        if !self.mekik {
             return None;
         }
+        let notice = self.frame.mekik_notice()?;
         let mut data = match self.frame.data {
             Value::Object(fields) => fields.clone(),
             _ => Map::new(),
         };
-        let notice = crate::mekik::conversation_update_notice(self.frame.data);
         data.insert("text".into(), Value::from(notice));
         Some(Value::Object(data))
     }
@@ -312,5 +325,28 @@ mod tests {
             stored(&data, &extra).view(viewer).for_mekik().to_value()["id"],
             "f-1"
         );
+    }
+
+    #[test]
+    fn a_stopped_turn_settled_without_text_shows_a_notice_to_the_mekik_profile() {
+        let settled = json!({"text": "", "status": "stopped", "reason": "stopped"});
+        let empty = Map::new();
+        let frame = PersistentFrame {
+            sender_id: "system",
+            sender_role: "system",
+            ..stored(&settled, &empty)
+        };
+        let viewer = Viewer::EndUser { user_id: "alice" };
+        assert_eq!(frame.view(viewer).to_value()["data"], settled);
+        let shown = frame.view(viewer).for_mekik().to_value();
+        assert_eq!(shown["data"]["text"], crate::mekik::STOPPED_NOTICE);
+        assert_eq!(shown["data"]["status"], "stopped");
+        // With text, the text is the answer.
+        let partial = json!({"text": "Once upon", "status": "stopped"});
+        let frame = PersistentFrame {
+            sender_role: "system",
+            ..stored(&partial, &empty)
+        };
+        assert_eq!(frame.view(viewer).for_mekik().to_value()["data"], partial);
     }
 }

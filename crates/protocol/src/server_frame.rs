@@ -144,6 +144,9 @@ pub struct Ack<'a> {
     /// True when the key was used before and nothing new was stored.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub duplicate: bool,
+    /// A `stop`'s answer: whether the turn (`turn`) is stopping now (ADR 0028).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stopped: Option<bool>,
 }
 
 impl<'a> Ack<'a> {

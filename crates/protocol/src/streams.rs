@@ -295,11 +295,7 @@ pub fn end_user_stream_end(profile: Profile, stream_id: &str, aborted: Option<&s
         Profile::Mekik => {
             // An abort appends its notice to the bubble (the widget reads no status), so the
             // partial text does not pass for the answer.
-            let content = if aborted.is_some() {
-                crate::mekik::ABORT_NOTICE
-            } else {
-                ""
-            };
+            let content = aborted.map_or("", crate::mekik::abort_notice);
             let mut frame = json!({
                 "type": "genui",
                 "streamId": stream_id,

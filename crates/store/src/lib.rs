@@ -36,8 +36,9 @@ pub use presence::{Gone, Incarnation, PresenceTotal};
 pub use secrets::{generate_secret, hash_secret};
 pub use tenants::Tenant;
 pub use turns::{
-    AnswerFrame, AnswerOutcome, ChannelPendingTurn, Claim, PendingTurn, Revision, RevisionRecord,
-    RuntimeWrite, StreamableTurn, TurnAnswer, initial_runtime,
+    AnswerFrame, AnswerOutcome, ChannelPendingTurn, Claim, OverdueStop, PendingTurn, Revision,
+    RevisionRecord, RuntimeWrite, Settlement, StopOutcome, StoppedAnswer, StoppedTurn,
+    StreamableTurn, TurnAnswer, initial_runtime,
 };
 
 /// Postgres channel every commit notifies; payloads are small JSON ids, never bodies.

@@ -22,6 +22,7 @@ from converger import (
     StaleRuntime,
     Turn,
     TurnConflict,
+    TurnStopped,
     TurnSuperseded,
     Typing,
     UserTyping,
@@ -203,3 +204,48 @@ async def test_fatal_closes_are_never_reconnected(env: Env) -> None:
         await asyncio.wait_for(runner, WAIT)
     assert inactive.value.close_code == 4403
     assert agent.connections == 1
+
+
+async def test_a_stop_cancels_the_handler_and_the_turn_settles_with_what_was_streamed(
+    env: Env,
+) -> None:
+    agent = await started_agent(env, group="bot")
+    conversation_id, user_token = await env.conversation("alice")
+    streamed: list[str] = []
+    seen: list[Turn] = []
+    two_words = asyncio.Event()
+
+    @agent.turn
+    async def tell_a_story(turn: Turn) -> None:
+        seen.append(turn)
+        async with turn.stream() as stream:
+            for word in ("Once ", "upon ", "a ", "time ", "there ", "was "):
+                await stream.text(word)
+                streamed.append(word)
+                if len(streamed) == 2:
+                    two_words.set()
+                await asyncio.sleep(0.2 if len(streamed) < 2 else 60)
+
+    running = asyncio.create_task(agent.run())
+    async with Conversation(env.url, user_token, backoff=FAST) as user:
+        await user.send_text("tell me a story")
+        await asyncio.wait_for(two_words.wait(), WAIT)
+        stopped, seq = await env.rest.stop_turn(user_token, conversation_id)
+        assert (stopped, seq) == (True, 1)
+        # The handler is cancelled at once; the gateway settles the turn after its grace
+        # period with the text that was streamed.
+        settled = await next_message(user, lambda m: m.from_ == "bot")
+        assert settled.text == "Once upon "
+        assert settled.data.get("status") == "stopped"
+        turn = seen[0]
+        assert turn.cancelled and turn.cancel_reason == "stopped"
+        assert await turn.wait_cancelled() == "stopped"
+        assert streamed == ["Once ", "upon "], "the handler stopped streaming"
+        # A late answer is refused: the turn has its one result.
+        with pytest.raises(TurnStopped):
+            await turn.reply("the whole story")
+    agent.stop()
+    await running
+    frames = await env.frames(conversation_id)
+    results = [m.text for m in frames if m.sender is not None and m.sender.role != "user"]
+    assert results == ["Once upon "], "one result per turn"

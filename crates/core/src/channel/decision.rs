@@ -136,6 +136,19 @@ pub enum Decision {
         /// The highest seq that fell out.
         up_to: i64,
     },
+    /// Tell a member that a turn it was given is stopped (`cancel`, ADR 0028).
+    Cancel {
+        /// The member.
+        to: String,
+        /// The conversation.
+        conversation_id: String,
+        /// The turn's seq.
+        seq: i64,
+        /// The revision stopped.
+        revision: i32,
+        /// Why (`stopped`, `superseded`, …), as the agent is told.
+        reason: String,
+    },
     /// Give up the turn claims a lease-mode member holds, so the next owner claims at once.
     ReleaseLeases {
         /// The member.

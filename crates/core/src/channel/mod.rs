@@ -30,6 +30,9 @@ use crate::groups::{GroupView, NOBODY, PassedTurns};
 pub const MEMORY_CONVERSATIONS: usize = 100_000;
 /// Unanswered turns remembered per conversation.
 pub const MEMORY_TURNS_PER_CONVERSATION: usize = 64;
+/// Conversations with a stop heard before its turn's commit that a decider remembers; past it
+/// they are forgotten at once (such a turn is then delivered, and its answer refused).
+pub const MEMORY_STOPPED_AHEAD: usize = 10_000;
 /// How long (ms) a frame's commit time may precede its commit becoming visible: a conversation
 /// new to a node reads its frames from this long before the node began following the channel.
 pub const FOLLOW_MARGIN_MS: i64 = 2_000;
@@ -49,6 +52,9 @@ pub struct ChannelDecider {
     memories: BTreeMap<String, PassedTurns>,
     /// Highest seq handled per conversation.
     last_seq: HashMap<String, i64>,
+    /// Turns whose stop arrived before their commit (the two come by different paths): they
+    /// are never delivered. Bounded by [`MEMORY_STOPPED_AHEAD`].
+    stopped_ahead: HashMap<String, BTreeSet<i64>>,
     /// A join waiting for the channel's unanswered turns to be read back.
     joining: Option<Joining>,
     /// The database time (ms) of the read of the channel's unanswered turns with which this
@@ -88,6 +94,7 @@ impl ChannelDecider {
             views,
             memories: BTreeMap::new(),
             last_seq: HashMap::new(),
+            stopped_ahead: HashMap::new(),
             joining: None,
             following_from_ms: None,
             follow_margin_ms: FOLLOW_MARGIN_MS,
@@ -391,6 +398,9 @@ impl ChannelDecider {
             return;
         }
         let turn = TurnId::of(frame);
+        if self.was_stopped_ahead(frame.conversation_id, turn.seq) {
+            return;
+        }
         // A turn committed before the read that began this node's following of the channel may
         // be in that read or not (its commit may have become visible after the read began), and
         // may be answered already: it is handed on only after a check of the registry (as a
@@ -437,6 +447,18 @@ impl ChannelDecider {
                 });
             }
         }
+    }
+
+    /// True (once) when the turn's stop arrived before its commit.
+    fn was_stopped_ahead(&mut self, conversation_id: &str, seq: i64) -> bool {
+        let Some(stopped) = self.stopped_ahead.get_mut(conversation_id) else {
+            return false;
+        };
+        let was = stopped.remove(&seq);
+        if stopped.is_empty() {
+            self.stopped_ahead.remove(conversation_id);
+        }
+        was
     }
 
     /// A frame of another party goes to the owner of each group whose members did not write
@@ -511,6 +533,62 @@ impl ChannelDecider {
             .filter_map(|view| view.owner(conversation_id, now_ms))
             .filter(|owner| self.agents.contains_key(*owner))
             .map(str::to_owned)
+            .collect()
+    }
+
+    /// A turn was stopped (ADR 0028): it is forgotten, so no takeover hands it on, and its
+    /// owner in each group, when that member is here, is told. The owner is the member the turn
+    /// was passed to (or the owner at its commit time, `at_ms`, when it is not remembered), and
+    /// the owner now (`now_ms`), which a regenerated revision went to.
+    pub fn stopped(
+        &mut self,
+        conversation_id: &str,
+        turn: (i64, i32),
+        reason: &str,
+        at_ms: i64,
+        now_ms: i64,
+    ) -> Vec<Decision> {
+        let (seq, revision) = turn;
+        let mut told = BTreeSet::new();
+        for (group, view) in &self.views {
+            let passed_to = self
+                .memories
+                .get(group)
+                .and_then(|memory| memory.get(conversation_id))
+                .and_then(|passed| passed.passes.iter().find(|pass| pass.seq == seq))
+                .map(|pass| pass.owner.as_str())
+                .or_else(|| view.owner(conversation_id, at_ms));
+            let owner_now = view.owner(conversation_id, now_ms);
+            for owner in passed_to.into_iter().chain(owner_now) {
+                if self.agents.contains_key(owner) {
+                    told.insert(owner.to_owned());
+                }
+            }
+        }
+        for memory in self.memories.values_mut() {
+            memory.answered(conversation_id, seq);
+        }
+        let handled = self
+            .last_seq
+            .get(conversation_id)
+            .is_some_and(|last| seq <= *last);
+        if !handled {
+            if self.stopped_ahead.len() >= MEMORY_STOPPED_AHEAD {
+                self.stopped_ahead.clear();
+            }
+            self.stopped_ahead
+                .entry(conversation_id.to_owned())
+                .or_default()
+                .insert(seq);
+        }
+        told.into_iter()
+            .map(|to| Decision::Cancel {
+                to,
+                conversation_id: conversation_id.to_owned(),
+                seq,
+                revision,
+                reason: reason.to_owned(),
+            })
             .collect()
     }
 

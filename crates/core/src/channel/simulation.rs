@@ -39,6 +39,10 @@ enum Step {
     Turn { conversation: usize, lag: i64 },
     /// A member writes a frame of its own (not an answer) into a conversation.
     Proactive { member: usize, conversation: usize },
+    /// The end user stops the conversation's latest unanswered turn; node `conversation %
+    /// NODES` stops it (and hears the stop at once), the others `lag` ms later, in any order
+    /// with the turn's own commit.
+    Stop { conversation: usize, lag: i64 },
     /// Time passes; every member answers what it holds.
     Tick(u8),
 }
@@ -56,6 +60,8 @@ fn step() -> impl Strategy<Value = Step> {
         6 => (0usize..5, prop_oneof![2 => Just(0i64), 1 => 0i64..FEED_LAG_MAX])
             .prop_map(|(conversation, lag)| Step::Turn { conversation, lag }),
         1 => (0usize..8, 0usize..5).prop_map(|(member, conversation)| Step::Proactive { member, conversation }),
+        1 => (0usize..5, 0i64..FEED_LAG_MAX)
+            .prop_map(|(conversation, lag)| Step::Stop { conversation, lag }),
         2 => (0u8..200).prop_map(Step::Tick),
     ]
 }
@@ -110,6 +116,14 @@ struct Cluster {
     attaching: Vec<(i64, usize, String, LocalAgent)>,
     /// What each connection was sent: (conversation, seq, first delivery?).
     received: BTreeMap<String, Vec<(String, i64, bool)>>,
+    /// Stops not yet heard by a node: (at, node, conversation, seq, turn commit time).
+    stops: Vec<(i64, usize, String, i64, i64)>,
+    /// Stops each node has heard: (node, conversation, seq).
+    stops_heard: BTreeSet<(usize, String, i64)>,
+    /// The `cancel`s each connection was sent: (conversation, seq).
+    cancelled: BTreeMap<String, BTreeSet<(String, i64)>>,
+    /// Turns stopped (settled as stopped in the model registry).
+    stopped: BTreeSet<(String, i64)>,
     /// Frames each node's decider has been fed, per conversation (the feed stops while a node
     /// has no local agent, as the gateway's bus bridge does).
     fed: Vec<BTreeMap<String, i64>>,
@@ -206,6 +220,17 @@ impl Cluster {
                         self.deciders[node].pending_up_to_read(&group, &conversation_id, &pending);
                     prepend(&mut queue, follow);
                 }
+                Decision::Cancel {
+                    to,
+                    conversation_id,
+                    seq,
+                    ..
+                } => {
+                    self.cancelled
+                        .entry(to)
+                        .or_default()
+                        .insert((conversation_id, seq));
+                }
                 Decision::ReleaseLeases { .. } => {}
             }
         }
@@ -235,6 +260,16 @@ impl Cluster {
             .get(to)
             .is_some_and(|connection| connection.live);
         assert!(live, "a decision named {to}, which is gone");
+        // Observers get every frame, the turn's included; members get turns.
+        let member = &self.connections[to];
+        let node = member.node;
+        assert!(
+            member.group.is_none()
+                || !self
+                    .stops_heard
+                    .contains(&(node, conversation.to_owned(), seq)),
+            "turn {conversation}:{seq} delivered to {to} after node {node} heard its stop"
+        );
         self.received
             .entry(to.to_owned())
             .or_default()
@@ -446,6 +481,57 @@ impl Cluster {
         self.perform(node, decisions, &frames);
     }
 
+    /// Stops the conversation's latest unanswered turn, if any: the registry settles it at
+    /// once (the grace period is the agent's; no answer of it is modelled), and node `origin`
+    /// hears the stop now, the others `lag` ms later.
+    fn stop(&mut self, conversation: &str, origin: usize, lag: i64) {
+        let latest = self
+            .frames
+            .iter()
+            .rev()
+            .filter(|frame| frame.conversation == conversation && frame.from_user)
+            .find(|frame| {
+                !self
+                    .answered
+                    .contains(&(conversation.to_owned(), frame.seq))
+            })
+            .map(|frame| (frame.seq, frame.at_ms));
+        let Some((seq, at_ms)) = latest else {
+            return;
+        };
+        self.answered.insert((conversation.to_owned(), seq));
+        self.stopped.insert((conversation.to_owned(), seq));
+        for node in 0..NODES {
+            let at = if node == origin {
+                self.now
+            } else {
+                self.now + lag
+            };
+            self.stops
+                .push((at, node, conversation.to_owned(), seq, at_ms));
+        }
+        self.hear_stops(false);
+    }
+
+    /// Hands each node the stops it hears by now (all: every one left), as the bus bridge
+    /// does: only to a node with agents of the channel.
+    fn hear_stops(&mut self, all: bool) {
+        let now = self.now;
+        let (due, later): (Vec<_>, Vec<_>) = std::mem::take(&mut self.stops)
+            .into_iter()
+            .partition(|(at, _, _, _, _)| all || *at <= now);
+        self.stops = later;
+        for (_, node, conversation, seq, at_ms) in due {
+            if !self.has_local_agents(node) {
+                continue;
+            }
+            self.stops_heard.insert((node, conversation.clone(), seq));
+            let decisions =
+                self.deciders[node].stopped(&conversation, (seq, 0), "stopped", at_ms, now);
+            self.perform(node, decisions, &[]);
+        }
+    }
+
     /// Every live member answers the unanswered turns it was sent.
     fn answer_everything(&mut self) {
         let mut answers = Vec::new();
@@ -510,6 +596,7 @@ proptest! {
         for step in steps {
             cluster.now += 1;
             cluster.hear_feeds(false);
+            cluster.hear_stops(false);
             cluster.hear_gossip(false);
             cluster.attach_due(false);
             match step {
@@ -533,11 +620,13 @@ proptest! {
                         cluster.commit(&format!("c{conversation}"), &sender_id, false, None, node, ANSWER_LAG);
                     }
                 }
+                Step::Stop { conversation, lag } => cluster.stop(&format!("c{conversation}"), conversation % NODES, lag),
                 Step::Tick(ms) => {
                     // A millisecond at a time, so that what is due earlier is heard earlier.
                     for _ in 0..ms {
                         cluster.now += 1;
                         cluster.hear_feeds(false);
+                        cluster.hear_stops(false);
                         cluster.hear_gossip(false);
                         cluster.attach_due(false);
                     }
@@ -547,9 +636,30 @@ proptest! {
         }
         cluster.now += SETTLE;
         cluster.hear_feeds(true);
+        cluster.hear_stops(true);
         cluster.hear_gossip(true);
         cluster.attach_due(true);
         cluster.hear_feeds(true);
+
+        // A stopped turn's holders are told: every live member that was given it, on a node
+        // that heard the stop, got a `cancel` (unless a join was still unheard somewhere).
+        for (id, received) in &cluster.received {
+            let connection = &cluster.connections[id];
+            if !connection.live || connection.group.is_none() {
+                continue;
+            }
+            for (conversation, seq, _) in received {
+                let turn = (conversation.clone(), *seq);
+                if !cluster.stopped.contains(&turn) || cluster.racing.contains(&turn) {
+                    continue;
+                }
+                if !cluster.stops_heard.contains(&(connection.node, conversation.clone(), *seq)) {
+                    continue;
+                }
+                let told = cluster.cancelled.get(id).is_some_and(|told| told.contains(&turn));
+                prop_assert!(told, "{} holds stopped turn {:?} and was not told", id, turn);
+            }
+        }
 
         // A turn's first delivery: once per group at most (unless a join was still unheard).
         let mut first: BTreeMap<(String, i64, String), usize> = BTreeMap::new();

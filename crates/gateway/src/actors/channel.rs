@@ -9,7 +9,7 @@ use std::time::Duration;
 use converger_core::channel::{
     ChannelDecider, CommittedPlan, Decision, LocalAgent, TurnId, TurnReason,
 };
-use converger_protocol::{Envelope, TurnRef, Viewer};
+use converger_protocol::{Cancel, Envelope, TurnRef, Viewer};
 use converger_store::{Activity, Claim, Store};
 use tokio::sync::{broadcast, mpsc};
 use uuid::Uuid;
@@ -206,6 +206,17 @@ impl ChannelActor {
                     self.deliver_turn(&owner, &frame, turn).await;
                 }
             }
+            HubEvent::TurnStopped(stop) => {
+                let now = chrono::Utc::now().timestamp_millis();
+                let decisions = self.decider.stopped(
+                    &conversation,
+                    (stop.seq, stop.revision),
+                    &stop.reason,
+                    stop.at_ms,
+                    now,
+                );
+                self.perform(decisions, &[]).await;
+            }
             // Streams go to end users only; agents never publish to the channel feed anyway.
             HubEvent::Stream(_) => {}
             HubEvent::Transient { frame, .. } => {
@@ -294,6 +305,21 @@ impl ChannelActor {
                         self.decider
                             .pending_up_to_read(&group, &conversation_id, &pending);
                     prepend(&mut queue, follow);
+                }
+                Decision::Cancel {
+                    to,
+                    conversation_id,
+                    seq,
+                    revision,
+                    reason,
+                } => {
+                    let turn = TurnRef::new(&conversation_id, seq, revision, None);
+                    let envelope = Envelope {
+                        conversation_id: &conversation_id,
+                        frame: Cancel::new(&turn, &reason),
+                    }
+                    .encode();
+                    self.send(&to, Delivery::Frame(envelope.into()));
                 }
                 Decision::ReleaseLeases { holder } => self.release_leases(&holder).await,
             }

@@ -6,7 +6,7 @@ mod sections;
 
 pub use sections::{
     AdminConfig, ConversationsConfig, DatabaseConfig, DemoConfig, DemoPage, DrainConfig,
-    GossipConfig, HttpConfig, LogFormat, RatesConfig, StatusConfig, StreamsConfig,
+    GossipConfig, HttpConfig, LogFormat, RatesConfig, StatusConfig, StreamsConfig, TurnsConfig,
 };
 
 use std::net::SocketAddr;
@@ -77,6 +77,8 @@ pub struct Config {
     pub streams: StreamsConfig,
     /// Closing idle conversations.
     pub conversations: ConversationsConfig,
+    /// Stops and double texting.
+    pub turns: TurnsConfig,
     /// The demo chat page.
     pub demo: DemoConfig,
 }
@@ -110,6 +112,7 @@ impl Default for Config {
             rates: RatesConfig::default(),
             streams: StreamsConfig::default(),
             conversations: ConversationsConfig::default(),
+            turns: TurnsConfig::default(),
             demo: DemoConfig::default(),
         }
     }
@@ -185,6 +188,9 @@ impl Config {
                 "conversations.expiry_sweep_secs and conversations.expiry_batch must be greater than 0"
                     .into(),
             );
+        }
+        if self.turns.stop_grace_ms > 600_000 {
+            return Err("turns.stop_grace_ms must be at most 600000".into());
         }
         if self.token_ttl_secs == 0 || self.token_ttl_secs > 30 * 24 * 3600 {
             return Err("token_ttl_secs must be between 1 and 2592000".into());

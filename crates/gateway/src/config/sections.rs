@@ -232,6 +232,23 @@ impl Default for ConversationsConfig {
     }
 }
 
+/// Running turns: stops and double texting (ADR 0028).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TurnsConfig {
+    /// How long (ms) a stopped turn waits for its agent's own answer before the gateway
+    /// settles it with what was streamed.
+    pub stop_grace_ms: u64,
+}
+
+impl Default for TurnsConfig {
+    fn default() -> Self {
+        TurnsConfig {
+            stop_grace_ms: 2_000,
+        }
+    }
+}
+
 /// Whether the node serves the demo chat page (`GET /demo`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]

@@ -195,7 +195,7 @@ impl Follow {
                     self.on_transient(&frame, origin.as_deref()).await?
                 }
                 Ok(HubEvent::Stream(event)) => self.on_stream(&mut seen, &event).await?,
-                Ok(HubEvent::Regenerated { .. }) => {}
+                Ok(HubEvent::Regenerated { .. } | HubEvent::TurnStopped(_)) => {}
                 Err(broadcast::error::RecvError::Lagged(_)) => {
                     self.catch_up_streams(&mut seen).await?;
                     let head = match self.state.store.conversation(self.conversation_id).await {

@@ -118,7 +118,7 @@ async fn change(
 }
 
 /// A conversation of the tenant; a foreign or malformed id answers like a missing one.
-async fn tenant_conversation(
+pub(super) async fn tenant_conversation(
     state: &AppState,
     tenant: &Tenant,
     raw_id: &str,

@@ -9,6 +9,7 @@ mod events;
 mod health;
 mod lifecycle;
 pub mod status;
+mod stops;
 pub(crate) mod tokens;
 
 use axum::Router;
@@ -56,6 +57,10 @@ pub(crate) fn router(state: AppState) -> Router {
         .route(
             "/api/v1/converger/conversations/{id}/reopen",
             post(lifecycle::reopen),
+        )
+        .route(
+            "/api/v1/converger/conversations/{id}/stop",
+            post(stops::stop),
         )
         .route("/demo", get(demo::page))
         .route("/demo/api/conversation", post(demo::conversation))

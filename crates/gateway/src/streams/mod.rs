@@ -17,7 +17,7 @@ use axum::extract::ws::Utf8Bytes;
 use converger_core::streams::{
     Accepted, ChunkIn, ChunkRefusal, OpenStream, StreamLimits, StreamRegistry, StreamTurn,
 };
-use converger_protocol::{Profile, StreamContent, end_user_chunk, end_user_stream_end};
+use converger_protocol::{Profile, StopReason, StreamContent, end_user_chunk, end_user_stream_end};
 use converger_store::Store;
 use serde::Serialize;
 use serde_json::Value;
@@ -180,6 +180,8 @@ pub struct LocalChunk<'a> {
 pub struct LiveStreams {
     node_id: String,
     registry: Mutex<StreamRegistry<Uuid, PackedChunks>>,
+    /// The text of streams a stop ended, until their turn is settled (ADR 0028).
+    stopped: Mutex<StoppedTexts>,
     relay: mpsc::UnboundedSender<RelayOrder>,
     /// What the relay holds and has not sent yet (part of the node's stream budget).
     relay_backlog: Arc<Backlog>,
@@ -215,6 +217,7 @@ impl LiveStreams {
         Arc::new(LiveStreams {
             node_id: node_id.to_owned(),
             registry: Mutex::new(StreamRegistry::default()),
+            stopped: Mutex::new(StoppedTexts::default()),
             relay,
             relay_backlog,
             limits,
@@ -347,6 +350,53 @@ impl LiveStreams {
         }
     }
 
+    /// A turn was stopped: the streams of it that this node's agents write end here, aborted
+    /// with `reason`, and the end is relayed after every chunk they had, so every node ends
+    /// them at the same chunk. Their text is kept for the settlement.
+    pub fn stop_turn(&self, hub: &Hub, conversation_id: Uuid, turn: StreamTurn, reason: &str) {
+        let ended: Vec<(String, OpenStream<PackedChunks>)> = {
+            let mut registry = lock(&self.registry);
+            let own: Vec<String> = registry
+                .snapshot(&conversation_id)
+                .into_iter()
+                .filter(|(_, stream)| stream.turn == turn && stream.node == self.node_id)
+                .map(|(stream_id, _)| stream_id)
+                .collect();
+            own.into_iter()
+                .filter_map(|stream_id| {
+                    let stream = registry.end(&conversation_id, &stream_id)?;
+                    Some((stream_id, stream))
+                })
+                .collect()
+        };
+        for (stream_id, stream) in ended {
+            self.keep_stopped(conversation_id, &stream_id, &stream);
+            self.relay_end(conversation_id, &stream_id, Some(reason));
+            publish_end(hub, conversation_id, stream_id, Some(reason.to_owned()));
+        }
+    }
+
+    /// The stream and text a stop ended for the turn, taken once (the settlement's answer).
+    pub fn take_stopped(&self, conversation_id: Uuid, turn: StreamTurn) -> Option<StoppedText> {
+        lock(&self.stopped).take(conversation_id, turn)
+    }
+
+    fn keep_stopped(
+        &self,
+        conversation_id: Uuid,
+        stream_id: &str,
+        stream: &OpenStream<PackedChunks>,
+    ) {
+        lock(&self.stopped).keep(
+            conversation_id,
+            stream.turn,
+            StoppedText {
+                stream_id: stream_id.to_owned(),
+                text: stream.chunks.text().to_owned(),
+            },
+        );
+    }
+
     /// Aborts every stream of an agent connection that went away.
     pub fn abort_owner(&self, hub: &Hub, owner: &str) {
         let ids = lock(&self.registry).end_where(|stream| stream.owner == owner);
@@ -441,10 +491,11 @@ impl LiveStreams {
         };
         if let Some(ending) = event.get("e") {
             let aborted = ending.as_str().map(str::to_owned);
-            if lock(&self.registry)
-                .end(&conversation_id, stream_id)
-                .is_some()
-            {
+            let ended = lock(&self.registry).end(&conversation_id, stream_id);
+            if let Some(stream) = ended {
+                if aborted.as_deref().is_some_and(is_stop_reason) {
+                    self.keep_stopped(conversation_id, stream_id, &stream);
+                }
                 publish_end(hub, conversation_id, stream_id.to_owned(), aborted);
             }
             return;
@@ -549,6 +600,60 @@ impl LiveStreams {
             // Only a map with non-string keys fails to encode, and a chunk holds none.
             Err(error) => tracing::warn!(%error, "stream event not encoded for the relay"),
         }
+    }
+}
+
+/// The abort reasons of a stopped turn's streams (`StopReason`'s wire forms).
+fn is_stop_reason(reason: &str) -> bool {
+    [
+        StopReason::Stopped,
+        StopReason::Superseded,
+        StopReason::ConversationClosed,
+        StopReason::Disconnected,
+    ]
+    .iter()
+    .any(|known| known.as_str() == reason)
+}
+
+/// What a stop ended of a turn's stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoppedText {
+    /// The stream.
+    pub stream_id: String,
+    /// Its text deltas, joined.
+    pub text: String,
+}
+
+/// Bytes of stopped streams' text a node keeps for settlements; past it the oldest go (their
+/// turns then settle with an empty answer). A settlement comes a grace period after the stop.
+const STOPPED_TEXT_BYTES: usize = 8 << 20;
+
+/// The texts of stopped streams, oldest first, bounded by [`STOPPED_TEXT_BYTES`].
+#[derive(Debug, Default)]
+struct StoppedTexts {
+    kept: std::collections::VecDeque<(Uuid, StreamTurn, StoppedText)>,
+    bytes: usize,
+}
+
+impl StoppedTexts {
+    fn keep(&mut self, conversation_id: Uuid, turn: StreamTurn, text: StoppedText) {
+        self.bytes += text.text.len();
+        self.kept.push_back((conversation_id, turn, text));
+        while self.bytes > STOPPED_TEXT_BYTES {
+            let Some((_, _, oldest)) = self.kept.pop_front() else {
+                break;
+            };
+            self.bytes -= oldest.text.len();
+        }
+    }
+
+    fn take(&mut self, conversation_id: Uuid, turn: StreamTurn) -> Option<StoppedText> {
+        let position = self.kept.iter().position(|(conversation, kept_turn, _)| {
+            *conversation == conversation_id && *kept_turn == turn
+        })?;
+        let (_, _, text) = self.kept.remove(position)?;
+        self.bytes -= text.text.len();
+        Some(text)
     }
 }
 

@@ -31,6 +31,11 @@ impl PackedChunks {
         &self.from
     }
 
+    /// Every text delta of the stream, joined (UI chunks add none).
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+
     /// The content of chunk `index`, when it is held.
     pub fn content(&self, index: usize) -> Option<StreamContent> {
         let end = *self.ends.get(index)? as usize;

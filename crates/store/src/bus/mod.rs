@@ -88,6 +88,33 @@ pub struct DisconnectOrder {
     pub issued_ms: i64,
 }
 
+/// A turn was stopped (ADR 0028): its owners are told (`cancel`), its open streams end, and the
+/// node that stopped it settles it after the grace period.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TurnStop {
+    /// Node that published it (it dispatched locally already).
+    #[serde(rename = "n")]
+    pub node: String,
+    /// The conversation's channel.
+    #[serde(rename = "h")]
+    pub channel_id: Uuid,
+    /// Conversation.
+    #[serde(rename = "c")]
+    pub conversation_id: Uuid,
+    /// The turn's seq.
+    #[serde(rename = "s")]
+    pub seq: i64,
+    /// The revision stopped.
+    #[serde(rename = "r")]
+    pub revision: i32,
+    /// The turn frame's commit time (ms since the epoch): its owners are decided at it.
+    #[serde(rename = "at")]
+    pub at_ms: i64,
+    /// `stopped`, `superseded` or `conversation_closed`.
+    #[serde(rename = "w")]
+    pub reason: String,
+}
+
 /// One event on the bus, as receivers see it.
 #[derive(Debug, Clone, PartialEq)]
 pub enum BusEvent {
@@ -139,6 +166,8 @@ pub enum BusEvent {
     },
     /// Close the matching sockets and report how many.
     Disconnect(DisconnectOrder),
+    /// A turn was stopped.
+    TurnStopped(TurnStop),
 }
 
 /// The JSON payloads of `pg_notify`.
@@ -194,6 +223,8 @@ enum Payload {
     },
     #[serde(rename = "dc")]
     Disconnect(DisconnectOrder),
+    #[serde(rename = "ts")]
+    TurnStopped(TurnStop),
 }
 
 /// One conversation's commit, alone or within a batch notification.
@@ -261,6 +292,7 @@ fn to_events(payload: Payload) -> Vec<BusEvent> {
         },
         Payload::Streams { node, events } => BusEvent::Streams { node, events },
         Payload::Disconnect(order) => BusEvent::Disconnect(order),
+        Payload::TurnStopped(stop) => BusEvent::TurnStopped(stop),
     };
     vec![event]
 }

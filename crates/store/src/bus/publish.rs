@@ -7,7 +7,7 @@ use std::time::Duration;
 use serde_json::Value;
 use uuid::Uuid;
 
-use super::{DisconnectOrder, INLINE_PAYLOAD_LIMIT, Payload, TransientFrame};
+use super::{DisconnectOrder, INLINE_PAYLOAD_LIMIT, Payload, TransientFrame, TurnStop};
 use crate::{NOTIFY_CHANNEL, Store, StoreError};
 
 impl Store {
@@ -28,6 +28,13 @@ impl Store {
             revision,
         };
         let text = serde_json::to_string(&payload)
+            .map_err(|error| StoreError::Config(error.to_string()))?;
+        self.notify(&text).await
+    }
+
+    /// Publishes a stopped turn to every node (this one included; it skips its own).
+    pub async fn publish_turn_stop(&self, stop: &TurnStop) -> Result<(), StoreError> {
+        let text = serde_json::to_string(&Payload::TurnStopped(stop.clone()))
             .map_err(|error| StoreError::Config(error.to_string()))?;
         self.notify(&text).await
     }

@@ -176,6 +176,8 @@ pub enum AnswerOutcome {
     NoSuchTurn,
     /// The conversation was closed while the turn waited: the turn is settled as closed.
     Closed,
+    /// The turn was stopped and the gateway settled it (ADR 0028).
+    Stopped,
 }
 
 impl Store {
@@ -289,6 +291,7 @@ pub(crate) fn answer_outcome(
         "stale_runtime" => AnswerOutcome::StaleRuntime { current: number },
         "no_such_turn" => AnswerOutcome::NoSuchTurn,
         "closed" => AnswerOutcome::Closed,
+        "stopped" => AnswerOutcome::Stopped,
         other => {
             return Err(sqlx::Error::Protocol(format!(
                 "converger_answer_turn returned an unknown outcome {other:?}"

@@ -37,6 +37,7 @@ from .errors import (
     StreamInterrupted,
     TooManyStreams,
     TurnConflict,
+    TurnStopped,
     TurnSuperseded,
 )
 from .frames import (
@@ -163,6 +164,7 @@ __all__ = [
     "TurnConflict",
     "TurnHandler",
     "TurnRef",
+    "TurnStopped",
     "TurnSuperseded",
     "Typing",
     "UnknownFrame",

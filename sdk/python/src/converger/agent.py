@@ -74,6 +74,7 @@ from .errors import (
     StreamClosed,
     StreamInterrupted,
     TurnConflict,
+    TurnStopped,
     TurnSuperseded,
 )
 from .frames import (
@@ -91,6 +92,9 @@ from .streams import STREAM_FRAME_TYPES, AnswerStream
 __all__ = ["Agent", "EventHandler", "FrameLike", "Turn", "TurnHandler", "result_client_id"]
 
 log = logging.getLogger("converger.agent")
+
+# Delivered turns a ``cancel`` can still reach: the most recent ones.
+_CANCELLABLE_TURNS = 4096
 
 TurnHandler = Callable[["Turn"], Awaitable[None]]
 """An async function answering one turn."""
@@ -148,6 +152,34 @@ class Turn:
     _agent: Agent = field(repr=False)
     ack: ReplyAck | None = field(default=None, repr=False)
     """The ack of this turn's answer, once :meth:`reply` succeeded."""
+    cancel_reason: str | None = field(default=None)
+    """Why the turn was cancelled (``"stopped"``, ``"superseded"``, …), once it was."""
+    _cancelled: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    _handler_task: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    @property
+    def cancelled(self) -> bool:
+        """True once the end user stopped this turn (a ``cancel``, ``docs/protocol.md`` §4.10).
+
+        Under :meth:`Agent.run` the handler's task is cancelled at once (``asyncio``
+        cancellation); in the iterator style, check this or await :meth:`wait_cancelled`. An
+        answer sent within the grace period is still the turn's result; after it the gateway
+        settles the turn with what was streamed and a reply raises :class:`TurnStopped`.
+        """
+        return self._cancelled.is_set()
+
+    async def wait_cancelled(self) -> str:
+        """Waits until the turn is cancelled; returns the reason."""
+        await self._cancelled.wait()
+        return self.cancel_reason or "stopped"
+
+    def _cancel(self, reason: str) -> None:
+        if self._cancelled.is_set():
+            return
+        self.cancel_reason = reason
+        self._cancelled.set()
+        if self._handler_task is not None and not self._handler_task.done():
+            self._handler_task.cancel()
 
     @property
     def type(self) -> str | None:
@@ -308,6 +340,7 @@ class Agent:
         self._turn_handler: TurnHandler | None = None
         self._event_handler: EventHandler | None = None
         self._handlers: set[asyncio.Task[None]] = set()
+        self._live_turns: OrderedDict[str, Turn] = OrderedDict()
         self._connections = 0
         self._streams: weakref.WeakValueDictionary[tuple[str, str], AnswerStream] = (
             weakref.WeakValueDictionary()
@@ -544,9 +577,24 @@ class Agent:
                 if self._stopping:
                     return
                 self._freshen(turn)
+                if turn.cancelled:
+                    return
+                # Its own task, so that a cancel stops the handler and nothing else.
+                handler_task: asyncio.Task[None] = asyncio.ensure_future(handler(turn))
+                turn._handler_task = handler_task
                 try:
-                    await handler(turn)
-                except (TurnConflict, TurnSuperseded, LeaseLost, StreamClosed) as refused:
+                    await handler_task
+                except asyncio.CancelledError:
+                    if not (turn.cancelled and handler_task.cancelled()):
+                        raise
+                    log.info("turn %s: cancelled (%s)", turn.key, turn.cancel_reason)
+                except (
+                    TurnConflict,
+                    TurnSuperseded,
+                    TurnStopped,
+                    LeaseLost,
+                    StreamClosed,
+                ) as refused:
                     log.info("turn %s: answer dropped: %s", turn.key, refused)
                 except StreamInterrupted as interrupted:
                     log.warning("turn %s: %s", turn.key, interrupted)
@@ -948,6 +996,12 @@ class Agent:
         if kind == "ack":
             self._on_ack(conversation_id, frame)
             return
+        if kind == "cancel":
+            key = as_str(as_object(frame.get("turn")).get("key"))
+            turn = self._live_turns.get(key or "")
+            if turn is not None:
+                turn._cancel(as_str(frame.get("reason")) or "stopped")
+            return
         if kind == "error":
             self._on_error(as_object(frame.get("data")), conversation_id)
             return
@@ -964,6 +1018,9 @@ class Agent:
                 if self._tracker.first_delivery(
                     conversation_id, turn.seq, turn.revision, turn.fence
                 ):
+                    self._live_turns[turn.key] = turn
+                    while len(self._live_turns) > _CANCELLABLE_TURNS:
+                        self._live_turns.popitem(last=False)
                     self._turn_queue.put_nowait(turn)
                 return
         if self._event_queue is not None and not self._stopping:

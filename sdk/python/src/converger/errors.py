@@ -41,6 +41,7 @@ __all__ = [
     "StreamInterrupted",
     "TooManyStreams",
     "TurnConflict",
+    "TurnStopped",
     "TurnSuperseded",
 ]
 
@@ -169,6 +170,15 @@ class TooManyStreams(ServerError):
     """
 
 
+class TurnStopped(ServerError):
+    """``turn_stopped``: the end user stopped the turn and the gateway settled it.
+
+    The turn's result is what was streamed before the stop; this answer came after the grace
+    period (``turns.stop_grace_ms``) and is not stored. A handler cancelled on ``cancel`` never
+    gets here.
+    """
+
+
 _BY_CODE: dict[str, type[ServerError]] = {
     "turn_conflict": TurnConflict,
     "turn_superseded": TurnSuperseded,
@@ -176,6 +186,7 @@ _BY_CODE: dict[str, type[ServerError]] = {
     "lease_lost": LeaseLost,
     "stream_closed": StreamClosed,
     "too_many_streams": TooManyStreams,
+    "turn_stopped": TurnStopped,
 }
 
 

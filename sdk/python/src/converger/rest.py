@@ -334,6 +334,24 @@ class RestClient:
             duplicate=response.status_code == 200,
         )
 
+    async def stop_turn(
+        self, token: str, conversation_id: str, *, seq: int | None = None
+    ) -> tuple[bool, int | None]:
+        """``POST …/conversations/{id}/stop``: stops a running turn (``docs/protocol.md`` §3.9).
+
+        Stops the turn at ``seq``, or the latest unanswered one. Returns ``(stopped, seq)``:
+        whether a turn is stopping now, and which (``None`` when none was running). Idempotent.
+        """
+        body: JSONObject = {} if seq is None else {"seq": seq}
+        response = await self._call(
+            "POST",
+            f"/api/v1/converger/conversations/{conversation_id}/stop",
+            bearer=token,
+            json=body,
+        )
+        answer = as_object(response.json())
+        return answer.get("stopped") is True, as_int(answer.get("seq"))
+
     # --- health and helpers ------------------------------------------------------------
 
     async def ready(self) -> bool:

@@ -246,6 +246,11 @@ class AnswerStream:
     ) -> None:
         if self._state != "open":
             return
+        if self._turn.cancelled:
+            # The stop ended the stream for every viewer already.
+            self._state = "aborted"
+            self._agent._forget_stream(self)
+            return
         if exc is not None:
             with contextlib.suppress(Exception):
                 await self.abort("error")

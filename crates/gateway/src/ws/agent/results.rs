@@ -134,6 +134,7 @@ fn stream_settlement(outcome: &Result<AnswerOutcome, StoreError>) -> Option<Opti
         Ok(AnswerOutcome::LeaseLost { .. }) => Some(Some("lease_lost")),
         Ok(AnswerOutcome::NoSuchTurn) => Some(Some("no_such_turn")),
         Ok(AnswerOutcome::Closed) => Some(Some("conversation_closed")),
+        Ok(AnswerOutcome::Stopped) => Some(Some("stopped")),
         Ok(AnswerOutcome::StaleRuntime { .. }) => None,
         Err(error) if error.is_refused_input() => Some(Some("refused")),
         Err(_) => None,
@@ -230,6 +231,14 @@ fn reply_to(
             Err((
                 ErrorCode::ConversationClosed,
                 "the conversation is closed",
+                json!({"turn": {"seq": turn.seq, "revision": turn.revision}}),
+            )),
+        ),
+        AnswerOutcome::Stopped => (
+            "turn_stopped",
+            Err((
+                ErrorCode::TurnStopped,
+                "the turn was stopped and settled without this answer",
                 json!({"turn": {"seq": turn.seq, "revision": turn.revision}}),
             )),
         ),

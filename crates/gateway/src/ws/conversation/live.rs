@@ -99,7 +99,7 @@ impl Session<'_> {
                 activity,
                 views,
             }) => self.on_committed(seq, activity, &views).await,
-            Ok(HubEvent::Regenerated { .. }) => Ok(()),
+            Ok(HubEvent::Regenerated { .. } | HubEvent::TurnStopped(_)) => Ok(()),
             Ok(HubEvent::Stream(event)) => self.on_stream(&event).await,
             Ok(HubEvent::Transient { frame, origin }) => {
                 self.on_transient(&frame, origin.as_deref())

@@ -510,6 +510,19 @@ impl Session<'_> {
                 self.on_revision(target, client_id, None).await
             }
             ClientFrame::Forwarded { kind, frame } => self.on_forwarded(kind, frame).await,
+            ClientFrame::Stop {
+                client_id,
+                seq,
+                forwarded,
+            } => {
+                // The mekik `abort` still reaches agents that read it, and is never answered.
+                let Some(frame) = forwarded else {
+                    return self.on_stop(client_id, seq).await;
+                };
+                self.on_forwarded("abort".into(), frame).await?;
+                self.on_abort().await;
+                Ok(())
+            }
         }
     }
 }

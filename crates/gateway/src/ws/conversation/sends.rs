@@ -6,10 +6,10 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use converger_protocol::{
-    Ack, ErrorCode, ErrorFrame, MessageFrame, Profile, TurnNumber, TurnTarget,
+    Ack, ErrorCode, ErrorFrame, MessageFrame, Profile, StopReason, TurnNumber, TurnTarget,
 };
 use converger_store::faults;
-use converger_store::{CommitOutcome, NewActivity, Sender, SenderRole, StoreError};
+use converger_store::{CommitOutcome, NewActivity, Sender, SenderRole, StopOutcome, StoreError};
 use serde_json::Value;
 
 use super::Session;
@@ -249,5 +249,68 @@ impl Session<'_> {
         }
         let ack = ack.encode();
         self.push(ack, false)
+    }
+
+    /// The mekik `abort`: stops the latest unanswered turn, and answers nothing (the widget
+    /// reads no acks, and an abort with nothing running is not an error to it).
+    pub(super) async fn on_abort(&mut self) {
+        if let Err(error) =
+            crate::stops::stop(self.state, self.conversation_id, None, StopReason::Stopped).await
+        {
+            tracing::debug!(%error, "abort: stop not stored");
+        }
+    }
+
+    /// `stop`: stops the turn at `seq`, or the latest unanswered one (ADR 0028). Answered, in the converger profile and with a `clientId`, by an ack saying
+    /// whether a turn is stopping and which.
+    pub(super) async fn on_stop(
+        &mut self,
+        client_id: Option<String>,
+        seq: Option<u64>,
+    ) -> Result<(), Ending> {
+        let refuse = |code: ErrorCode, message: &str| ErrorFrame {
+            client_id: client_id.clone(),
+            frame_type: Some("stop".into()),
+            ..crate::error::error_frame(code, message)
+        };
+        let seq = seq.and_then(|seq| i64::try_from(seq).ok());
+        let outcome =
+            crate::stops::stop(self.state, self.conversation_id, seq, StopReason::Stopped).await;
+        let (stopped, turn) = match outcome {
+            Ok(StopOutcome::Stopping { turn, .. } | StopOutcome::AlreadyStopping { turn }) => {
+                (true, Some(turn))
+            }
+            Ok(StopOutcome::NotRunning { turn }) => (false, Some(turn)),
+            Ok(StopOutcome::NothingRunning) => (false, None),
+            Ok(StopOutcome::NoSuchTurn) => {
+                return self.push_error(refuse(ErrorCode::BadRequest, "no such turn"));
+            }
+            Err(StoreError::ConversationClosed) => {
+                return self.push_error(refuse(
+                    ErrorCode::ConversationClosed,
+                    "conversation is closed",
+                ));
+            }
+            Err(error) => {
+                tracing::warn!(%error, "stop not stored");
+                return self.push_error(refuse(
+                    crate::error::failure_code(&error),
+                    "the stop was not stored",
+                ));
+            }
+        };
+        if client_id.is_none() || !self.is_converger() {
+            return Ok(());
+        }
+        let ack = Ack {
+            client_id: client_id.as_deref(),
+            turn: turn.map(|turn| TurnNumber {
+                seq: turn.seq,
+                revision: turn.revision,
+            }),
+            stopped: Some(stopped),
+            ..Ack::default()
+        };
+        self.push(ack.encode(), false)
     }
 }

@@ -1,0 +1,407 @@
+//! Stopping a running turn (docs/protocol.md §3.9, ADR 0028): a `stop` frame, the mekik `abort`
+//! or the REST call; the owner gets `cancel`, the stream ends `stopped`, and the turn settles
+//! once: with the agent's answer within the grace period, else with what was streamed, after
+//! which an answer is refused with `turn_stopped`.
+
+mod support;
+
+use serde_json::{Value, json};
+use std::time::Duration;
+use support::mekik::Widget;
+use support::ws::WsClient;
+use support::{TestNode, setup, stream_words};
+use uuid::Uuid;
+
+fn grace(ms: u64) -> impl FnOnce(&mut converger_gateway::Config) {
+    move |config| {
+        config.group_settle_ms = 100;
+        config.turns.stop_grace_ms = ms;
+    }
+}
+
+/// The next delivered turn of an agent: (conversation id, seq).
+async fn next_turn(agent: &mut WsClient) -> (String, i64) {
+    loop {
+        let delivered = agent.recv().await;
+        if let Some(seq) = delivered["frame"]["meta"]["turn"]["seq"].as_i64() {
+            let conversation = delivered["conversationId"].as_str().unwrap().to_owned();
+            return (conversation, seq);
+        }
+    }
+}
+
+/// The next enveloped frame of `kind` an agent receives.
+async fn next_of(agent: &mut WsClient, kind: &str) -> Value {
+    loop {
+        let envelope = agent.recv().await;
+        if envelope["frame"]["type"] == kind {
+            return envelope["frame"].clone();
+        }
+    }
+}
+
+/// The next frame of `kind` a tab receives, past any other (stream chunks, presence).
+async fn next_frame(tab: &mut WsClient, kind: &str) -> Value {
+    loop {
+        let frame = tab.recv().await;
+        if frame["type"] == kind {
+            return frame;
+        }
+    }
+}
+
+fn result(conversation: &str, seq: i64, text: &str) -> Value {
+    json!({"conversationId": conversation, "frame": {
+        "type": "turnResult", "clientId": format!("r-{seq}"), "turn": {"seq": seq},
+        "frames": [{"type": "text", "streamId": "s-1", "data": {"text": text}}]}})
+}
+
+/// A settled agent owning alice's turns, alice's tab, and one turn the agent was given:
+/// (node, conversation id, alice's token, agent, tab, enveloped conversation id, seq).
+async fn running_turn(node: TestNode) -> (TestNode, Uuid, String, WsClient, WsClient, String, i64) {
+    let (acme, conversation_id, token) = setup(&node).await;
+    let agent_token = node.agent_token(&acme).await;
+    let (mut agent, welcome) = node.agent(&agent_token, Some("bot")).await;
+    support::settle(&welcome).await;
+    let mut tab = WsClient::connect(&node.ws_url("")).await;
+    tab.hello(&token, json!({})).await;
+    tab.send(json!({"type": "text", "clientId": "q-1", "data": {"text": "tell me a story"}}))
+        .await;
+    tab.recv_type("ack").await;
+    let (conversation, seq) = next_turn(&mut agent).await;
+    (node, conversation_id, token, agent, tab, conversation, seq)
+}
+
+/// `POST …/stop` with `token` and `body`: (status, answer).
+async fn rest_stop(node: &TestNode, conversation: Uuid, token: &str, body: Value) -> (u16, Value) {
+    let response = node
+        .http
+        .post(node.url(&format!(
+            "/api/v1/converger/conversations/{conversation}/stop"
+        )))
+        .bearer_auth(token)
+        .json(&body)
+        .send()
+        .await
+        .expect("POST stop");
+    let status = response.status().as_u16();
+    (status, response.json().await.expect("a JSON answer"))
+}
+
+/// The stored frames answering turn `seq`, as the database holds them: (sender role, data).
+async fn stored_answers(node: &TestNode, conversation: Uuid, seq: i64) -> Vec<(String, Value)> {
+    let mut connection = node.db.connect().await;
+    sqlx::query_as(
+        "SELECT sender_role, data FROM activities
+         WHERE conversation_id = $1 AND turn_seq = $2 ORDER BY seq",
+    )
+    .bind(conversation)
+    .bind(seq)
+    .fetch_all(&mut connection)
+    .await
+    .expect("answers readable")
+}
+
+async fn turn_status(node: &TestNode, conversation: Uuid, seq: i64) -> String {
+    let mut connection = node.db.connect().await;
+    sqlx::query_scalar(
+        "SELECT status FROM turns WHERE conversation_id = $1 AND seq = $2
+         ORDER BY revision DESC LIMIT 1",
+    )
+    .bind(conversation)
+    .bind(seq)
+    .fetch_one(&mut connection)
+    .await
+    .expect("turn readable")
+}
+
+#[tokio::test]
+async fn a_stop_mid_stream_tells_the_owner_and_its_answer_within_the_grace_period_is_the_result() {
+    let node = TestNode::start_with(grace(30_000)).await;
+    let (node, conversation_id, _, mut agent, mut tab, conversation, seq) =
+        running_turn(node).await;
+    let streamed = stream_words(&mut agent, &conversation, "s-1", seq, 0..3).await;
+
+    tab.send(json!({"type": "stop", "clientId": "stop-1"}))
+        .await;
+    let ack = next_frame(&mut tab, "ack").await;
+    assert_eq!(ack["clientId"], "stop-1");
+    assert_eq!(ack["stopped"], true);
+    assert_eq!(ack["turn"]["seq"], seq);
+
+    let cancel = next_of(&mut agent, "cancel").await;
+    assert_eq!(cancel["reason"], "stopped");
+    assert_eq!(cancel["turn"]["seq"], seq);
+    assert_eq!(
+        cancel["turn"]["key"],
+        format!("{conversation}:{seq}:0"),
+        "the turn key names the turn"
+    );
+    let end = next_frame(&mut tab, "streamEnd").await;
+    assert_eq!(end["status"], "aborted");
+    assert_eq!(end["reason"], "stopped");
+
+    // The stream is over: no more chunks, but the answer is taken.
+    agent
+        .send(support::stream_chunk(&conversation, "s-1", 3, seq, "late"))
+        .await;
+    let refused = next_of(&mut agent, "error").await;
+    assert_eq!(refused["data"]["code"], "stream_closed");
+    agent.send(result(&conversation, seq, &streamed)).await;
+    let acked = next_of(&mut agent, "ack").await;
+    assert_eq!(acked["turn"]["seq"], seq);
+
+    let stored = next_frame(&mut tab, "text").await;
+    assert_eq!(stored["data"]["text"], streamed);
+    assert_eq!(stored["sender"]["role"], "agent");
+    assert_eq!(turn_status(&node, conversation_id, seq).await, "completed");
+    // A second stop of the answered turn changes nothing and says so.
+    tab.send(json!({"type": "stop", "clientId": "stop-2", "seq": seq}))
+        .await;
+    let again = next_frame(&mut tab, "ack").await;
+    assert_eq!(again["stopped"], false);
+    assert_eq!(again["turn"]["seq"], seq);
+    assert_eq!(stored_answers(&node, conversation_id, seq).await.len(), 1);
+}
+
+#[tokio::test]
+async fn an_agent_that_ignores_cancel_loses_the_race_and_its_late_answer_is_refused() {
+    let node = TestNode::start_with(grace(300)).await;
+    let (node, conversation_id, token, mut agent, mut tab, conversation, seq) =
+        running_turn(node).await;
+    let streamed = stream_words(&mut agent, &conversation, "s-1", seq, 0..4).await;
+
+    let (status, answer) = rest_stop(&node, conversation_id, &token, json!({})).await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer, json!({"stopped": true, "seq": seq}));
+    // Idempotent while it settles.
+    let (_, again) = rest_stop(&node, conversation_id, &token, json!({"seq": seq})).await;
+    assert_eq!(again, json!({"stopped": true, "seq": seq}));
+    next_of(&mut agent, "cancel").await;
+
+    // The gateway settles it with the text streamed, under the stream's id.
+    let settled = next_frame(&mut tab, "text").await;
+    assert_eq!(settled["data"]["text"], streamed);
+    assert_eq!(settled["data"]["status"], "stopped");
+    assert_eq!(settled["data"]["reason"], "stopped");
+    assert_eq!(settled["id"], "s-1");
+    assert_eq!(settled["streamId"], "s-1");
+    assert_eq!(settled["sender"]["role"], "system");
+    assert_eq!(turn_status(&node, conversation_id, seq).await, "stopped");
+
+    agent
+        .send(result(&conversation, seq, "the whole story"))
+        .await;
+    let refused = next_of(&mut agent, "error").await;
+    assert_eq!(refused["data"]["code"], "turn_stopped");
+    assert_eq!(refused["data"]["details"]["turn"]["seq"], seq);
+    let answers = stored_answers(&node, conversation_id, seq).await;
+    assert_eq!(answers.len(), 1, "one result per turn: {answers:?}");
+
+    // Nothing runs any more.
+    let (_, answered) = rest_stop(&node, conversation_id, &token, json!({"seq": seq})).await;
+    assert_eq!(answered, json!({"stopped": false, "seq": seq}));
+    let (_, idle) = rest_stop(&node, conversation_id, &token, json!({})).await;
+    assert_eq!(idle, json!({"stopped": false, "seq": null}));
+}
+
+#[tokio::test]
+async fn bad_stops_are_refused_and_change_nothing() {
+    let node = TestNode::start_with(grace(300)).await;
+    let (node, conversation_id, token, _agent, mut tab, _, seq) = running_turn(node).await;
+    let acme = node.tenant_with_channel("other").await;
+    let (other_conversation, other_token) = node.conversation(&acme, "bob").await;
+
+    for (body, code) in [
+        (json!({"seq": seq + 100}), "bad_request"),
+        (json!({"seq": 0}), "bad_request"),
+        (json!({"seq": "one"}), "bad_request"),
+        (json!({"turn": seq}), "bad_request"),
+    ] {
+        let (status, answer) = rest_stop(&node, conversation_id, &token, body.clone()).await;
+        assert_eq!(status, 400, "{body}: {answer}");
+        assert_eq!(answer["error"]["code"], code, "{body}: {answer}");
+    }
+    // Another user's conversation, or none: 404 like a missing one.
+    let (status, _) = rest_stop(&node, other_conversation, &token, json!({})).await;
+    assert_eq!(status, 404);
+    let (status, _) = rest_stop(&node, conversation_id, &other_token, json!({})).await;
+    assert_eq!(status, 404);
+    let (status, _) = rest_stop(&node, Uuid::now_v7(), &token, json!({})).await;
+    assert_eq!(status, 404);
+    // Over the socket: a seq that is no turn of this conversation.
+    tab.send(json!({"type": "stop", "clientId": "s-9", "seq": seq + 100}))
+        .await;
+    let error = next_frame(&mut tab, "error").await;
+    assert_eq!(error["data"]["code"], "bad_request");
+    assert_eq!(error["data"]["clientId"], "s-9");
+    tab.send_invalid(json!({"type": "stop", "seq": -1})).await;
+    let error = next_frame(&mut tab, "error").await;
+    assert_eq!(error["data"]["code"], "invalid_message");
+    assert_eq!(turn_status(&node, conversation_id, seq).await, "pending");
+
+    // A closed conversation: 409, and its turn was settled by the close.
+    let response = node
+        .http
+        .post(node.url(&format!(
+            "/api/v1/converger/conversations/{conversation_id}/close"
+        )))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    let (status, answer) = rest_stop(&node, conversation_id, &token, json!({})).await;
+    assert_eq!(status, 409, "{answer}");
+    assert_eq!(answer["error"]["code"], "conversation_closed");
+    assert_eq!(turn_status(&node, conversation_id, seq).await, "closed");
+}
+
+#[tokio::test]
+async fn the_widgets_abort_stops_the_turn_and_shows_that_it_stopped() {
+    let node = TestNode::start_with(grace(200)).await;
+    let (acme, _, token) = setup(&node).await;
+    let agent_token = node.agent_token(&acme).await;
+    let (mut agent, welcome) = node.agent(&agent_token, Some("bot")).await;
+    support::settle(&welcome).await;
+    let mut widget = Widget::new(&node.ws_url(""), &token);
+    widget.connect().await;
+    widget.send_text("write me a poem").await;
+    let (conversation, seq) = next_turn(&mut agent).await;
+    let streamed = stream_words(&mut agent, &conversation, "s-1", seq, 0..2).await;
+    widget
+        .read_until(|frame| frame["type"] == "genui" && frame["chunk"]["content"] == "w1 ")
+        .await;
+
+    widget.send(json!({"type": "abort"})).await;
+    // Agents that read the mekik abort still get it, and the owner gets cancel.
+    let forwarded = next_of(&mut agent, "abort").await;
+    assert_eq!(forwarded["type"], "abort");
+    let cancel = next_of(&mut agent, "cancel").await;
+    assert_eq!(cancel["turn"]["seq"], seq);
+    widget.read_until(|frame| frame["done"] == true).await;
+    let bubble = widget
+        .bubbles_from("bot")
+        .into_iter()
+        .find(|bubble| bubble.id.contains("s-1"))
+        .cloned()
+        .expect("the streamed bubble");
+    assert_eq!(
+        bubble.text,
+        format!("{streamed}{}", converger_protocol::mekik::STOP_NOTICE)
+    );
+    assert!(!bubble.streaming);
+
+    // A turn stopped before any text: the settlement shows as a notice, never an empty bubble.
+    widget.send_text("never mind, another one").await;
+    let (_, second) = next_turn(&mut agent).await;
+    widget.send(json!({"type": "abort"})).await;
+    widget
+        .read_until(|frame| {
+            frame["data"]["text"] == converger_protocol::mekik::STOPPED_NOTICE
+                && frame["seq"].as_i64() > Some(second)
+        })
+        .await;
+    let notice = widget.bubbles_from("bot").last().cloned().cloned().unwrap();
+    assert_eq!(notice.text, converger_protocol::mekik::STOPPED_NOTICE);
+}
+
+#[tokio::test]
+async fn a_stop_on_one_node_cancels_the_owner_on_another_and_settles_with_its_stream() {
+    let node = TestNode::start_with(grace(500)).await;
+    let peer = node
+        .start_peer_with(|config| {
+            config.group_settle_ms = 100;
+            config.turns.stop_grace_ms = 500;
+        })
+        .await;
+    let (acme, conversation_id, token) = setup(&node).await;
+    // The agent is on the peer; alice and her stop are on the first node.
+    let agent_token = node.agent_token(&acme).await;
+    let mut agent = WsClient::connect(&support::peer_ws_url(&peer)).await;
+    let welcome = agent.hello(&agent_token, json!({"group": "bot"})).await;
+    support::settle(&welcome).await;
+    let mut tab = WsClient::connect(&node.ws_url("")).await;
+    tab.hello(&token, json!({})).await;
+    tab.send(json!({"type": "text", "clientId": "q-1", "data": {"text": "hi"}}))
+        .await;
+    tab.recv_type("ack").await;
+    let (conversation, seq) = next_turn(&mut agent).await;
+    let streamed = stream_words(&mut agent, &conversation, "s-1", seq, 0..5).await;
+    // The tab has every chunk before it stops.
+    let mut seen = String::new();
+    while seen != streamed {
+        let frame = tab.recv().await;
+        if frame["type"] == "streamChunk" {
+            seen.push_str(frame["text"].as_str().unwrap());
+        }
+    }
+
+    tab.send(json!({"type": "stop", "clientId": "stop-1"}))
+        .await;
+    assert_eq!(next_frame(&mut tab, "ack").await["stopped"], true);
+    let cancel = next_of(&mut agent, "cancel").await;
+    assert_eq!(cancel["turn"]["seq"], seq);
+    let end = next_frame(&mut tab, "streamEnd").await;
+    assert_eq!(end["reason"], "stopped");
+    let settled = next_frame(&mut tab, "text").await;
+    assert_eq!(
+        settled["data"]["text"], streamed,
+        "what the tab was streamed"
+    );
+    assert_eq!(settled["data"]["status"], "stopped");
+    assert_eq!(
+        stored_answers(&node, conversation_id, seq).await.len(),
+        1,
+        "one result"
+    );
+    tokio::time::timeout(Duration::from_secs(5), async {
+        agent.send(result(&conversation, seq, "late")).await;
+        let refused = next_of(&mut agent, "error").await;
+        assert_eq!(refused["data"]["code"], "turn_stopped");
+    })
+    .await
+    .expect("the late answer is refused");
+}
+
+#[tokio::test]
+async fn the_rust_clients_turn_is_cancelled_and_may_still_answer_in_the_grace_period() {
+    let node = TestNode::start_with(grace(30_000)).await;
+    let (acme, conversation_id, token) = setup(&node).await;
+    let agent_token = node.agent_token(&acme).await;
+    let mut agent =
+        converger_client::agent::Agent::connect(&node.ws_url(""), &agent_token, Some("bot"))
+            .await
+            .expect("agent connects");
+    let since = agent.welcome()["since"].as_i64().unwrap();
+    support::settle(&json!({"data": {"since": since}})).await;
+    let mut tab = WsClient::connect(&node.ws_url("")).await;
+    tab.hello(&token, json!({})).await;
+    tab.send(json!({"type": "text", "clientId": "q-1", "data": {"text": "hi"}}))
+        .await;
+    let mut turn = agent.next_turn().await.expect("a turn");
+    assert!(!turn.cancellation.is_cancelled());
+
+    let (status, _) = rest_stop(&node, conversation_id, &token, json!({})).await;
+    assert_eq!(status, 200);
+    // The cancel is read while the agent reads; the turn's token resolves.
+    let reason = tokio::select! {
+        reason = turn.cancellation.cancelled() => reason,
+        next = agent.next_turn() => panic!("no other turn: {next:?}"),
+    };
+    assert_eq!(reason, "stopped");
+    assert!(turn.cancellation.is_cancelled());
+    let ack = agent
+        .reply(
+            &turn,
+            vec![json!({"type": "text", "data": {"text": "stopped early"}})],
+            None,
+        )
+        .await
+        .expect("an answer within the grace period is taken");
+    assert_eq!(ack.seqs.len(), 1);
+    assert_eq!(
+        turn_status(&node, conversation_id, turn.seq).await,
+        "completed"
+    );
+}
