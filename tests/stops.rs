@@ -405,3 +405,76 @@ async fn the_rust_clients_turn_is_cancelled_and_may_still_answer_in_the_grace_pe
         "completed"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_whose_node_is_killed_before_its_grace_ends_is_settled_by_another_node() {
+    use support::cluster::{NodeProcess, wait_for_live_nodes};
+    let db = support::TestDb::create().await;
+    let grace = [("CONVERGER_TURNS__STOP_GRACE_MS", "500")];
+    let a = NodeProcess::start_with(&db.url, "a", &[], &grace).await;
+    let b =
+        NodeProcess::start_with(&db.url, "b", std::slice::from_ref(&a.gossip_addr), &grace).await;
+    wait_for_live_nodes(&[&a, &b], &["a", "b"]).await;
+    let rest = converger_client::RestClient::new(&b.base_url).unwrap();
+    let admin = support::test_config().admin_token;
+    let tenant = rest.create_tenant(&admin, "acme").await.unwrap();
+    let channel = rest
+        .create_channel(&tenant.api_key, "acme-web")
+        .await
+        .unwrap();
+    let user_token = rest
+        .generate_token(
+            &channel.secret,
+            &converger_client::TokenRequest::for_user("alice"),
+        )
+        .await
+        .unwrap();
+    let created = rest.create_conversation(&user_token.token).await.unwrap();
+    let agent_token = rest
+        .generate_token(
+            &channel.secret,
+            &converger_client::TokenRequest::channel_scope(),
+        )
+        .await
+        .unwrap()
+        .token;
+    // The agent and alice's tab are on b; the stop goes to a, which dies at once.
+    let mut agent = WsClient::connect(&b.ws_url()).await;
+    let welcome = agent.hello(&agent_token, json!({"group": "bot"})).await;
+    support::settle(&welcome).await;
+    let mut tab = WsClient::connect(&b.ws_url()).await;
+    tab.hello(&created.token, json!({})).await;
+    tab.send(json!({"type": "text", "clientId": "q-1", "data": {"text": "hi"}}))
+        .await;
+    let (conversation, seq) = next_turn(&mut agent).await;
+    let streamed = stream_words(&mut agent, &conversation, "s-1", seq, 0..3).await;
+    let response = reqwest::Client::new()
+        .post(format!(
+            "{}/api/v1/converger/conversations/{}/stop",
+            a.base_url, created.conversation_id
+        ))
+        .bearer_auth(&created.token)
+        .json(&json!({}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    a.kill_9().await;
+
+    // b's sweep settles it with the stream b holds, once.
+    next_of(&mut agent, "cancel").await;
+    let settled = next_frame(&mut tab, "text").await;
+    assert_eq!(settled["data"]["text"], streamed);
+    assert_eq!(settled["data"]["status"], "stopped");
+    let mut connection = db.connect().await;
+    let results: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM activities WHERE conversation_id = $1 AND turn_seq = $2",
+    )
+    .bind(created.conversation_id)
+    .bind(seq)
+    .fetch_one(&mut connection)
+    .await
+    .unwrap();
+    assert_eq!(results, 1);
+    b.terminate().await;
+}

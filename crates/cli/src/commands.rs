@@ -4,7 +4,7 @@ use anyhow::Context;
 use converger_embedded::Role;
 use converger_gateway::tokens::TokenKeys;
 use converger_gateway::{Config, Server, TokenGrant, issue_for_channel};
-use converger_store::Store;
+use converger_store::{Store, TurnSettings};
 use serde_json::json;
 use uuid::Uuid;
 
@@ -89,14 +89,28 @@ pub async fn create_tenant(config: Config, name: &str) -> anyhow::Result<()> {
     .await
 }
 
-/// `converger channel create --tenant ID NAME`.
-pub async fn create_channel(config: Config, tenant: Uuid, name: &str) -> anyhow::Result<()> {
+/// `converger channel create --tenant ID NAME [--turn-policy P] [--allow-turn-policy P]…
+/// [--on-disconnect B]` (the names are checked by the argument parser).
+pub async fn create_channel(
+    config: Config,
+    tenant: Uuid,
+    name: &str,
+    settings: TurnSettings,
+) -> anyhow::Result<()> {
     let name = name.to_owned();
     with_store(&config, |store| async move {
-        let (channel, secret) = store.create_channel(tenant, &name).await?;
+        let (mut channel, secret) = store.create_channel(tenant, &name).await?;
+        if let Some(updated) = store
+            .set_turn_settings(tenant, channel.id, &settings)
+            .await?
+        {
+            channel = updated;
+        }
         Ok(json!({
             "id": channel.id, "tenantId": channel.tenant_id, "name": channel.name,
-            "secret": secret, "status": channel.status,
+            "secret": secret, "status": channel.status, "turnPolicy": channel.turn_policy,
+            "turnPolicyOverrides": channel.turn_policy_overrides,
+            "onDisconnect": channel.on_disconnect.as_deref().unwrap_or("continue"),
         }))
     })
     .await

@@ -85,6 +85,16 @@ enum ChannelCommand {
         tenant: uuid::Uuid,
         /// Display name.
         name: String,
+        /// What a send means while a turn is unanswered (default: the node's
+        /// `turns.default_policy`).
+        #[arg(long, value_parser = ["enqueue", "reject", "interrupt", "rollback"])]
+        turn_policy: Option<String>,
+        /// A policy a send may ask for instead (repeatable).
+        #[arg(long = "allow-turn-policy", value_parser = ["enqueue", "reject", "interrupt", "rollback"])]
+        allow_turn_policy: Vec<String>,
+        /// `cancel`: the last end-user connection leaving cancels the running turn.
+        #[arg(long, value_parser = ["continue", "cancel"])]
+        on_disconnect: Option<String>,
     },
 }
 
@@ -138,8 +148,22 @@ fn main() -> ExitCode {
                 command: TenantCommand::Create { name },
             } => commands::create_tenant(config, &name).await,
             Command::Channel {
-                command: ChannelCommand::Create { tenant, name },
-            } => commands::create_channel(config, tenant, &name).await,
+                command:
+                    ChannelCommand::Create {
+                        tenant,
+                        name,
+                        turn_policy,
+                        allow_turn_policy,
+                        on_disconnect,
+                    },
+            } => {
+                let settings = converger_store::TurnSettings {
+                    turn_policy: turn_policy.map(Some),
+                    turn_policy_overrides: Some(allow_turn_policy),
+                    on_disconnect: on_disconnect.map(Some),
+                };
+                commands::create_channel(config, tenant, &name, settings).await
+            }
             Command::Token {
                 command:
                     TokenCommand::Issue {

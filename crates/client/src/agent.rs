@@ -424,10 +424,10 @@ impl Agent {
         }
         let key = frame["turn"]["key"].as_str().unwrap_or_default();
         let reason = frame["reason"].as_str().unwrap_or("stopped").to_owned();
-        if let Some(position) = self.cancellable.iter().position(|(turn, _)| turn == key) {
-            if let Some((_, sender)) = self.cancellable.remove(position) {
-                let _ = sender.send(Some(reason));
-            }
+        if let Some(position) = self.cancellable.iter().position(|(turn, _)| turn == key)
+            && let Some((_, sender)) = self.cancellable.remove(position)
+        {
+            let _ = sender.send(Some(reason));
         }
         true
     }

@@ -4,6 +4,7 @@
 
 pub mod channel;
 pub mod groups;
+pub mod policies;
 pub mod replay;
 pub mod streams;
 pub mod transcript;

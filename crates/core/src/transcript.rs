@@ -23,6 +23,8 @@ pub struct Revision {
     pub answer_seqs: Vec<i64>,
     /// The `id` of the turn's original frame.
     pub turn_id: String,
+    /// A newer turn rolled this revision back (turn policy `rollback`, ADR 0029).
+    pub rolled_back: bool,
 }
 
 /// Which frames a chat view leaves out, and which it shows under another id.
@@ -46,6 +48,19 @@ impl ChatView {
             let Some(latest) = revisions.last().map(|revision| revision.revision) else {
                 continue;
             };
+            // A turn whose latest revision was rolled back leaves the view whole: its
+            // question, every edit and every answer.
+            if revisions
+                .last()
+                .is_some_and(|revision| revision.rolled_back)
+            {
+                view.hidden.insert(seq);
+                for revision in &revisions {
+                    view.hidden.extend(revision.edit_seq);
+                    view.hidden.extend(&revision.answer_seqs);
+                }
+                continue;
+            }
             // Answers of every superseded revision.
             for revision in revisions.iter().filter(|r| r.revision < latest) {
                 view.hidden.extend(&revision.answer_seqs);
@@ -91,7 +106,20 @@ mod tests {
             edit_seq,
             answer_seqs: answers.to_vec(),
             turn_id: format!("turn-{seq}"),
+            rolled_back: false,
         }
+    }
+
+    #[test]
+    fn a_rolled_back_turn_leaves_the_view_with_its_answer() {
+        // 1 question, 2 partial answer (rolled back by the turn at 3), 4 answer of 3.
+        let rolled = Revision {
+            rolled_back: true,
+            ..revision(1, 0, None, &[2])
+        };
+        let view = ChatView::new([rolled, revision(3, 0, None, &[4])]);
+        assert!(view.hides(1) && view.hides(2));
+        assert!(!view.hides(3) && !view.hides(4));
     }
 
     #[test]
@@ -170,6 +198,7 @@ mod tests {
                         edit_seq,
                         answer_seqs,
                         turn_id: format!("turn-{seq}"),
+                        rolled_back: false,
                     });
                 }
                 user_frames.push((seq, frames));

@@ -19,6 +19,7 @@ pub fn write_error_code(error: &StoreError) -> ErrorCode {
     match error {
         StoreError::ConversationClosed => ErrorCode::ConversationClosed,
         StoreError::ConversationNotFound => ErrorCode::ConversationNotFound,
+        StoreError::TurnInProgress { .. } => ErrorCode::TurnInProgress,
         unavailable if unavailable.is_unavailable() => ErrorCode::Unavailable,
         refused if refused.is_refused_input() => ErrorCode::InvalidMessage,
         _ => ErrorCode::Internal,
@@ -169,6 +170,11 @@ impl From<StoreError> for ApiError {
                 StatusCode::CONFLICT,
                 ErrorCode::ConversationClosed,
                 "conversation is closed",
+            ),
+            StoreError::TurnInProgress { seq } => ApiError::new(
+                StatusCode::CONFLICT,
+                ErrorCode::TurnInProgress,
+                format!("turn {seq} is in progress"),
             ),
             StoreError::ChannelNotFound => ApiError::not_found("channel"),
             StoreError::TenantNotFound => ApiError::not_found("tenant"),

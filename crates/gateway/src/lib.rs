@@ -11,6 +11,7 @@ pub mod hub;
 mod lifecycle;
 mod listener;
 pub mod metrics;
+mod policies;
 mod presence;
 mod publish;
 mod routes;

@@ -65,6 +65,9 @@ pub(crate) async fn change(state: AppState, who: Presence, joined: bool) -> bool
         }
     };
     let crossed = if joined { total == 1 } else { total == 0 };
+    if crossed && !joined {
+        crate::policies::on_last_disconnect(state, who.channel_id, who.conversation_id);
+    }
     if crossed {
         announce(
             state,
@@ -155,6 +158,7 @@ async fn announce_offline(
         }
     };
     for total in totals.into_iter().filter(|total| total.connections == 0) {
+        crate::policies::on_last_disconnect(state, total.channel_id, total.conversation_id);
         // No connection of the user is left, so no own-connection filter is needed: a nil one.
         let origin = Origin {
             id: total.participant_id,

@@ -113,6 +113,7 @@ impl Server {
                 &config_admin,
             )),
             admission: crate::listener::Admission::new(&config_http),
+            channel_turns: Arc::default(),
         };
         Ok(Server { state, listener })
     }

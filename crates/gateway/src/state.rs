@@ -44,6 +44,8 @@ pub struct AppState {
     pub(crate) throttles: Arc<Throttles>,
     /// The connection caps of the listener.
     pub(crate) admission: Admission,
+    /// Each channel's turn policy and disconnect setting, as this node last read them.
+    pub(crate) channel_turns: Arc<crate::policies::ChannelTurnsCache>,
 }
 
 impl AppState {

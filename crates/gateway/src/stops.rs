@@ -10,7 +10,7 @@ use std::time::Duration;
 use converger_core::streams::StreamTurn;
 use converger_protocol::StopReason;
 use converger_store::bus::TurnStop;
-use converger_store::{Settlement, StopOutcome, StoppedAnswer, Store, StoreError};
+use converger_store::{Settlement, StopOutcome, StoppedAnswer, StoppedTurn, Store, StoreError};
 use tokio::task::JoinHandle;
 use uuid::Uuid;
 
@@ -40,11 +40,24 @@ pub(crate) async fn stop(
     let StopOutcome::Stopping { turn, channel_id } = &outcome else {
         return Ok(outcome);
     };
+    announce(state, *channel_id, conversation_id, *turn, reason).await;
+    Ok(outcome)
+}
+
+/// A turn the store just marked stopping: applied here, published to the other nodes, and
+/// settled after the grace period unless its agent answers first.
+pub(crate) async fn announce(
+    state: &AppState,
+    channel_id: Uuid,
+    conversation_id: Uuid,
+    turn: StoppedTurn,
+    reason: StopReason,
+) {
     metrics::counter!("converger_turns_stopped_total", "reason" => reason.as_str()).increment(1);
     tracing::info!(%conversation_id, seq = turn.seq, revision = turn.revision, reason = reason.as_str(), "turn stopped");
     let stop = TurnStop {
         node: state.hub.node_id().to_owned(),
-        channel_id: *channel_id,
+        channel_id,
         conversation_id,
         seq: turn.seq,
         revision: turn.revision,
@@ -67,7 +80,6 @@ pub(crate) async fn stop(
         tokio::time::sleep(grace).await;
         settle(&store, &hub, &streams, &stop).await;
     });
-    Ok(outcome)
 }
 
 /// What every node does with a stop (this one at once, the others from the bus): the streams

@@ -31,6 +31,7 @@ pub(crate) fn chat_view(records: Vec<RevisionRecord>) -> ChatView {
         edit_seq: record.edit_seq,
         answer_seqs: record.answer_seqs,
         turn_id: record.turn_id,
+        rolled_back: record.rolled_back,
     }))
 }
 

@@ -56,6 +56,7 @@ const NOT_STORED_FIELDS: &[&str] = &[
     "metadata",
     "meta",
     "token",
+    "turnPolicy",
 ];
 
 /// Why a frame was refused: the error code and a human message.
@@ -91,6 +92,9 @@ pub struct MessageFrame {
     pub metadata: Option<Value>,
     /// The relayed, never stored, `meta` object.
     pub meta: Option<Value>,
+    /// The turn policy the send asks for (`turnPolicy`, ADR 0029), never stored; the gateway
+    /// checks the name and whether the channel allows it.
+    pub turn_policy: Option<String>,
     /// Other top-level fields, kept as given.
     pub extra: Map<String, Value>,
 }
@@ -222,6 +226,7 @@ pub fn validate_message_frame(frame: &Value, limits: &Limits) -> Result<MessageF
             "id must be 1-128 bytes",
         ));
     }
+    let turn_policy = optional_string(object, "turnPolicy")?;
     let extra: Map<String, Value> = object
         .iter()
         .filter(|(key, _)| !NOT_STORED_FIELDS.contains(&key.as_str()))
@@ -234,6 +239,7 @@ pub fn validate_message_frame(frame: &Value, limits: &Limits) -> Result<MessageF
         data,
         metadata,
         meta,
+        turn_policy,
         extra,
     })
 }

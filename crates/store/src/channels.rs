@@ -47,6 +47,25 @@ pub struct Channel {
     pub status: String,
     /// Creation time.
     pub created_at: DateTime<Utc>,
+    /// Its turn policy (`enqueue`, `reject`, `interrupt`, `rollback`); `None`: the node's
+    /// configured default (ADR 0029).
+    pub turn_policy: Option<String>,
+    /// The policies a send may ask for instead.
+    pub turn_policy_overrides: Vec<String>,
+    /// `cancel` when the last end-user connection leaving cancels the running turn; `None`
+    /// or `continue`: it never does.
+    pub on_disconnect: Option<String>,
+}
+
+/// What a channel says about running turns (ADR 0029); `None` fields are left as they are.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TurnSettings {
+    /// The turn policy; `Some(None)` resets it to the node's default.
+    pub turn_policy: Option<Option<String>>,
+    /// The policies a send may ask for instead.
+    pub turn_policy_overrides: Option<Vec<String>>,
+    /// `continue` or `cancel`; `Some(None)` resets it.
+    pub on_disconnect: Option<Option<String>>,
 }
 
 impl Channel {
@@ -56,7 +75,8 @@ impl Channel {
     }
 }
 
-const CHANNEL_COLUMNS: &str = "id, tenant_id, name, status, created_at";
+const CHANNEL_COLUMNS: &str =
+    "id, tenant_id, name, status, created_at, turn_policy, turn_policy_overrides, on_disconnect";
 
 impl Store {
     /// Creates a channel of a tenant and returns it with its secret, shown only this once.
@@ -68,11 +88,11 @@ impl Store {
         let secret = generate_secret("cvg_sec_");
         let created = self
             .timed("create_channel", async {
-                sqlx::query_as::<_, Channel>(
+                sqlx::query_as::<_, Channel>(sqlx::AssertSqlSafe(format!(
                     "INSERT INTO channels (id, tenant_id, name, secret_hash)
                      SELECT $1, id, $3, $4 FROM tenants WHERE id = $2
-                     RETURNING id, tenant_id, name, status, created_at",
-                )
+                     RETURNING {CHANNEL_COLUMNS}"
+                )))
                 .bind(Uuid::now_v7())
                 .bind(tenant_id)
                 .bind(name)
@@ -114,6 +134,37 @@ impl Store {
             .bind(channel_id)
             .bind(tenant_id)
             .bind(status.as_str())
+            .fetch_optional(&self.pool)
+            .await
+        })
+        .await
+    }
+
+    /// Changes what a channel says about running turns; `None` when the tenant has no such
+    /// channel. The values are checked by the caller (and by the table's constraints).
+    pub async fn set_turn_settings(
+        &self,
+        tenant_id: Uuid,
+        channel_id: Uuid,
+        settings: &TurnSettings,
+    ) -> Result<Option<Channel>, StoreError> {
+        self.timed("set_turn_settings", async {
+            sqlx::query_as::<_, Channel>(sqlx::AssertSqlSafe(format!(
+                "UPDATE channels
+                 SET turn_policy = CASE WHEN $3 THEN $4 ELSE turn_policy END,
+                     turn_policy_overrides = coalesce($5, turn_policy_overrides),
+                     on_disconnect = CASE WHEN $6 THEN $7 ELSE on_disconnect END,
+                     updated_at = now()
+                 WHERE id = $1 AND tenant_id = $2
+                 RETURNING {CHANNEL_COLUMNS}"
+            )))
+            .bind(channel_id)
+            .bind(tenant_id)
+            .bind(settings.turn_policy.is_some())
+            .bind(settings.turn_policy.clone().flatten())
+            .bind(settings.turn_policy_overrides.clone())
+            .bind(settings.on_disconnect.is_some())
+            .bind(settings.on_disconnect.clone().flatten())
             .fetch_optional(&self.pool)
             .await
         })
@@ -178,7 +229,8 @@ impl Store {
     ) -> Result<Option<Channel>, StoreError> {
         self.timed("channel_by_names", async {
             sqlx::query_as::<_, Channel>(
-                "SELECT c.id, c.tenant_id, c.name, c.status, c.created_at
+                "SELECT c.id, c.tenant_id, c.name, c.status, c.created_at, c.turn_policy,
+                        c.turn_policy_overrides, c.on_disconnect
                  FROM channels c JOIN tenants t ON t.id = c.tenant_id
                  WHERE t.name = $1 AND c.name = $2
                  ORDER BY t.created_at, c.created_at LIMIT 1",

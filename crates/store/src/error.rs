@@ -27,6 +27,12 @@ pub enum StoreError {
     /// The conversation exists but accepts no more frames.
     #[error("conversation closed")]
     ConversationClosed,
+    /// A send under the `reject` turn policy while this turn is running: nothing was stored.
+    #[error("turn {seq} is in progress")]
+    TurnInProgress {
+        /// The running turn's seq.
+        seq: i64,
+    },
     /// The tenant does not exist.
     #[error("tenant not found")]
     TenantNotFound,

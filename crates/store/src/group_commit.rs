@@ -661,6 +661,38 @@ const BATCH: &str = "SELECT converger_commit_batch($1) \
 const ISOLATED_BATCH: &str = "SELECT converger_commit_batch_isolated($1) \
      FROM (SELECT set_config('converger.node', $2, true)) AS node";
 
+/// Commits one frame with `converger_commit_batch` in the caller's transaction (a send under
+/// a turn policy, `turns/policies.rs`). Its notification names no node, so every node, this one
+/// too, hears it from the bus.
+pub(crate) async fn frame_in_transaction(
+    connection: &mut PgConnection,
+    new: NewActivity,
+) -> Result<Result<Option<CommitOutcome>, StoreError>, sqlx::Error> {
+    let (done, _) = oneshot::channel();
+    let mut write = Write::Activity {
+        new,
+        outcome: None,
+        done,
+    };
+    let Json(outcomes): Json<Vec<Box<RawValue>>> =
+        sqlx::query_scalar("SELECT converger_commit_batch($1)")
+            .bind(Json([write.batch_entry()]))
+            .fetch_one(&mut *connection)
+            .await?;
+    let Some(element) = outcomes.first() else {
+        return Err(sqlx::Error::Protocol(
+            "converger_commit_batch returned no outcome".into(),
+        ));
+    };
+    write.keep_batch_outcome(element)?;
+    match write {
+        Write::Activity { outcome, .. } => Ok(outcome.unwrap_or_else(|| Err(never_ran()))),
+        Write::Answer { .. } => Err(sqlx::Error::Protocol(
+            "a frame write became an answer".into(),
+        )),
+    }
+}
+
 /// Runs `statement` over the batch and keeps each write's outcome.
 async fn run_batch(
     connection: &mut PgConnection,

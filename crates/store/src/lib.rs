@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 
 pub use activities::{Activity, CommitOutcome, NewActivity, Sender, SenderRole};
-pub use channels::{Channel, ChannelStatus};
+pub use channels::{Channel, ChannelStatus, TurnSettings};
 pub use conversations::{ChannelCatalogs, Conversation, ConversationFilter, PendingInterrupt};
 pub use error::StoreError;
 pub(crate) use error::{is_connection_failure, is_sqlx_connection_failure};
@@ -36,9 +36,9 @@ pub use presence::{Gone, Incarnation, PresenceTotal};
 pub use secrets::{generate_secret, hash_secret};
 pub use tenants::Tenant;
 pub use turns::{
-    AnswerFrame, AnswerOutcome, ChannelPendingTurn, Claim, OverdueStop, PendingTurn, Revision,
-    RevisionRecord, RuntimeWrite, Settlement, StopOutcome, StoppedAnswer, StoppedTurn,
-    StreamableTurn, TurnAnswer, initial_runtime,
+    AnswerFrame, AnswerOutcome, ChannelPendingTurn, Claim, OverdueStop, PendingTurn, PolicyCommit,
+    PolicyVerdict, Revision, RevisionRecord, RuntimeWrite, Settlement, StopOutcome, StoppedAnswer,
+    StoppedTurn, StreamableTurn, TurnAnswer, initial_runtime,
 };
 
 /// Postgres channel every commit notifies; payloads are small JSON ids, never bodies.

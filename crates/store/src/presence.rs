@@ -196,3 +196,19 @@ impl Store {
         .await
     }
 }
+
+impl Store {
+    /// End users' connections to the conversation over the cluster, as presence counts them.
+    pub async fn conversation_connections(&self, conversation_id: Uuid) -> Result<i64, StoreError> {
+        self.timed("conversation_connections", async {
+            sqlx::query_scalar(
+                "SELECT coalesce(sum(connections), 0)::bigint FROM presence_connections
+                 WHERE conversation_id = $1",
+            )
+            .bind(conversation_id)
+            .fetch_one(&self.pool)
+            .await
+        })
+        .await
+    }
+}

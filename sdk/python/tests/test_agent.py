@@ -22,6 +22,7 @@ from converger import (
     StaleRuntime,
     Turn,
     TurnConflict,
+    TurnInProgress,
     TurnStopped,
     TurnSuperseded,
     Typing,
@@ -249,3 +250,29 @@ async def test_a_stop_cancels_the_handler_and_the_turn_settles_with_what_was_str
     frames = await env.frames(conversation_id)
     results = [m.text for m in frames if m.sender is not None and m.sender.role != "user"]
     assert results == ["Once upon "], "one result per turn"
+
+
+async def test_under_reject_a_second_send_raises_and_under_interrupt_the_first_is_cancelled(
+    env: Env,
+) -> None:
+    agent = await started_agent(env, group="bot")
+    conversation_id, user_token = await env.conversation("alice")
+    channel = await env.rest.set_turn_settings(
+        env.api_key, env.channel_id, turn_policy="reject", turn_policy_overrides=["interrupt"]
+    )
+    assert channel.turn_policy == "reject" and channel.turn_policy_overrides == ("interrupt",)
+    async with agent, Conversation(env.url, user_token, backoff=FAST) as user:
+        turns = agent.turns()
+        await user.send_text("first")
+        first = await anext(turns)
+        with pytest.raises(TurnInProgress) as refused:
+            await user.send_text("second")
+        assert refused.value.running_seq == first.seq
+        # The channel allows a send to interrupt instead.
+        await user.send_text("third", turn_policy="interrupt")
+        third = await anext(turns)
+        assert third.text == "third"
+        assert await asyncio.wait_for(first.wait_cancelled(), WAIT) == "superseded"
+        await third.reply("answered")
+    texts = [m.text for m in await env.frames(conversation_id) if m.from_ == "user"]
+    assert "second" not in texts

@@ -189,8 +189,17 @@ impl Config {
                     .into(),
             );
         }
-        if self.turns.stop_grace_ms > 600_000 {
-            return Err("turns.stop_grace_ms must be at most 600000".into());
+        if self.turns.stop_grace_ms > 600_000 || self.turns.disconnect_cancel_ms > 3_600_000 {
+            return Err(
+                "turns.stop_grace_ms must be at most 600000 and turns.disconnect_cancel_ms at most 3600000"
+                    .into(),
+            );
+        }
+        if converger_core::policies::TurnPolicy::parse(&self.turns.default_policy).is_none() {
+            return Err(
+                "turns.default_policy must be \"enqueue\", \"reject\", \"interrupt\" or \"rollback\""
+                    .into(),
+            );
         }
         if self.token_ttl_secs == 0 || self.token_ttl_secs > 30 * 24 * 3600 {
             return Err("token_ttl_secs must be between 1 and 2592000".into());

@@ -239,13 +239,29 @@ pub struct TurnsConfig {
     /// How long (ms) a stopped turn waits for its agent's own answer before the gateway
     /// settles it with what was streamed.
     pub stop_grace_ms: u64,
+    /// The turn policy of channels that set none: `enqueue`, `reject`, `interrupt` or
+    /// `rollback` (ADR 0029).
+    pub default_policy: String,
+    /// On a channel with `on_disconnect = "cancel"`: how long (ms) a conversation stays without
+    /// an end-user connection before its running turn is cancelled.
+    pub disconnect_cancel_ms: u64,
 }
 
 impl Default for TurnsConfig {
     fn default() -> Self {
         TurnsConfig {
             stop_grace_ms: 2_000,
+            default_policy: "enqueue".into(),
+            disconnect_cancel_ms: 5_000,
         }
+    }
+}
+
+impl TurnsConfig {
+    /// `default_policy` as a policy (`enqueue` when it names none, which validation refuses).
+    pub fn default_policy(&self) -> converger_core::policies::TurnPolicy {
+        converger_core::policies::TurnPolicy::parse(&self.default_policy)
+            .unwrap_or(converger_core::policies::TurnPolicy::Enqueue)
     }
 }
 

@@ -1,12 +1,14 @@
 //! Conversations and their activities over REST.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use axum::Json;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
+use converger_core::policies::TurnPolicy;
 use converger_protocol::Viewer;
 use converger_protocol::{
     ErrorCode, FrameError, is_valid_client_id, validate_agent_message_frame, validate_message_frame,
@@ -20,6 +22,7 @@ use super::body::{parse_json, parse_value};
 use super::tokens::{checked_user_id, token_json};
 use crate::auth::TokenAuth;
 use crate::error::ApiError;
+use crate::policies::SendError;
 use crate::state::AppState;
 use crate::tokens::{Claims, Scope, anonymous_user_id};
 
@@ -271,8 +274,44 @@ pub(crate) async fn post_activity(
         extra: Some(message.extra),
         client_id: idempotency_key.or(frame_key),
     };
-    let (activity, duplicate) =
-        crate::publish::commit_frame(&state, conversation.channel_id, &new).await?;
+    let (activity, duplicate) = match claims.scope() {
+        // A user's send is a turn: under its channel's turn policy, or the one it asks for.
+        Scope::Conversation => {
+            let asked = match message.turn_policy.as_deref() {
+                None => None,
+                Some(name) => Some(TurnPolicy::parse(name).ok_or_else(|| {
+                    ApiError::new(
+                        StatusCode::BAD_REQUEST,
+                        ErrorCode::InvalidMessage,
+                        crate::policies::UNKNOWN_POLICY,
+                    )
+                })?),
+            };
+            let outcome =
+                crate::policies::commit_send(&state, conversation.channel_id, &new, asked)
+                    .await
+                    .map_err(|error| match error {
+                        SendError::Store(error) => ApiError::from(error),
+                        SendError::NotAllowed(policy) => ApiError::bad_request(format!(
+                            "turnPolicy {} is not allowed on this channel",
+                            policy.as_str()
+                        )),
+                    })?;
+            let activity = Arc::new(outcome.activity);
+            if !outcome.duplicate {
+                crate::publish::committed(
+                    &state.hub,
+                    conversation.channel_id,
+                    conversation.id,
+                    [Arc::clone(&activity)],
+                );
+            }
+            (activity, outcome.duplicate)
+        }
+        Scope::Channel => {
+            crate::publish::commit_frame(&state, conversation.channel_id, &new).await?
+        }
+    };
     let status = if duplicate {
         StatusCode::OK
     } else {

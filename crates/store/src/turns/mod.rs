@@ -4,12 +4,14 @@
 //! - `answers.rs`: the one-transaction answer to a turn, and conversation runtimes;
 //! - `pending.rs`: unanswered turns read back (takeovers, a node's first agent, status);
 //! - `leases.rs`: claims, renewals and releases (lease mode);
+//! - `policies.rs`: a send under a turn policy (reject, interrupt, rollback);
 //! - `revisions.rs`: edits and regenerates;
 //! - `stops.rs`: stops, and their settlement after the grace period.
 
 mod answers;
 mod leases;
 mod pending;
+mod policies;
 mod revisions;
 mod stops;
 
@@ -17,5 +19,25 @@ pub use answers::{AnswerFrame, AnswerOutcome, RuntimeWrite, TurnAnswer, initial_
 pub(crate) use answers::{AnswerRow, answer_outcome};
 pub use leases::{Claim, StreamableTurn};
 pub use pending::{ChannelPendingTurn, PendingTurn};
+pub use policies::{PolicyCommit, PolicyVerdict};
 pub use revisions::{Revision, RevisionRecord};
 pub use stops::{OverdueStop, Settlement, StopOutcome, StoppedAnswer, StoppedTurn};
+
+/// Locks an open conversation's row as every writer does (`FOR NO KEY UPDATE`) in `connection`'s
+/// transaction; its channel, or `ConversationNotFound` / `ConversationClosed`.
+async fn lock_open(
+    connection: &mut sqlx::PgConnection,
+    conversation_id: uuid::Uuid,
+) -> Result<Result<uuid::Uuid, crate::StoreError>, sqlx::Error> {
+    let conversation: Option<(String, uuid::Uuid)> = sqlx::query_as(
+        "SELECT status, channel_id FROM conversations WHERE id = $1 FOR NO KEY UPDATE",
+    )
+    .bind(conversation_id)
+    .fetch_optional(&mut *connection)
+    .await?;
+    Ok(match conversation {
+        None => Err(crate::StoreError::ConversationNotFound),
+        Some((status, _)) if status != "open" => Err(crate::StoreError::ConversationClosed),
+        Some((_, channel_id)) => Ok(channel_id),
+    })
+}

@@ -32,11 +32,13 @@ pub struct RevisionRecord {
     pub answer_seqs: Vec<i64>,
     /// The `id` of the turn's original frame.
     pub turn_id: String,
+    /// A newer turn rolled this revision back (ADR 0029).
+    pub rolled_back: bool,
 }
 
 impl Store {
-    /// Every revision of every turn of the conversation that has more than one, by seq and
-    /// revision (turns never revised are not listed).
+    /// Every revision of every turn of the conversation that has more than one or was rolled
+    /// back, by seq and revision (other turns are not listed).
     pub async fn revised_turns(
         &self,
         conversation_id: Uuid,
@@ -45,13 +47,15 @@ impl Store {
             sqlx::query_as::<_, RevisionRecord>(
                 "SELECT t.seq, t.revision,
                         CASE WHEN t.reason = 'edit' THEN t.source_seq END AS edit_seq,
-                        coalesce(t.result_seqs, '{}') AS answer_seqs, a.id AS turn_id
+                        coalesce(t.result_seqs, '{}') AS answer_seqs, a.id AS turn_id,
+                        t.rolled_back
                  FROM turns t
                  JOIN activities a ON a.conversation_id = t.conversation_id AND a.seq = t.seq
                  WHERE t.conversation_id = $1
-                   AND EXISTS (SELECT 1 FROM turns later
-                               WHERE later.conversation_id = t.conversation_id
-                                 AND later.seq = t.seq AND later.revision > 0)
+                   AND EXISTS (SELECT 1 FROM turns other
+                               WHERE other.conversation_id = t.conversation_id
+                                 AND other.seq = t.seq
+                                 AND (other.revision > 0 OR other.rolled_back))
                  ORDER BY t.seq, t.revision",
             )
             .bind(conversation_id)

@@ -10,6 +10,7 @@ use serde_json::{Map, Value};
 use uuid::Uuid;
 
 use super::answers::{AnswerRow, answer_outcome};
+use super::lock_open;
 use crate::activities::{Activity, Sender, SenderRole, stored_extra};
 use crate::lifecycle::SYSTEM_SENDER;
 use crate::{AnswerFrame, AnswerOutcome, NOTIFY_CHANNEL, Store, StoreError, TurnAnswer};
@@ -134,19 +135,10 @@ impl Store {
     ) -> Result<StopOutcome, StoreError> {
         self.timed("request_stop", async {
             let mut transaction = self.pool.begin().await?;
-            let conversation: Option<(String, Uuid)> = sqlx::query_as(
-                "SELECT status, channel_id FROM conversations WHERE id = $1
-                     FOR NO KEY UPDATE",
-            )
-            .bind(conversation_id)
-            .fetch_optional(&mut *transaction)
-            .await?;
-            let Some((status, channel_id)) = conversation else {
-                return Ok(Err(StoreError::ConversationNotFound));
+            let channel_id = match lock_open(&mut transaction, conversation_id).await? {
+                Ok(channel_id) => channel_id,
+                Err(refused) => return Ok(Err(refused)),
             };
-            if status != "open" {
-                return Ok(Err(StoreError::ConversationClosed));
-            }
             let seq = match seq {
                 Some(seq) => seq,
                 None => {

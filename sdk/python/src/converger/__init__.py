@@ -37,6 +37,7 @@ from .errors import (
     StreamInterrupted,
     TooManyStreams,
     TurnConflict,
+    TurnInProgress,
     TurnStopped,
     TurnSuperseded,
 )
@@ -163,6 +164,7 @@ __all__ = [
     "Turn",
     "TurnConflict",
     "TurnHandler",
+    "TurnInProgress",
     "TurnRef",
     "TurnStopped",
     "TurnSuperseded",

@@ -400,12 +400,20 @@ class Conversation:
         *,
         client_id: str | None = None,
         metadata: Mapping[str, Any] | None = None,
+        turn_policy: str | None = None,
         timeout: float | None = 60.0,
     ) -> Ack:
-        """Sends a ``text`` message (see :meth:`send`)."""
+        """Sends a ``text`` message (see :meth:`send`).
+
+        ``turn_policy`` (``"interrupt"``, …) asks for another policy than the channel's for this
+        send, where the channel allows it (``docs/protocol.md`` §3.10); under ``reject`` a send
+        while a turn runs raises :class:`TurnInProgress`.
+        """
         frame: JSONObject = {"type": "text", "data": {"text": text}}
         if metadata is not None:
             frame["metadata"] = dict(metadata)
+        if turn_policy is not None:
+            frame["turnPolicy"] = turn_policy
         return await self.send(frame, client_id=client_id, timeout=timeout)
 
     async def edit(

@@ -41,6 +41,7 @@ __all__ = [
     "StreamInterrupted",
     "TooManyStreams",
     "TurnConflict",
+    "TurnInProgress",
     "TurnStopped",
     "TurnSuperseded",
 ]
@@ -179,6 +180,18 @@ class TurnStopped(ServerError):
     """
 
 
+class TurnInProgress(ServerError):
+    """``turn_in_progress``: the channel's turn policy is ``reject`` and a turn is running.
+
+    Nothing was stored. Send again once the turn is answered (or stop it first).
+    """
+
+    @property
+    def running_seq(self) -> int | None:
+        """The running turn's seq (``details.turn.seq``)."""
+        return as_int(as_object(self.details.get("turn")).get("seq"))
+
+
 _BY_CODE: dict[str, type[ServerError]] = {
     "turn_conflict": TurnConflict,
     "turn_superseded": TurnSuperseded,
@@ -187,6 +200,7 @@ _BY_CODE: dict[str, type[ServerError]] = {
     "stream_closed": StreamClosed,
     "too_many_streams": TooManyStreams,
     "turn_stopped": TurnStopped,
+    "turn_in_progress": TurnInProgress,
 }
 
 

@@ -55,16 +55,30 @@ class Channel:
     status: str
     created_at: str | None
     secret: str | None
+    turn_policy: str | None = None
+    """What a send means while a turn runs (``None``: the node's default)."""
+    turn_policy_overrides: tuple[str, ...] = ()
+    """The policies a send may ask for instead."""
+    on_disconnect: str = "continue"
+    """``"cancel"``: the last end-user connection leaving cancels the running turn."""
 
     @staticmethod
     def parse(body: JSONObject) -> Channel:
         """From the API's channel object."""
+        overrides = body.get("turnPolicyOverrides")
         return Channel(
             id=as_str(body.get("id")) or "",
             name=as_str(body.get("name")) or "",
             status=as_str(body.get("status")) or "",
             created_at=as_str(body.get("createdAt")),
             secret=as_str(body.get("secret")),
+            turn_policy=as_str(body.get("turnPolicy")),
+            turn_policy_overrides=tuple(
+                name
+                for name in (overrides if isinstance(overrides, list) else [])
+                if isinstance(name, str)
+            ),
+            on_disconnect=as_str(body.get("onDisconnect")) or "continue",
         )
 
 
@@ -205,6 +219,31 @@ class RestClient:
         """
         response = await self._call(
             "PATCH", f"/api/v1/channels/{channel_id}", api_key=api_key, json={"status": status}
+        )
+        return Channel.parse(as_object(response.json()))
+
+    async def set_turn_settings(
+        self,
+        api_key: str,
+        channel_id: str,
+        *,
+        turn_policy: str | None = None,
+        turn_policy_overrides: list[str] | None = None,
+        on_disconnect: str | None = None,
+    ) -> Channel:
+        """``PATCH /api/v1/channels/{id}``: the channel's turn settings.
+
+        See ``docs/protocol.md`` §3.10; arguments left ``None`` are left as they are.
+        """
+        body: JSONObject = {}
+        if turn_policy is not None:
+            body["turnPolicy"] = turn_policy
+        if turn_policy_overrides is not None:
+            body["turnPolicyOverrides"] = list(turn_policy_overrides)
+        if on_disconnect is not None:
+            body["onDisconnect"] = on_disconnect
+        response = await self._call(
+            "PATCH", f"/api/v1/channels/{channel_id}", api_key=api_key, json=body
         )
         return Channel.parse(as_object(response.json()))
 

@@ -357,7 +357,18 @@ impl Session<'_> {
                 continue;
             }
             if let Ok(ClientFrame::Message(frame)) = parse_client_text(text.as_str(), limits) {
-                self.sends.push_back(PendingSend { frame: *frame });
+                // An unknown policy name is refused with the send, as it would have been.
+                let policy = match frame.turn_policy.as_deref() {
+                    None => None,
+                    Some(name) => match converger_core::policies::TurnPolicy::parse(name) {
+                        Some(policy) => Some(policy),
+                        None => continue,
+                    },
+                };
+                self.sends.push_back(PendingSend {
+                    frame: *frame,
+                    policy,
+                });
             }
         }
     }

@@ -5,6 +5,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
+use converger_core::policies::TurnPolicy;
 use converger_protocol::{
     Ack, ErrorCode, ErrorFrame, MessageFrame, Profile, StopReason, TurnNumber, TurnTarget,
 };
@@ -14,6 +15,7 @@ use serde_json::Value;
 
 use super::Session;
 use crate::hub::HubEvent;
+use crate::policies::SendError;
 use crate::publish;
 use crate::ws::session::Ending;
 
@@ -22,17 +24,30 @@ pub(super) type CommitFuture = Pin<Box<dyn Future<Output = CommitDone> + Send>>;
 /// A send waiting for its commit.
 pub(super) struct PendingSend {
     pub(super) frame: MessageFrame,
+    /// The turn policy it asked for (`turnPolicy`).
+    pub(super) policy: Option<TurnPolicy>,
 }
 
 /// A finished commit.
 pub(super) struct CommitDone {
     client_id: Option<String>,
     frame_type: String,
-    result: Result<CommitOutcome, StoreError>,
+    result: Result<CommitOutcome, SendError>,
 }
 
 impl Session<'_> {
     pub(super) fn on_send(&mut self, frame: MessageFrame) -> Result<(), Ending> {
+        let policy = match frame.turn_policy.as_deref().map(TurnPolicy::parse) {
+            None => None,
+            Some(Some(policy)) => Some(policy),
+            Some(None) => {
+                return self.push_error(ErrorFrame {
+                    client_id: frame.user_idempotency_key().map(str::to_owned),
+                    frame_type: Some(frame.kind.clone()),
+                    ..ErrorFrame::new(ErrorCode::InvalidMessage, crate::policies::UNKNOWN_POLICY)
+                });
+            }
+        };
         if self.is_converger()
             && self.sends.len() + usize::from(self.in_flight)
                 >= self.state.config.limits.max_in_flight
@@ -44,12 +59,14 @@ impl Session<'_> {
                 ..ErrorFrame::new(ErrorCode::TooManyInFlight, "too many unacknowledged sends")
             });
         }
-        self.sends.push_back(PendingSend { frame });
+        self.sends.push_back(PendingSend { frame, policy });
         Ok(())
     }
 
     pub(super) fn start_commit(&self, send: PendingSend) -> CommitFuture {
-        let store = self.state.store.clone();
+        let state = self.state.clone();
+        let channel_id = self.channel_id;
+        let policy = send.policy;
         let frame = send.frame;
         let client_id = frame.user_idempotency_key().map(str::to_owned);
         // A mekik client knows its frames only by the `id` it chose and de-duplicates by it, so
@@ -74,7 +91,7 @@ impl Session<'_> {
         };
         let frame_type = frame.kind;
         Box::pin(async move {
-            let result = store.commit_activity(&new).await;
+            let result = crate::policies::commit_send(&state, channel_id, &new, policy).await;
             CommitDone {
                 client_id,
                 frame_type,
@@ -91,7 +108,31 @@ impl Session<'_> {
         } = done;
         let outcome = match result {
             Ok(outcome) => outcome,
-            Err(error) => {
+            Err(SendError::NotAllowed(policy)) => {
+                return self.push_error(ErrorFrame {
+                    client_id,
+                    frame_type: Some(frame_type),
+                    ..ErrorFrame::new(
+                        ErrorCode::BadRequest,
+                        format!(
+                            "turnPolicy {} is not allowed on this channel",
+                            policy.as_str()
+                        ),
+                    )
+                });
+            }
+            Err(SendError::Store(StoreError::TurnInProgress { seq })) => {
+                return self.push_error(ErrorFrame {
+                    client_id,
+                    frame_type: Some(frame_type),
+                    details: Some(serde_json::json!({"turn": {"seq": seq}})),
+                    ..ErrorFrame::new(
+                        ErrorCode::TurnInProgress,
+                        "a turn of this conversation is being answered; nothing was stored",
+                    )
+                });
+            }
+            Err(SendError::Store(error)) => {
                 let code = crate::error::write_error_code(&error);
                 if code == ErrorCode::Internal {
                     tracing::error!(%error, conversation_id = %self.conversation_id, "send failed");

@@ -1,0 +1,140 @@
+//! A user's send under a turn policy other than `enqueue` (ADR 0029): one transaction that
+//! locks the conversation row, reads the turns still waiting for their answer, asks the caller
+//! what the policy makes of them, and then either refuses the send or stops those turns
+//! (`stopping`, reason `superseded`, marked rolled back for `rollback`) and commits the frame
+//! through `converger_commit_batch`. Under the row lock no other send, stop or close of the
+//! conversation interleaves, so the decision holds.
+
+use chrono::{DateTime, Utc};
+use uuid::Uuid;
+
+use super::lock_open;
+use super::stops::StoppedTurn;
+use crate::activities::{ACTIVITY_COLUMNS, Activity, CommitOutcome, NewActivity};
+use crate::{Store, StoreError};
+
+/// What the caller decided for the running turns.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PolicyVerdict {
+    /// Commit the send, stopping these turns first.
+    Commit {
+        /// The turns to stop, from the ones given.
+        stop: Vec<StoppedTurn>,
+        /// Whether they leave the chat view (`rollback`).
+        rollback: bool,
+    },
+    /// Refuse the send: this turn is running.
+    Refuse {
+        /// The running turn's seq.
+        seq: i64,
+    },
+}
+
+/// A send committed under a policy.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PolicyCommit {
+    /// The frame, or the earlier one with the same key (`duplicate`).
+    pub outcome: CommitOutcome,
+    /// The turns it stopped (none for a duplicate).
+    pub stopped: Vec<StoppedTurn>,
+    /// The conversation's channel.
+    pub channel_id: Uuid,
+}
+
+/// The latest revision of each turn still waiting for its answer, with the turn frame's commit
+/// time, oldest first.
+const RUNNING_SQL: &str = "SELECT t.seq, t.revision, a.created_at
+     FROM turns t
+     JOIN activities a ON a.conversation_id = t.conversation_id AND a.seq = t.seq
+     WHERE t.conversation_id = $1 AND t.status = 'pending'
+       AND NOT EXISTS (SELECT 1 FROM turns later
+                       WHERE later.conversation_id = t.conversation_id AND later.seq = t.seq
+                         AND later.revision > t.revision)
+     ORDER BY t.seq";
+
+impl Store {
+    /// Commits a user's frame after `decide` judged the conversation's running turns (see the
+    /// module comment). `TurnInProgress` for a refusal, `ConversationClosed` /
+    /// `ConversationNotFound` as for any send; a resend of a stored key is its duplicate.
+    pub async fn commit_with_policy(
+        &self,
+        new: &NewActivity,
+        decide: impl FnOnce(&[StoppedTurn]) -> PolicyVerdict + Send,
+    ) -> Result<PolicyCommit, StoreError> {
+        if !new.is_storable() {
+            return Err(StoreError::unstorable());
+        }
+        self.timed("commit_with_policy", async {
+            let mut transaction = self.pool.begin().await?;
+            let channel_id = match lock_open(&mut transaction, new.conversation_id).await? {
+                Ok(channel_id) => channel_id,
+                Err(refused) => return Ok(Err(refused)),
+            };
+            // A resend is answered as before, whatever runs now.
+            if let Some(client_id) = &new.client_id {
+                let earlier: Option<Activity> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+                    "SELECT {ACTIVITY_COLUMNS} FROM activities
+                             WHERE conversation_id = $1 AND sender_id = $2 AND client_id = $3"
+                )))
+                .bind(new.conversation_id)
+                .bind(&new.sender.id)
+                .bind(client_id)
+                .fetch_optional(&mut *transaction)
+                .await?;
+                if let Some(activity) = earlier {
+                    return Ok(Ok(PolicyCommit {
+                        outcome: CommitOutcome {
+                            activity,
+                            duplicate: true,
+                        },
+                        stopped: Vec::new(),
+                        channel_id,
+                    }));
+                }
+            }
+            let running: Vec<(i64, i32, DateTime<Utc>)> = sqlx::query_as(RUNNING_SQL)
+                .bind(new.conversation_id)
+                .fetch_all(&mut *transaction)
+                .await?;
+            let running: Vec<StoppedTurn> = running
+                .into_iter()
+                .map(|(seq, revision, at)| StoppedTurn { seq, revision, at })
+                .collect();
+            let (stop, rollback) = match decide(&running) {
+                PolicyVerdict::Refuse { seq } => {
+                    return Ok(Err(StoreError::TurnInProgress { seq }));
+                }
+                PolicyVerdict::Commit { stop, rollback } => (stop, rollback),
+            };
+            for turn in &stop {
+                sqlx::query(
+                    "UPDATE turns
+                         SET status = 'stopping', stop_reason = 'superseded',
+                             stop_requested_at = now(), rolled_back = $4
+                         WHERE conversation_id = $1 AND seq = $2 AND revision = $3
+                           AND status = 'pending'",
+                )
+                .bind(new.conversation_id)
+                .bind(turn.seq)
+                .bind(turn.revision)
+                .bind(rollback)
+                .execute(&mut *transaction)
+                .await?;
+            }
+            let stored =
+                crate::group_commit::frame_in_transaction(&mut transaction, new.clone()).await?;
+            let outcome = match stored {
+                Ok(Some(outcome)) => outcome,
+                Ok(None) => return Ok(Err(StoreError::ConversationClosed)),
+                Err(error) => return Ok(Err(error)),
+            };
+            transaction.commit().await?;
+            Ok(Ok(PolicyCommit {
+                outcome,
+                stopped: stop,
+                channel_id,
+            }))
+        })
+        .await?
+    }
+}
