@@ -40,6 +40,8 @@ fn frames_the_rust_client_sends_end_users_conform() {
         outgoing::keyed(outgoing::text("hello"), "c-1").expect("an object"),
         outgoing::keyed(json!({"type": "event", "data": {"name": "opened"}}), "c-2")
             .expect("an object"),
+        outgoing::keyed(outgoing::stop(Some(4)), "s-1").expect("an object"),
+        outgoing::keyed(outgoing::stop(None), "s-2").expect("an object"),
         outgoing::typing(true),
         outgoing::read(4),
         outgoing::sync(0),

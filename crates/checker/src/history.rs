@@ -4,8 +4,9 @@
 //! subscriber saw its conversation's frames once and in order, and how many deliveries to
 //! agents were duplicates (allowed, reported). For streamed answers: what each subscriber
 //! assembled of a stream is what its agent sent, each chunk once per connection and none
-//! skipped, and a stream that ended committed for a subscriber is whole there and equals the
-//! stored answer it received.
+//! skipped, a stream that ended committed for a subscriber is whole there and equals the
+//! stored answer it received, and a stopped turn's settled text is a prefix of what each
+//! subscriber that saw its stream end was streamed.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
@@ -28,6 +29,8 @@ struct StreamView {
     ended: Option<bool>,
     /// The text of the stored frame that replaced the stream, when received.
     stored_text: Option<String>,
+    /// The text the gateway settled the stream's stopped turn with, when received.
+    settled_text: Option<String>,
 }
 
 #[derive(Default)]
@@ -82,6 +85,9 @@ pub struct Verdict {
     pub stream_chunks_seen: usize,
     /// Streams that ended committed for a subscriber (each subscriber counted).
     pub streams_seen_committed: usize,
+    /// Stopped streams a subscriber saw end and then saw settled by the gateway (each
+    /// subscriber counted): the settled text must be a prefix of what it was streamed.
+    pub stopped_streams_checked: usize,
     /// Breaches of the stream promises, described (a chunk that differs from the one sent or
     /// was never sent, one skipped, one shown twice on one connection, a committed stream not
     /// whole, a stored answer that differs from the assembly).
@@ -195,15 +201,30 @@ impl History {
     /// The subscriber `who` received the stored frame whose id is the stream's (the answer
     /// that replaces the streamed one).
     pub fn stream_answer_seen(&self, who: &str, stream: StreamKey, text: &str) {
+        self.on_sent_stream(who, stream, |view| view.stored_text = Some(text.to_owned()));
+    }
+
+    /// Subscriber `who` received the gateway's settlement of a stopped turn that was streamed
+    /// as `stream` (the settlement carries the stream's id), with `text`.
+    pub fn stop_settled_seen(&self, who: &str, stream: StreamKey, text: &str) {
+        self.on_sent_stream(who, stream, |view| {
+            view.settled_text = Some(text.to_owned())
+        });
+    }
+
+    /// Changes what `who` saw of `stream`, when an agent sent that stream (a frame whose id
+    /// merely looks like a stream's is not one).
+    fn on_sent_stream(&self, who: &str, stream: StreamKey, change: impl FnOnce(&mut StreamView)) {
         let mut records = self.records();
         if !records.streams_sent.contains_key(&stream) {
             return;
         }
-        records
-            .streams_seen
-            .entry((who.to_owned(), stream))
-            .or_default()
-            .stored_text = Some(text.to_owned());
+        change(
+            records
+                .streams_seen
+                .entry((who.to_owned(), stream))
+                .or_default(),
+        );
     }
 
     /// Acked sends recorded so far.
@@ -314,6 +335,17 @@ fn check_stream(
             ));
         }
         next_on_connection = next_on_connection.max(last + 1);
+    }
+    // A stopped stream that ended for the subscriber: it was shown every chunk the stream's
+    // node took before the stop, and the gateway settles the turn with those.
+    if let (Some(settled), Some(false)) = (&view.settled_text, view.ended) {
+        verdict.stopped_streams_checked += 1;
+        let streamed: String = assembled.values().copied().collect();
+        if !streamed.starts_with(settled.as_str()) {
+            verdict.stream_breaches.push(format!(
+                "{name}: the stopped turn settled with {settled:?}, not a prefix of what was streamed, {streamed:?}"
+            ));
+        }
     }
     if view.ended != Some(true) {
         return;
@@ -507,6 +539,29 @@ mod tests {
             "{:?}",
             verdict.stream_breaches
         );
+    }
+
+    #[test]
+    fn a_stopped_turn_must_settle_with_a_prefix_of_what_was_streamed() {
+        let history = History::default();
+        sent(&history, &["Once ", "upon ", "a time"]);
+        for who in ["saw-two", "saw-one"] {
+            history.stream_chunk_seen(who, stream(), 0, "Once ");
+        }
+        history.stream_chunk_seen("saw-two", stream(), 1, "upon ");
+        history.stream_end_seen("saw-two", stream(), false);
+        history.stop_settled_seen("saw-two", stream(), "Once upon ");
+        history.stream_end_seen("saw-one", stream(), false);
+        history.stop_settled_seen("saw-one", stream(), "Once upon ");
+        let verdict = history.verdict(&BTreeMap::new());
+        assert_eq!(verdict.stopped_streams_checked, 2);
+        assert_eq!(
+            verdict.stream_breaches.len(),
+            1,
+            "{:?}",
+            verdict.stream_breaches
+        );
+        assert!(verdict.stream_breaches[0].starts_with("saw-one"));
     }
 
     #[test]

@@ -126,6 +126,8 @@ pub struct Ack {
     pub turn: Option<TurnRef>,
     /// True when an earlier send with the same clientId was already stored.
     pub duplicate: bool,
+    /// A `stop`'s answer: whether the turn (`turn`) is stopping now.
+    pub stopped: Option<bool>,
 }
 
 /// An `error` frame: the server's own, or one an agent relayed.
@@ -364,8 +366,10 @@ fn ack(frame: &Value) -> Option<Ack> {
         revision: turn["revision"].as_i64().unwrap_or(0),
     });
     let seq = frame["seq"].as_i64();
-    // An ack answers either a stored frame (seq) or a regenerate (turn); neither is no ack.
-    if seq.is_none() && turn.is_none() {
+    let stopped = frame["stopped"].as_bool();
+    // An ack answers a stored frame (seq), a regenerate (turn) or a stop (stopped); none of
+    // them is no ack.
+    if seq.is_none() && turn.is_none() && stopped.is_none() {
         return None;
     }
     Some(Ack {
@@ -375,6 +379,7 @@ fn ack(frame: &Value) -> Option<Ack> {
         timestamp: frame["timestamp"].as_i64(),
         turn,
         duplicate: frame["duplicate"] == true,
+        stopped,
     })
 }
 
@@ -472,6 +477,7 @@ mod tests {
                 timestamp: Some(5),
                 turn: None,
                 duplicate: false,
+                stopped: None,
             })
         );
         let regenerate = json!({"type": "ack", "clientId": "g-1",
@@ -492,6 +498,12 @@ mod tests {
             ServerFrame::parse(hollow),
             ServerFrame::Unknown(_)
         ));
+        // A stop with nothing running: no seq, no turn.
+        let stop = json!({"type": "ack", "clientId": "s-1", "stopped": false});
+        let ServerFrame::Ack(ack) = ServerFrame::parse(stop) else {
+            panic!("an ack");
+        };
+        assert_eq!((ack.stopped, ack.turn), (Some(false), None));
     }
 
     #[test]

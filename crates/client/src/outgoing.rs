@@ -53,6 +53,15 @@ pub fn text(text: &str) -> Value {
     json!({"type": "text", "data": {"text": text}})
 }
 
+/// A `stop` of the turn at `seq`, or of the latest unanswered one (docs/protocol.md §3.9);
+/// keyed with [`keyed`], it is answered by an ack with `stopped`.
+pub fn stop(seq: Option<i64>) -> Value {
+    match seq {
+        Some(seq) => json!({"type": "stop", "seq": seq}),
+        None => json!({"type": "stop"}),
+    }
+}
+
 /// `frame` with its `clientId` set; `None` when `frame` is not a JSON object.
 pub fn keyed(frame: Value, client_id: &str) -> Option<Value> {
     let Value::Object(mut fields) = frame else {

@@ -32,6 +32,11 @@ const ANSWER_WAIT: Duration = Duration::from_secs(20);
 const RETRY_PAUSE: Duration = Duration::from_millis(250);
 /// Writes of one reply (`reply_attempts` each) before the agent moves on.
 const REPLY_ROUNDS: usize = 3;
+/// Share of answers an agent holds back for [`SLOW_ANSWER`], longer than the soak nodes'
+/// `turns.stop_grace_ms`.
+const SLOW_SHARE: f64 = 0.2;
+/// How long a slow answer is held back.
+const SLOW_ANSWER: Duration = Duration::from_millis(400);
 
 /// Where the run is: users send while `Running`, finish their turn in flight while
 /// `Draining`, and return once `Stopped`.
@@ -72,6 +77,18 @@ pub struct Counters {
     pub results_duplicate: AtomicU64,
     /// Effect calls that failed every attempt.
     pub effect_failures: AtomicU64,
+    /// Stops users sent (each for a turn of theirs just acked).
+    pub stops_sent: AtomicU64,
+    /// Stops acked with `stopped: true` (the turn was still running).
+    pub stops_stopping: AtomicU64,
+    /// Turns the gateway settled after a stop or an interrupt, as their users saw them.
+    pub settlements_seen: AtomicU64,
+    /// Second turns users sent while the first was unanswered, by policy.
+    double_texts: Mutex<BTreeMap<String, u64>>,
+    /// Second turns refused as `turn_in_progress` (policy `reject`).
+    pub double_texts_refused: AtomicU64,
+    /// Answers the agents held back past the grace period (ignoring `cancel`).
+    pub slow_answers: AtomicU64,
     /// Refused results, by error code (`lease_lost`, `turn_conflict`, …).
     refused: Mutex<BTreeMap<String, u64>>,
 }
@@ -85,6 +102,11 @@ impl Counters {
     /// Refused results by code.
     pub fn refused(&self) -> BTreeMap<String, u64> {
         lock(&self.refused).clone()
+    }
+
+    /// Double texts sent, by policy.
+    pub fn double_texts(&self) -> BTreeMap<String, u64> {
+        lock(&self.double_texts).clone()
     }
 
     fn bump(counter: &AtomicU64) {
@@ -119,6 +141,8 @@ pub struct Load {
     effects_url: String,
     seed: u64,
     think_ms: u64,
+    stop_share: f64,
+    double_share: f64,
     http: reqwest::Client,
     phase: watch::Receiver<Phase>,
     users: Mutex<Vec<UserStatus>>,
@@ -138,6 +162,10 @@ pub struct LoadSettings {
     pub seed: u64,
     /// Mean pause between an answer and the user's next turn.
     pub think_ms: u64,
+    /// Share of turns a user stops right after their ack.
+    pub stop_share: f64,
+    /// Share of turns a user follows at once with a second one, under a random turn policy.
+    pub double_share: f64,
 }
 
 impl Load {
@@ -152,6 +180,8 @@ impl Load {
             effects_url: settings.effects_url,
             seed: settings.seed,
             think_ms: settings.think_ms,
+            stop_share: settings.stop_share,
+            double_share: settings.double_share,
             http: reqwest::Client::builder()
                 .timeout(Duration::from_secs(5))
                 .build()?,
@@ -201,7 +231,12 @@ struct InFlight {
     client_id: String,
     seq: Option<i64>,
     sent: Instant,
+    /// A second turn sent while the first was unanswered.
+    double: bool,
 }
+
+/// The turn policies a double text is sent under, one at random each time.
+const POLICIES: [&str; 4] = ["enqueue", "reject", "interrupt", "rollback"];
 
 /// One end user: sends a turn, waits for its ack and its answer, thinks, sends the next, until
 /// the phase says otherwise. It connects to node `index % nodes`.
@@ -231,16 +266,18 @@ pub async fn user(load: Arc<Load>, index: usize, conversation_id: Uuid, token: S
         }
     };
     let mut next = 0u64;
-    let mut in_flight: Option<InFlight> = None;
-    // Seqs of turns whose answer arrived: after a reconnect the replayed answer can come
-    // before the resent turn's ack.
+    let mut stops = 0u64;
+    let mut stop_on_chunk: Option<i64> = None;
+    let mut flights: Vec<InFlight> = Vec::new();
+    // Seqs of turns whose answer (or settlement) arrived: after a reconnect the replayed
+    // answer can come before the resent turn's ack.
     let mut answered: BTreeSet<i64> = BTreeSet::new();
     loop {
         let now = *phase.borrow();
         if now == Phase::Stopped {
             return;
         }
-        if in_flight.is_none() && now == Phase::Running {
+        if flights.is_empty() && now == Phase::Running {
             let client_id = format!("u{index}-{next}");
             next += 1;
             if let Err(error) = conversation.send_text(&client_id, "turn").await {
@@ -248,10 +285,11 @@ pub async fn user(load: Arc<Load>, index: usize, conversation_id: Uuid, token: S
                 continue;
             }
             Counters::bump(&load.counters.turns_sent);
-            in_flight = Some(InFlight {
+            flights.push(InFlight {
                 client_id,
                 seq: None,
                 sent: Instant::now(),
+                double: false,
             });
         }
         load.report(
@@ -259,7 +297,7 @@ pub async fn user(load: Arc<Load>, index: usize, conversation_id: Uuid, token: S
             UserStatus {
                 conversation_id,
                 watermark: conversation.watermark(),
-                in_flight: in_flight.is_some(),
+                in_flight: !flights.is_empty(),
             },
         );
         // Cancelling `next_frame` is safe (reads are cancel-safe; a send interrupted mid-way
@@ -270,18 +308,59 @@ pub async fn user(load: Arc<Load>, index: usize, conversation_id: Uuid, token: S
         };
         match frame {
             Ok(ServerFrame::Ack(ack)) => {
-                if let (Some(flight), Some(seq)) = (in_flight.as_mut(), ack.seq)
-                    && ack.client_id.as_deref() == Some(flight.client_id.as_str())
-                {
+                if ack.stopped == Some(true) {
+                    Counters::bump(&load.counters.stops_stopping);
+                }
+                let flight = flights.iter_mut().find(|flight| {
+                    flight.seq.is_none() && ack.client_id.as_deref() == Some(&flight.client_id)
+                });
+                if let (Some(flight), Some(seq)) = (flight, ack.seq) {
                     load.history
                         .acked(&name, &flight.client_id, conversation_id, seq);
                     Counters::bump(&load.counters.turns_acked);
                     flight.seq = Some(seq);
+                    // The first turn of a round may be stopped, or followed at once by a
+                    // second one under a random policy.
+                    if !flight.double && now == Phase::Running {
+                        let roll: f64 = rng.random();
+                        if roll < load.stop_share / 2.0 {
+                            stops += 1;
+                            send_stop(&load, &mut conversation, index, stops, seq).await;
+                        } else if roll < load.stop_share {
+                            // Stopped mid-stream: once its first chunk is seen.
+                            stop_on_chunk = Some(seq);
+                        } else if roll < load.stop_share + load.double_share {
+                            let policy = POLICIES[rng.random_range(0..POLICIES.len())];
+                            let client_id = format!("u{index}-{next}");
+                            next += 1;
+                            let frame = json!({"type": "text", "data": {"text": "again"},
+                                               "turnPolicy": policy});
+                            if conversation.send_message(&client_id, frame).await.is_ok() {
+                                Counters::bump(&load.counters.turns_sent);
+                                *lock(&load.counters.double_texts)
+                                    .entry(policy.to_owned())
+                                    .or_default() += 1;
+                                flights.push(InFlight {
+                                    client_id,
+                                    seq: None,
+                                    sent: Instant::now(),
+                                    double: true,
+                                });
+                            }
+                        }
+                    }
                 }
             }
             Ok(ServerFrame::Message(message)) => {
                 load.history.received(&name, conversation_id, message.seq);
-                if let (Some(id), Some(text)) = (&message.id, message.text()) {
+                if let Some((seq, text)) = settled_turn(&message) {
+                    answered.insert(seq);
+                    Counters::bump(&load.counters.settlements_seen);
+                    if let Some(id) = &message.id {
+                        load.history
+                            .stop_settled_seen(&name, (conversation_id, id.clone()), text);
+                    }
+                } else if let (Some(id), Some(text)) = (&message.id, message.text()) {
                     load.history
                         .stream_answer_seen(&name, (conversation_id, id.clone()), text);
                 }
@@ -289,13 +368,20 @@ pub async fn user(load: Arc<Load>, index: usize, conversation_id: Uuid, token: S
                     answered.insert(seq);
                 }
             }
-            Ok(ServerFrame::StreamChunk(chunk)) => load.history.stream_chunks_seen(
-                &name,
-                (conversation_id, chunk.stream_id.clone()),
-                chunk.first_index,
-                chunk.index,
-                chunk.text.as_deref().unwrap_or_default(),
-            ),
+            Ok(ServerFrame::StreamChunk(chunk)) => {
+                load.history.stream_chunks_seen(
+                    &name,
+                    (conversation_id, chunk.stream_id.clone()),
+                    chunk.first_index,
+                    chunk.index,
+                    chunk.text.as_deref().unwrap_or_default(),
+                );
+                if stop_on_chunk == Some(chunk.turn.0) {
+                    stop_on_chunk = None;
+                    stops += 1;
+                    send_stop(&load, &mut conversation, index, stops, chunk.turn.0).await;
+                }
+            }
             Ok(ServerFrame::StreamEnd(end)) => {
                 load.history.stream_end_seen(
                     &name,
@@ -310,6 +396,11 @@ pub async fn user(load: Arc<Load>, index: usize, conversation_id: Uuid, token: S
             Ok(ServerFrame::Error(error)) if error.code == "unavailable" => {
                 Counters::bump(&load.counters.unavailable_refusals);
             }
+            Ok(ServerFrame::Error(error)) if error.code == "turn_in_progress" => {
+                // A double text under `reject`: nothing was stored, nothing to wait for.
+                Counters::bump(&load.counters.double_texts_refused);
+                flights.retain(|flight| error.client_id.as_deref() != Some(&flight.client_id));
+            }
             Ok(_) => {}
             Err(error) => {
                 Counters::bump(&load.counters.user_errors);
@@ -317,23 +408,55 @@ pub async fn user(load: Arc<Load>, index: usize, conversation_id: Uuid, token: S
                 tokio::time::sleep(RETRY_PAUSE).await;
             }
         }
-        let Some(flight) = &in_flight else {
-            continue;
-        };
-        let Some(seq) = flight.seq else {
-            continue;
-        };
-        if answered.contains(&seq) {
-            Counters::bump(&load.counters.answers_received);
-            in_flight = None;
+        let waiting = flights.len();
+        flights.retain(|flight| match flight.seq {
+            Some(seq) if answered.contains(&seq) => {
+                Counters::bump(&load.counters.answers_received);
+                false
+            }
+            Some(seq) if flight.sent.elapsed() > ANSWER_WAIT => {
+                Counters::bump(&load.counters.answers_waited_out);
+                tracing::warn!(user = %name, seq, "no answer yet; sending the next turn");
+                false
+            }
+            _ => true,
+        });
+        if waiting > 0 && flights.is_empty() {
             let think = load.think_ms / 2 + rng.random_range(0..=load.think_ms);
             tokio::time::sleep(Duration::from_millis(think)).await;
-        } else if flight.sent.elapsed() > ANSWER_WAIT {
-            Counters::bump(&load.counters.answers_waited_out);
-            tracing::warn!(user = %name, seq, "no answer yet; sending the next turn");
-            in_flight = None;
         }
     }
+}
+
+/// Sends a `stop` of the user's turn `seq`, keyed `s<user>-<n>`.
+async fn send_stop(
+    load: &Load,
+    conversation: &mut Conversation,
+    index: usize,
+    stops: u64,
+    seq: i64,
+) {
+    let stop = converger_client::outgoing::stop(Some(seq));
+    if conversation
+        .send_message(&format!("s{index}-{stops}"), stop)
+        .await
+        .is_ok()
+    {
+        Counters::bump(&load.counters.stops_sent);
+    }
+}
+
+/// The turn the gateway settled after a stop (`data.status: "stopped"`, `data.turn.seq`) and
+/// the text it settled with.
+fn settled_turn(message: &MessageFrame) -> Option<(i64, &str)> {
+    let from_gateway = message
+        .sender
+        .as_ref()
+        .is_some_and(|sender| sender.role == "system");
+    if !from_gateway || message.data["status"] != "stopped" {
+        return None;
+    }
+    Some((message.data["turn"]["seq"].as_i64()?, message.text()?))
 }
 
 /// The seq of the user turn an agent's frame answers (`answer <seq>`).
@@ -409,6 +532,7 @@ async fn agent(load: Arc<Load>, slot: usize, generation: usize) {
     };
     Counters::bump(&load.counters.agent_connections);
     tracing::debug!(agent = %name, connection = %agent.welcome()["connectionId"], "agent joined");
+    let mut rng = StdRng::seed_from_u64(load.seed ^ ((slot as u64) << 48) ^ generation as u64);
     let mut streams_opened = 0u64;
     loop {
         let turn = match agent.next_turn().await {
@@ -425,6 +549,12 @@ async fn agent(load: Arc<Load>, slot: usize, generation: usize) {
         streams_opened += 1;
         let stream_id = format!("{name}.{streams_opened}");
         let streamed = stream_answer(&load, &mut agent, &turn, &stream_id).await;
+        // Some answers come after the grace period of a stop: the gateway settles those turns
+        // and the answer is refused (`turn_stopped`); the rest win the race.
+        if rng.random::<f64>() < SLOW_SHARE {
+            Counters::bump(&load.counters.slow_answers);
+            tokio::time::sleep(SLOW_ANSWER).await;
+        }
         answer(
             &load,
             &mut agent,

@@ -38,7 +38,7 @@ use self::faults::{FailoverPlan, FaultPlan};
 use self::load::{Agents, Counters, Load, LoadSettings, Phase};
 use self::nodes::{Cluster, NodeSettings};
 use self::report::{Printed, print_report};
-use crate::gateway::{DEFAULT_DATABASE_URL, bench_channel, create_database, default_binary};
+use crate::gateway::{ADMIN_TOKEN, DEFAULT_DATABASE_URL, create_database, default_binary};
 
 /// Longest a checker query may take.
 const DB_TIMEOUT: Duration = Duration::from_secs(10);
@@ -75,6 +75,13 @@ pub struct SoakArgs {
     /// Mean pause between an answer and the user's next turn, in ms.
     #[arg(long, default_value_t = 100)]
     think_ms: u64,
+    /// Share of turns a user stops right after their ack.
+    #[arg(long, default_value_t = 0.1)]
+    stop_share: f64,
+    /// Share of turns a user follows at once with a second one (a double text) under a random
+    /// turn policy: enqueue, reject, interrupt or rollback.
+    #[arg(long, default_value_t = 0.1)]
+    double_share: f64,
     /// Longest wait, in seconds, for the run to settle after the faults stop.
     #[arg(long, default_value_t = 60)]
     settle_timeout: u64,
@@ -146,6 +153,8 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
     let token_ttl_secs = (args.duration + 3600).min(2_592_000);
     let mut env = vec![
         ("CONVERGER_LEASE_MS", args.lease_ms.to_string()),
+        // Shorter than the agents' slow answers: some stopped turns are settled by the gateway.
+        ("CONVERGER_TURNS__STOP_GRACE_MS", "250".to_owned()),
         // Users read a frame at least this often, so they notice when to stop waiting.
         ("CONVERGER_LIMITS__HEARTBEAT_INTERVAL_MS", "2000".to_owned()),
         // Each answer is streamed in three chunks before its result: an agent that takes over
@@ -248,8 +257,7 @@ async fn soak(
 ) -> anyhow::Result<Report> {
     let effects = Effects::start().await?;
     let rest = RestClient::new(cluster.base_url(0))?;
-    let (channel, agent_token) =
-        bench_channel(&rest, "soak", &TokenRequest::channel_scope()).await?;
+    let (channel, agent_token) = soak_channel(&rest, &cluster.base_url(0)).await?;
     let (phase_tx, phase) = watch::channel(Phase::Running);
     let load = Arc::new(Load::new(
         LoadSettings {
@@ -261,6 +269,8 @@ async fn soak(
             effects_url: effects.url.clone(),
             seed,
             think_ms: args.think_ms,
+            stop_share: args.stop_share,
+            double_share: args.double_share,
         },
         phase,
     )?);
@@ -356,6 +366,29 @@ async fn soak(
     Ok(Report { breaches })
 }
 
+/// The soak's channel, on which a send may ask for any turn policy (the double texts do), and
+/// its agents' token.
+async fn soak_channel(
+    rest: &RestClient,
+    base_url: &str,
+) -> anyhow::Result<(converger_client::CreatedChannel, String)> {
+    let tenant = rest.create_tenant(ADMIN_TOKEN, "bench").await?;
+    let channel = rest.create_channel(&tenant.api_key, "soak").await?;
+    reqwest::Client::new()
+        .patch(format!("{base_url}/api/v1/channels/{}", channel.id))
+        .header("x-api-key", &tenant.api_key)
+        .json(&json!({"turnPolicyOverrides": ["enqueue", "reject", "interrupt", "rollback"]}))
+        .timeout(Duration::from_secs(10))
+        .send()
+        .await?
+        .error_for_status()?;
+    let token = rest
+        .generate_token(&channel.secret, &TokenRequest::channel_scope())
+        .await?
+        .token;
+    Ok((channel, token))
+}
+
 /// Logs the load's progress every 10 s while the faults run.
 async fn report_progress(load: Arc<Load>) {
     let started = Instant::now();
@@ -426,8 +459,12 @@ async fn settle(url: &str, load: &Load, timeout: Duration) -> anyhow::Result<Set
 struct DatabaseFigures {
     /// User frames as stored: clientId → (conversation, seq).
     stored: BTreeMap<String, (Uuid, i64)>,
-    /// Turns completed.
+    /// Turns completed (answered by an agent).
     completed_turns: i64,
+    /// Turns stopped and settled by the gateway.
+    stopped_turns: i64,
+    /// Turns with more than one result (an agent's and a settlement, or two settlements).
+    double_results: i64,
     /// Turns not completed.
     open_turns: Vec<Value>,
     /// Frames stored from agents (one per committed answer).
@@ -438,7 +475,8 @@ struct DatabaseFigures {
 
 impl DatabaseFigures {
     async fn read(url: &str, load: &Load) -> anyhow::Result<DatabaseFigures> {
-        let (stored, completed, open, agent_frames) = within("checker queries", async {
+        let (stored, completed, stopped, double_results, open, agent_frames) =
+            within("checker queries", async {
             let mut connection = PgConnection::connect(url).await?;
             let stored: Vec<(String, Uuid, i64)> = sqlx::query_as(
                 "SELECT client_id, conversation_id, seq FROM activities \
@@ -450,9 +488,24 @@ impl DatabaseFigures {
                 sqlx::query_as("SELECT conversation_id, seq FROM turns WHERE status = 'completed'")
                     .fetch_all(&mut connection)
                     .await?;
+            let stopped: Vec<(Uuid, i64)> =
+                sqlx::query_as("SELECT conversation_id, seq FROM turns WHERE status = 'stopped'")
+                    .fetch_all(&mut connection)
+                    .await?;
+            // A turn answered twice: frames of two senders (an agent and the gateway's
+            // settlement), or two settlements.
+            let double_results: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM (
+                     SELECT 1 FROM activities WHERE turn_seq IS NOT NULL
+                     GROUP BY conversation_id, turn_seq, turn_revision
+                     HAVING count(DISTINCT sender_role) > 1
+                         OR count(*) FILTER (WHERE sender_role = 'system') > 1) AS doubled",
+            )
+            .fetch_one(&mut connection)
+            .await?;
             let open: Vec<(Uuid, i64, i32, String, i64, Option<String>)> = sqlx::query_as(
                 "SELECT conversation_id, seq, revision, status, fence, claimed_by FROM turns \
-                 WHERE status <> 'completed' ORDER BY conversation_id, seq LIMIT 20",
+                 WHERE status NOT IN ('completed', 'stopped') ORDER BY conversation_id, seq LIMIT 20",
             )
             .fetch_all(&mut connection)
             .await?;
@@ -461,7 +514,7 @@ impl DatabaseFigures {
                     .fetch_one(&mut connection)
                     .await?;
             let _ = connection.close().await;
-            Ok((stored, completed, open, agent_frames))
+            Ok((stored, completed, stopped, double_results, open, agent_frames))
         })
         .await?;
         let stored: BTreeMap<String, (Uuid, i64)> = stored
@@ -469,11 +522,12 @@ impl DatabaseFigures {
             .map(|(client_id, conversation, seq)| (client_id, (conversation, seq)))
             .collect();
         let completed: BTreeSet<(Uuid, i64)> = completed.into_iter().collect();
+        let stopped: BTreeSet<(Uuid, i64)> = stopped.into_iter().collect();
         let unanswered_acked = load
             .history
             .acked_sends()
             .values()
-            .filter(|turn| !completed.contains(turn))
+            .filter(|turn| !completed.contains(turn) && !stopped.contains(turn))
             .count();
         let open_turns = open
             .into_iter()
@@ -485,6 +539,8 @@ impl DatabaseFigures {
         Ok(DatabaseFigures {
             stored,
             completed_turns: completed.len() as i64,
+            stopped_turns: stopped.len() as i64,
+            double_results,
             open_turns,
             agent_frames,
             unanswered_acked,
@@ -533,9 +589,14 @@ fn breaches(
         database.agent_frames == database.completed_turns,
         "stored_answers",
     );
+    // Every answered turn had its effect; a stopped one may have been settled before its
+    // agent got to it.
     breach(
-        !settled.complete || effects.effects as i64 == database.completed_turns,
+        !settled.complete
+            || (database.completed_turns..=database.completed_turns + database.stopped_turns)
+                .contains(&(effects.effects as i64)),
         "effects_vs_answers",
     );
+    breach(database.double_results == 0, "one_result_per_turn");
     breaches
 }

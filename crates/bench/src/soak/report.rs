@@ -79,7 +79,7 @@ pub(super) fn print_report(printed: &Printed<'_>) {
     for (name, value) in [
         ("  sent", sent),
         ("  acked", verdict.acked as u64),
-        ("  answered (completed in the db)", answered as u64),
+        ("  answered (completed or stopped)", answered as u64),
         (
             "  answers seen by their user",
             Counters::get(&counters.answers_received),
@@ -92,8 +92,29 @@ pub(super) fn print_report(printed: &Printed<'_>) {
             "  agent connections",
             Counters::get(&counters.agent_connections),
         ),
+        ("  stops sent", Counters::get(&counters.stops_sent)),
+        (
+            "    of running turns",
+            Counters::get(&counters.stops_stopping),
+        ),
+        (
+            "  settled by the gateway (seen)",
+            Counters::get(&counters.settlements_seen),
+        ),
+        ("  stopped in the db", database.stopped_turns as u64),
+        (
+            "  double texts refused (reject)",
+            Counters::get(&counters.double_texts_refused),
+        ),
+        (
+            "  slow answers (past the grace)",
+            Counters::get(&counters.slow_answers),
+        ),
     ] {
         println!("{name:<34} {value:>10}");
+    }
+    for (policy, count) in counters.double_texts() {
+        println!("{:<34} {count:>10}", format!("  double texts, {policy}"));
     }
     println!("{:<34} {:>10}", "faults", faults.total());
     for (name, value) in [
@@ -257,6 +278,12 @@ pub(super) fn print_report(printed: &Printed<'_>) {
             "user_reconnects": Counters::get(&counters.user_reconnects),
             "user_errors": Counters::get(&counters.user_errors),
             "agent_connections": Counters::get(&counters.agent_connections),
+            "stops_sent": Counters::get(&counters.stops_sent),
+            "stops_of_running_turns": Counters::get(&counters.stops_stopping),
+            "settlements_seen": Counters::get(&counters.settlements_seen),
+            "double_texts": counters.double_texts(),
+            "double_texts_refused": Counters::get(&counters.double_texts_refused),
+            "slow_answers": Counters::get(&counters.slow_answers),
         },
         "faults": faults.to_json(),
         "checker": {
@@ -274,6 +301,8 @@ pub(super) fn print_report(printed: &Printed<'_>) {
             "stream_chunks_seen": verdict.stream_chunks_seen,
             "streams_seen_committed": verdict.streams_seen_committed,
             "stream_breaches": verdict.stream_breaches.len(),
+            "stopped_streams_checked": verdict.stopped_streams_checked,
+            "turns_with_two_results": database.double_results,
         },
         "effects": {
             "performed": effects.effects,
@@ -292,6 +321,7 @@ pub(super) fn print_report(printed: &Printed<'_>) {
         },
         "database": {
             "completed_turns": database.completed_turns,
+            "stopped_turns": database.stopped_turns,
             "agent_frames": database.agent_frames,
         },
         "metrics": {

@@ -88,8 +88,8 @@ pub struct StoppedAnswer {
 }
 
 impl StoppedAnswer {
-    /// The one frame of the settlement.
-    fn frame(&self) -> AnswerFrame {
+    /// The one frame of the settlement of revision `revision` of turn `seq`.
+    fn frame(&self, seq: i64, revision: i32) -> AnswerFrame {
         let mut extra = Map::new();
         if let Some(stream_id) = &self.stream_id {
             extra.insert("streamId".into(), Value::String(stream_id.clone()));
@@ -105,6 +105,7 @@ impl StoppedAnswer {
                 "text": self.text,
                 "status": "stopped",
                 "reason": self.reason,
+                "turn": {"seq": seq, "revision": revision},
             }),
             metadata: None,
             extra,
@@ -211,7 +212,7 @@ impl Store {
                 id: SYSTEM_SENDER.into(),
                 role: SenderRole::System,
             },
-            frames: vec![answer.frame()],
+            frames: vec![answer.frame(seq, revision)],
             runtime: None,
             fence: None,
         };
