@@ -15,6 +15,10 @@ If the agent's connection drops mid-answer, the server aborts the stream (end us
 The agent then stops streaming but keeps generating, and ``finish()`` commits the whole answer
 over the next connection: the user still gets it, once.
 
+If the user stops the answer (``stop``, ``docs/protocol.md`` §3.9), the SDK cancels the turn's
+handler: the model stops generating, nothing more is streamed, and the gateway settles the turn
+with the text streamed so far.
+
 Environment:
     CONVERGER_URL            the node, e.g. http://127.0.0.1:8080 (default)
     CONVERGER_AGENT_TOKEN    a channel-scope token; without it, on a development node started

@@ -105,6 +105,34 @@ async def test_the_llm_example_streams_words_then_commits_the_whole_answer(env: 
         await stop_example(script)
 
 
+async def test_the_llm_example_stops_streaming_when_the_user_stops_it(env: Env) -> None:
+    script = await start_example(env, "llm_agent.py", "llm", {"CONVERGER_WORD_DELAY_MS": "50"})
+    try:
+        conversation_id, user_token = await env.conversation()
+        async with Conversation(env.url, user_token, backoff=FAST) as user:
+            await user.send_text("tell me everything")
+            updates = user.stream_updates()
+            seen = [await first_of(updates, lambda _: True)]
+            while len([u for u in seen if u.chunk is not None]) < 3:
+                seen.append(await first_of(updates, lambda _: True))
+            stopped, seq = await env.rest.stop_turn(user_token, conversation_id)
+            assert stopped and seq == 1
+            while seen[-1].end is None:
+                seen.append(await first_of(updates, lambda _: True))
+            stream = seen[-1].stream
+            assert not stream.committed and seen[-1].end is not None
+            assert seen[-1].end.reason == "stopped"
+            # The handler was cancelled: the turn's one result is the gateway's settlement of
+            # exactly what was streamed.
+            settled = await next_message(user, lambda m: m.from_ == "bot")
+            assert settled.text == stream.text and settled.data["status"] == "stopped"
+            assert stream.text.startswith("You said")
+        frames = await env.frames(conversation_id)
+        assert [m.text for m in frames if m.from_ != "user"] == [stream.text]
+    finally:
+        await stop_example(script)
+
+
 async def test_the_tool_calling_example_asks_through_an_interrupt_and_resumes(env: Env) -> None:
     script = await start_example(env, "tool_agent.py", "tools")
     try:

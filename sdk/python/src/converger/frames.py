@@ -647,8 +647,9 @@ class StreamChunk:
 class StreamEnd:
     """``streamEnd``: a stream ended, ``committed`` (its answer is stored) or ``aborted``.
 
-    ``reason`` says why it was aborted (``disconnected``, ``node_down``, ``too_large``,
-    ``fenced``, ``conflict``, the agent's own reason, …). The committed answer and the
+    ``reason`` says why it was aborted (``stopped`` or ``superseded`` for a stopped turn,
+    ``disconnected``, ``node_down``, ``too_large``, ``fenced``, ``conflict``, the agent's own
+    reason, …). The committed answer and the
     ``streamEnd`` may arrive in either order. ``raw`` is the frame that ended the stream: the
     ``streamEnd``, or the stored answer when a :class:`~converger.StreamAssembly` ended the
     stream on seeing it.
