@@ -478,3 +478,45 @@ async fn a_stop_whose_node_is_killed_before_its_grace_ends_is_settled_by_another
     assert_eq!(results, 1);
     b.terminate().await;
 }
+
+#[tokio::test]
+async fn a_close_tells_the_running_turns_agent_and_settles_a_stopping_turn_as_closed() {
+    let node = TestNode::start_with(grace(30_000)).await;
+    let (node, conversation_id, token, mut agent, mut tab, conversation, seq) =
+        running_turn(node).await;
+    stream_words(&mut agent, &conversation, "s-1", seq, 0..2).await;
+    // A second turn, stopped: it is stopping when the conversation closes.
+    tab.send(json!({"type": "text", "clientId": "q-2", "data": {"text": "and another"}}))
+        .await;
+    let second = next_frame(&mut tab, "ack").await["seq"].as_i64().unwrap();
+    let (_, stopping) = rest_stop(&node, conversation_id, &token, json!({"seq": second})).await;
+    assert_eq!(stopping["stopped"], true);
+
+    let response = node
+        .http
+        .post(node.url(&format!(
+            "/api/v1/converger/conversations/{conversation_id}/close"
+        )))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    let mut reasons = Vec::new();
+    while !reasons.contains(&(seq, "conversation_closed".to_owned())) {
+        let cancel = next_of(&mut agent, "cancel").await;
+        reasons.push((
+            cancel["turn"]["seq"].as_i64().unwrap(),
+            cancel["reason"].as_str().unwrap().to_owned(),
+        ));
+    }
+    let end = next_frame(&mut tab, "streamEnd").await;
+    assert_eq!(end["reason"], "conversation_closed");
+    // Both turns are settled by the close: the stopping one will not be settled again (the
+    // close is the last frame of a closed conversation).
+    assert_eq!(turn_status(&node, conversation_id, seq).await, "closed");
+    assert_eq!(turn_status(&node, conversation_id, second).await, "closed");
+    agent.send(result(&conversation, seq, "too late")).await;
+    let refused = next_of(&mut agent, "error").await;
+    assert_eq!(refused["data"]["code"], "conversation_closed");
+}

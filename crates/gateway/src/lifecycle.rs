@@ -28,6 +28,7 @@ pub(crate) async fn change_status(
     if let Some(Transition {
         conversation,
         frame: Some(frame),
+        settled,
     }) = &transition
     {
         tracing::info!(%conversation_id, status = change.to(), reason, "conversation status changed");
@@ -37,6 +38,9 @@ pub(crate) async fn change_status(
             conversation_id,
             [Arc::new(frame.clone())],
         );
+        for turn in settled {
+            crate::stops::tell_closed(state, conversation.channel_id, conversation_id, *turn).await;
+        }
     }
     Ok(transition)
 }
@@ -67,7 +71,27 @@ pub(crate) fn spawn_expiry(state: AppState) -> Option<JoinHandle<()>> {
                         break;
                     }
                 };
-                // Every node, this one included, hears the closes from their notifications.
+                // Every node, this one included, hears the closes from their notifications;
+                // the agents of the turns they settled are told here.
+                for expired in &closed {
+                    let channel_id = match state
+                        .store
+                        .conversation(expired.frame.conversation_id)
+                        .await
+                    {
+                        Ok(Some(conversation)) => conversation.channel_id,
+                        _ => continue,
+                    };
+                    for turn in &expired.settled {
+                        crate::stops::tell_closed(
+                            &state,
+                            channel_id,
+                            expired.frame.conversation_id,
+                            *turn,
+                        )
+                        .await;
+                    }
+                }
                 let count = closed.len();
                 if count > 0 {
                     metrics::counter!("converger_conversations_expired_total")

@@ -82,6 +82,30 @@ pub(crate) async fn announce(
     });
 }
 
+/// A close settled a waiting turn (ADR 0023): its agents are told (`cancel`, reason
+/// `conversation_closed`) and its streams end, on every node. Nothing is settled here: the
+/// close did that, and an answer is refused with `conversation_closed`.
+pub(crate) async fn tell_closed(
+    state: &AppState,
+    channel_id: Uuid,
+    conversation_id: Uuid,
+    turn: StoppedTurn,
+) {
+    let stop = TurnStop {
+        node: state.hub.node_id().to_owned(),
+        channel_id,
+        conversation_id,
+        seq: turn.seq,
+        revision: turn.revision,
+        at_ms: turn.at.timestamp_millis(),
+        reason: StopReason::ConversationClosed.as_str().to_owned(),
+    };
+    apply(&state.hub, &state.streams, &stop);
+    if let Err(error) = state.store.publish_turn_stop(&stop).await {
+        tracing::warn!(%error, %conversation_id, seq = turn.seq, "close not announced to the other nodes' agents");
+    }
+}
+
 /// What every node does with a stop (this one at once, the others from the bus): the streams
 /// its agents write for the turn end (`stopped`), and its channel actor tells the owners.
 pub(crate) fn apply(hub: &Hub, streams: &LiveStreams, stop: &TurnStop) {

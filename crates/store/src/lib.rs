@@ -30,7 +30,8 @@ pub use conversations::{ChannelCatalogs, Conversation, ConversationFilter, Pendi
 pub use error::StoreError;
 pub(crate) use error::{is_connection_failure, is_sqlx_connection_failure};
 pub use lifecycle::{
-    CONVERSATION_UPDATE, EXPIRED_REASON, MAX_REASON_CHARS, SYSTEM_SENDER, StatusChange, Transition,
+    CONVERSATION_UPDATE, EXPIRED_REASON, Expired, MAX_REASON_CHARS, SYSTEM_SENDER, StatusChange,
+    Transition,
 };
 pub use presence::{Gone, Incarnation, PresenceTotal};
 pub use secrets::{generate_secret, hash_secret};

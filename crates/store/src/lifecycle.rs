@@ -1,6 +1,6 @@
 //! Closing and reopening conversations (ADR 0023): one statement changes the status, appends the
-//! `conversationUpdate` frame under the next seq, settles the waiting turns of a close, writes
-//! the outbox row and notifies. A write after a close finds the status changed where it
+//! `conversationUpdate` frame under the next seq, settles the waiting (and stopping) turns of a
+//! close, returning them so their agents are told, writes the outbox row and notifies. A write after a close finds the status changed where it
 //! allocates its seq, so the close frame is the last frame of a closed conversation.
 
 use serde_json::json;
@@ -8,6 +8,7 @@ use uuid::Uuid;
 
 use crate::activities::{ACTIVITY_COLUMNS, Activity};
 use crate::conversations::Conversation;
+use crate::turns::StoppedTurn;
 use crate::{NOTIFY_CHANNEL, Store, StoreError};
 
 /// Sender id (and role) of the frames the gateway itself writes.
@@ -60,6 +61,17 @@ pub struct Transition {
     /// The appended `conversationUpdate` frame; `None` when the conversation already had the
     /// status (an idempotent repeat: nothing was written).
     pub frame: Option<Activity>,
+    /// The waiting turns a close settled as `closed`.
+    pub settled: Vec<StoppedTurn>,
+}
+
+/// A close the expiry sweep made: its frame and the turns it settled.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Expired {
+    /// The appended `conversationUpdate` frame.
+    pub frame: Activity,
+    /// The waiting turns it settled as `closed`.
+    pub settled: Vec<StoppedTurn>,
 }
 
 /// The statement of a status change: $1 conversation, $2 status before, $3 status after,
@@ -81,8 +93,9 @@ fn status_change_sql() -> String {
              RETURNING {ACTIVITY_COLUMNS}
          ), settled AS (
              UPDATE turns SET status = 'closed', completed_at = now()
-             WHERE $3 = 'closed' AND status = 'pending'
+             WHERE $3 = 'closed' AND status IN ('pending', 'stopping')
                AND conversation_id = (SELECT id FROM conv)
+             RETURNING seq, revision, status
          ), event AS (
              INSERT INTO outbox (conversation_id, seq_from, seq_to)
              SELECT conversation_id, seq, seq FROM act RETURNING id, conversation_id, seq_from
@@ -92,8 +105,45 @@ fn status_change_sql() -> String {
                                       's', event.seq_from, 'h', conv.channel_id)::text)::text
              FROM event, conv
          )
-         SELECT {ACTIVITY_COLUMNS} FROM act WHERE (SELECT count(*) FROM notified) = 1"
+         SELECT {ACTIVITY_COLUMNS},
+                (SELECT coalesce(jsonb_agg(jsonb_build_object(
+                            'seq', s.seq, 'revision', s.revision, 'at', a.created_at)), '[]')
+                 FROM settled s
+                 JOIN activities a ON a.conversation_id = $1 AND a.seq = s.seq) AS settled
+         FROM act WHERE (SELECT count(*) FROM notified) = 1"
     )
+}
+
+/// What the status change's statement returns: the appended frame, and the turns a close
+/// settled (their agents are told, ADR 0028).
+#[derive(sqlx::FromRow)]
+struct Changed {
+    #[sqlx(flatten)]
+    frame: Activity,
+    settled: sqlx::types::Json<Vec<SettledTurn>>,
+}
+
+#[derive(serde::Deserialize)]
+struct SettledTurn {
+    seq: i64,
+    revision: i32,
+    at: chrono::DateTime<chrono::Utc>,
+}
+
+impl Changed {
+    fn into_parts(self) -> (Activity, Vec<StoppedTurn>) {
+        let settled = self
+            .settled
+            .0
+            .into_iter()
+            .map(|turn| StoppedTurn {
+                seq: turn.seq,
+                revision: turn.revision,
+                at: turn.at,
+            })
+            .collect();
+        (self.frame, settled)
+    }
 }
 
 /// The status change's statement with its parameters bound.
@@ -102,9 +152,9 @@ fn status_change(
     conversation_id: Uuid,
     change: StatusChange,
     reason: &str,
-) -> sqlx::query::QueryAs<'static, sqlx::Postgres, Activity, sqlx::postgres::PgArguments> {
+) -> sqlx::query::QueryAs<'static, sqlx::Postgres, Changed, sqlx::postgres::PgArguments> {
     let data = json!({"event": change.event(), "status": change.to(), "reason": reason});
-    sqlx::query_as::<_, Activity>(sqlx::AssertSqlSafe(sql.to_owned()))
+    sqlx::query_as::<_, Changed>(sqlx::AssertSqlSafe(sql.to_owned()))
         .bind(conversation_id)
         .bind(change.from())
         .bind(change.to())
@@ -132,19 +182,24 @@ impl Store {
                     .bind(conversation_id)
                     .execute(&mut *transaction)
                     .await?;
-                let frame = status_change(&sql, conversation_id, change, reason)
+                let changed = status_change(&sql, conversation_id, change, reason)
                     .fetch_optional(&mut *transaction)
                     .await?;
                 transaction.commit().await?;
-                Ok(frame)
+                Ok(changed.map(Changed::into_parts))
             })
             .await?;
         let Some(conversation) = self.conversation(conversation_id).await? else {
             return Ok(None);
         };
+        let (frame, settled) = match frame {
+            Some((frame, settled)) => (Some(frame), settled),
+            None => (None, Vec::new()),
+        };
         Ok(Some(Transition {
             conversation,
             frame,
+            settled,
         }))
     }
 
@@ -155,7 +210,7 @@ impl Store {
         &self,
         idle_secs: u64,
         batch: i64,
-    ) -> Result<Vec<Activity>, StoreError> {
+    ) -> Result<Vec<Expired>, StoreError> {
         let idle_secs = idle_secs as f64;
         let sql = status_change_sql();
         self.timed("expire_idle", async {
@@ -182,11 +237,15 @@ impl Store {
             .await?;
             let mut closed = Vec::with_capacity(idle.len());
             for conversation_id in idle {
-                let frame =
+                let changed =
                     status_change(&sql, conversation_id, StatusChange::Close, EXPIRED_REASON)
                         .fetch_optional(&mut *transaction)
                         .await?;
-                closed.extend(frame);
+                closed.extend(
+                    changed
+                        .map(Changed::into_parts)
+                        .map(|(frame, settled)| Expired { frame, settled }),
+                );
             }
             transaction.commit().await?;
             Ok(closed)

@@ -107,6 +107,7 @@ async fn change(
     let Some(Transition {
         conversation,
         frame,
+        ..
     }) = crate::lifecycle::change_status(&state, conversation.id, change, reason).await?
     else {
         return Err(ApiError::conversation_not_found());
