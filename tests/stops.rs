@@ -88,6 +88,20 @@ async fn rest_stop(node: &TestNode, conversation: Uuid, token: &str, body: Value
     (status, response.json().await.expect("a JSON answer"))
 }
 
+/// `POST …/close` with `token`, which must answer 200.
+async fn rest_close(node: &TestNode, conversation: Uuid, token: &str) {
+    let response = node
+        .http
+        .post(node.url(&format!(
+            "/api/v1/converger/conversations/{conversation}/close"
+        )))
+        .bearer_auth(token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+}
+
 /// The stored frames answering turn `seq`, as the database holds them: (sender role, data).
 async fn stored_answers(node: &TestNode, conversation: Uuid, seq: i64) -> Vec<(String, Value)> {
     let mut connection = node.db.connect().await;
@@ -241,16 +255,7 @@ async fn bad_stops_are_refused_and_change_nothing() {
     assert_eq!(turn_status(&node, conversation_id, seq).await, "pending");
 
     // A closed conversation: 409, and its turn was settled by the close.
-    let response = node
-        .http
-        .post(node.url(&format!(
-            "/api/v1/converger/conversations/{conversation_id}/close"
-        )))
-        .bearer_auth(&token)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status().as_u16(), 200);
+    rest_close(&node, conversation_id, &token).await;
     let (status, answer) = rest_stop(&node, conversation_id, &token, json!({})).await;
     assert_eq!(status, 409, "{answer}");
     assert_eq!(answer["error"]["code"], "conversation_closed");
@@ -492,16 +497,7 @@ async fn a_close_tells_the_running_turns_agent_and_settles_a_stopping_turn_as_cl
     let (_, stopping) = rest_stop(&node, conversation_id, &token, json!({"seq": second})).await;
     assert_eq!(stopping["stopped"], true);
 
-    let response = node
-        .http
-        .post(node.url(&format!(
-            "/api/v1/converger/conversations/{conversation_id}/close"
-        )))
-        .bearer_auth(&token)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status().as_u16(), 200);
+    rest_close(&node, conversation_id, &token).await;
     let mut reasons = Vec::new();
     while !reasons.contains(&(seq, "conversation_closed".to_owned())) {
         let cancel = next_of(&mut agent, "cancel").await;

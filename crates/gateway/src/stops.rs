@@ -55,15 +55,7 @@ pub(crate) async fn announce(
 ) {
     metrics::counter!("converger_turns_stopped_total", "reason" => reason.as_str()).increment(1);
     tracing::info!(%conversation_id, seq = turn.seq, revision = turn.revision, reason = reason.as_str(), "turn stopped");
-    let stop = TurnStop {
-        node: state.hub.node_id().to_owned(),
-        channel_id,
-        conversation_id,
-        seq: turn.seq,
-        revision: turn.revision,
-        at_ms: turn.at.timestamp_millis(),
-        reason: reason.as_str().to_owned(),
-    };
+    let stop = turn_stop(state, channel_id, conversation_id, turn, reason);
     apply(&state.hub, &state.streams, &stop);
     if let Err(error) = state.store.publish_turn_stop(&stop).await {
         // The other nodes' agents are not told; the turn still settles here, and an answer
@@ -91,18 +83,35 @@ pub(crate) async fn tell_closed(
     conversation_id: Uuid,
     turn: StoppedTurn,
 ) {
-    let stop = TurnStop {
+    let stop = turn_stop(
+        state,
+        channel_id,
+        conversation_id,
+        turn,
+        StopReason::ConversationClosed,
+    );
+    apply(&state.hub, &state.streams, &stop);
+    if let Err(error) = state.store.publish_turn_stop(&stop).await {
+        tracing::warn!(%error, %conversation_id, seq = turn.seq, "close not announced to the other nodes' agents");
+    }
+}
+
+/// The bus event of a stop this node made.
+fn turn_stop(
+    state: &AppState,
+    channel_id: Uuid,
+    conversation_id: Uuid,
+    turn: StoppedTurn,
+    reason: StopReason,
+) -> TurnStop {
+    TurnStop {
         node: state.hub.node_id().to_owned(),
         channel_id,
         conversation_id,
         seq: turn.seq,
         revision: turn.revision,
         at_ms: turn.at.timestamp_millis(),
-        reason: StopReason::ConversationClosed.as_str().to_owned(),
-    };
-    apply(&state.hub, &state.streams, &stop);
-    if let Err(error) = state.store.publish_turn_stop(&stop).await {
-        tracing::warn!(%error, %conversation_id, seq = turn.seq, "close not announced to the other nodes' agents");
+        reason: reason.as_str().to_owned(),
     }
 }
 
