@@ -516,3 +516,40 @@ async fn a_close_tells_the_running_turns_agent_and_settles_a_stopping_turn_as_cl
     let refused = next_of(&mut agent, "error").await;
     assert_eq!(refused["data"]["code"], "conversation_closed");
 }
+
+#[tokio::test]
+async fn a_stopped_turn_is_never_handed_on_to_the_next_lease_mode_member() {
+    // A long grace: the turn is still stopping when its member leaves and another joins.
+    let node = TestNode::start_with(grace(30_000)).await;
+    let (acme, conversation_id, token) = setup(&node).await;
+    let agent_token = node.agent_token(&acme).await;
+    let lease = json!({"group": "bot", "claim": "lease"});
+    let mut first = WsClient::connect(&node.ws_url("")).await;
+    let welcome = first.hello(&agent_token, lease.clone()).await;
+    support::settle(&welcome).await;
+    let mut tab = WsClient::connect(&node.ws_url("")).await;
+    tab.hello(&token, json!({})).await;
+    tab.send(json!({"type": "text", "clientId": "q-1", "data": {"text": "one"}}))
+        .await;
+    next_frame(&mut tab, "ack").await;
+    let (_, stopped) = next_turn(&mut first).await;
+    let (_, answer) = rest_stop(&node, conversation_id, &token, json!({})).await;
+    assert_eq!(answer, json!({"stopped": true, "seq": stopped}));
+    next_of(&mut first, "cancel").await;
+    first.close().await;
+
+    // The next member is handed what is pending, which the stopped turn is not: its first
+    // delivery is the turn sent after it joined.
+    let mut second = WsClient::connect(&node.ws_url("")).await;
+    let welcome = second.hello(&agent_token, lease).await;
+    support::settle(&welcome).await;
+    tab.send(json!({"type": "text", "clientId": "q-2", "data": {"text": "two"}}))
+        .await;
+    let sent = next_frame(&mut tab, "ack").await["seq"].as_i64().unwrap();
+    let (_, delivered) = next_turn(&mut second).await;
+    assert_eq!(delivered, sent, "the stopped turn {stopped} was handed on");
+    assert_eq!(
+        turn_status(&node, conversation_id, stopped).await,
+        "stopping"
+    );
+}

@@ -46,9 +46,10 @@ OVERRIDES: dict[tuple[str, str], list[str]] = {
 }
 
 FORWARDED = {"resume", "abort", "genui_event", "client_tools", "client_skills", "survey"}
-CLIENT_CONVERSATION_TYPES = {"hello", "sync", "ping", "read", "auth", "edit", "regenerate"} | FORWARDED
+CLIENT_CONVERSATION_TYPES = {
+    "hello", "sync", "ping", "read", "auth", "edit", "regenerate", "stop"} | FORWARDED
 SERVER_TYPES = {"welcome", "ack", "error", "heartbeat", "replayTruncated", "deliveryStatus",
-                "presence", "tokenRefreshed", "conversationUpdate", "run", "streamEnd"}
+                "presence", "tokenRefreshed", "conversationUpdate", "run", "streamEnd", "cancel"}
 
 
 # ------------------------------------------------------------------------------------ schemas
@@ -347,6 +348,10 @@ SANITY: list[tuple[str, object, bool]] = [
     (CC, {"type": "text", "id": "m-1", "data": {"text": "x"}, "metadata": None}, True),
     (CC, {"type": "event", "data": {"name": "clicked"}}, True),
     (CC, {"type": "abort", "clientId": "stop-1", "data": {}}, True),
+    (CC, {"type": "stop", "clientId": "stop-2", "seq": 7}, True),
+    (CC, {"type": "stop", "seq": 0}, False),
+    (CC, {"type": "text", "data": {"text": "x"}, "turnPolicy": "interrupt"}, True),
+    (CC, {"type": "text", "data": {"text": "x"}, "turnPolicy": "supersede"}, False),
     (CC, {"type": "hello", "token": "t"}, True),
     (CC, {"type": "text", "data": {"text": 5}}, False),
     (CC, {"type": "text", "clientId": "c 3", "data": {"text": "x"}}, False),
