@@ -71,7 +71,12 @@ fn answer(conversation_id: Uuid, seq: i64, runtime: Option<RuntimeWrite>) -> Tur
 /// A tenant and its channel; the channel's id.
 async fn web_channel(store: &Store) -> Uuid {
     let (tenant, _) = store.create_tenant("acme").await.unwrap();
-    store.create_channel(tenant.id, "web").await.unwrap().0.id
+    store
+        .create_channel(tenant.id, "web", &converger_store::TurnSettings::default())
+        .await
+        .unwrap()
+        .0
+        .id
 }
 
 /// A new conversation of alice in `channel`; its id.

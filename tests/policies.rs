@@ -314,7 +314,7 @@ async fn the_last_tab_leaving_cancels_the_turn_only_where_the_channel_asks_for_i
     let (_, seq) = next_turn(&mut agent, &mut Vec::new()).await;
     tab.close().await;
     let cancel = next_of(&mut agent, "cancel").await;
-    assert_eq!(cancel["frame"]["reason"], "disconnected");
+    assert_eq!(cancel["frame"]["reason"], "user_disconnected");
     assert_eq!(cancel["frame"]["turn"]["seq"], seq);
 
     // On a channel that continues (the default), a closed tab never stops a turn: the answer

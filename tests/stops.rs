@@ -553,3 +553,63 @@ async fn a_stopped_turn_is_never_handed_on_to_the_next_lease_mode_member() {
         "stopping"
     );
 }
+
+#[tokio::test]
+async fn a_stop_without_a_seq_stops_every_waiting_turn_and_a_regenerate_after_a_stop_runs_on() {
+    let node = TestNode::start_with(grace(300)).await;
+    let (node, conversation_id, token, mut agent, mut tab, _, first) = running_turn(node).await;
+    // A second turn queued behind the first (enqueue): a stop button stops both.
+    tab.send(json!({"type": "text", "clientId": "q-2", "data": {"text": "and then?"}}))
+        .await;
+    let second = next_frame(&mut tab, "ack").await["seq"].as_i64().unwrap();
+    next_turn(&mut agent).await;
+    let (_, answer) = rest_stop(&node, conversation_id, &token, json!({})).await;
+    assert_eq!(answer, json!({"stopped": true, "seq": second}));
+    let mut cancelled = vec![
+        next_of(&mut agent, "cancel").await["turn"]["seq"].as_i64(),
+        next_of(&mut agent, "cancel").await["turn"]["seq"].as_i64(),
+    ];
+    cancelled.sort();
+    assert_eq!(cancelled, vec![Some(first), Some(second)]);
+    // A repeat names the turn still stopping.
+    let (_, again) = rest_stop(&node, conversation_id, &token, json!({})).await;
+    assert_eq!(again, json!({"stopped": true, "seq": second}));
+
+    // Regenerated within the grace period: the new revision runs on, the stopped one is
+    // settled without a frame and is never picked up again.
+    tab.send(json!({"type": "regenerate", "clientId": "g-1", "seq": second}))
+        .await;
+    let regenerated = next_frame(&mut tab, "ack").await;
+    assert_eq!(regenerated["turn"]["revision"], 1);
+    let delivered = loop {
+        let envelope = agent.recv().await;
+        if envelope["frame"]["meta"]["turn"]["revision"] == 1 {
+            break envelope;
+        }
+    };
+    assert_eq!(delivered["frame"]["meta"]["turn"]["seq"], second);
+    support::eventually(
+        "the stopped revision settled",
+        Duration::from_secs(10),
+        || {
+            let node = &node;
+            async move {
+                node.db
+                    .count(&format!(
+                        "SELECT count(*) FROM turns WHERE conversation_id = '{conversation_id}'
+                     AND seq = {second} AND revision = 0 AND status = 'stopped'"
+                    ))
+                    .await
+                    == 1
+            }
+        },
+    )
+    .await;
+    assert_eq!(turn_status(&node, conversation_id, second).await, "pending");
+    // A seq beyond any there can be is no turn, never "the latest".
+    tab.send(json!({"type": "stop", "clientId": "s-big", "seq": u64::MAX}))
+        .await;
+    let error = next_frame(&mut tab, "error").await;
+    assert_eq!(error["data"]["code"], "bad_request");
+    assert_eq!(turn_status(&node, conversation_id, second).await, "pending");
+}

@@ -11,7 +11,10 @@ use uuid::Uuid;
 
 async fn conversation(store: &Store) -> Uuid {
     let (tenant, _) = store.create_tenant("acme").await.unwrap();
-    let (channel, _) = store.create_channel(tenant.id, "web").await.unwrap();
+    let (channel, _) = store
+        .create_channel(tenant.id, "web", &converger_store::TurnSettings::default())
+        .await
+        .unwrap();
     store
         .create_conversation(channel.id, "alice")
         .await

@@ -99,13 +99,7 @@ pub async fn create_channel(
 ) -> anyhow::Result<()> {
     let name = name.to_owned();
     with_store(&config, |store| async move {
-        let (mut channel, secret) = store.create_channel(tenant, &name).await?;
-        if let Some(updated) = store
-            .set_turn_settings(tenant, channel.id, &settings)
-            .await?
-        {
-            channel = updated;
-        }
+        let (channel, secret) = store.create_channel(tenant, &name, &settings).await?;
         Ok(json!({
             "id": channel.id, "tenantId": channel.tenant_id, "name": channel.name,
             "secret": secret, "status": channel.status, "turnPolicy": channel.turn_policy,

@@ -117,8 +117,9 @@ impl From<StoreError> for SendError {
 }
 
 /// Commits an end user's send under its channel's policy, or the one it `asked` for; the turns
-/// an interrupt stopped are announced and settled before this returns the outcome, so their
-/// owners hear `cancel` before the new turn reaches them.
+/// an interrupt stopped are announced (and their settlement scheduled) before this returns.
+/// The new turn's own notification committed with it, so other nodes may deliver it before
+/// they hear the stop.
 pub(crate) async fn commit_send(
     state: &AppState,
     channel_id: Uuid,
@@ -181,7 +182,7 @@ fn verdict(policy: TurnPolicy, running: &[StoppedTurn]) -> PolicyVerdict {
 
 /// The last end-user connection of a conversation left (on any node; this node saw the count
 /// reach 0). On a channel with `onDisconnect: "cancel"`, the running turn is stopped (reason
-/// `disconnected`) once `turns.disconnect_cancel_ms` passed with nobody back. A closed tab is
+/// `user_disconnected`) once `turns.disconnect_cancel_ms` passed with nobody back. A closed tab is
 /// never a stop on any other channel. Best effort: a node that dies meanwhile cancels nothing,
 /// and the turn is answered.
 pub(crate) fn on_last_disconnect(state: &AppState, channel_id: Uuid, conversation_id: Uuid) {

@@ -37,10 +37,17 @@ pub(crate) async fn stop(
         .store
         .request_stop(conversation_id, seq, reason.as_str())
         .await?;
-    let StopOutcome::Stopping { turn, channel_id } = &outcome else {
+    let StopOutcome::Stopping {
+        turn,
+        earlier,
+        channel_id,
+    } = &outcome
+    else {
         return Ok(outcome);
     };
-    announce(state, *channel_id, conversation_id, *turn, reason).await;
+    for stopped in earlier.iter().chain([turn]) {
+        announce(state, *channel_id, conversation_id, *stopped, reason).await;
+    }
     Ok(outcome)
 }
 
@@ -122,7 +129,7 @@ pub(crate) fn apply(hub: &Hub, streams: &LiveStreams, stop: &TurnStop) {
         seq: stop.seq,
         revision: stop.revision,
     };
-    streams.stop_turn(hub, stop.conversation_id, turn, &stop.reason);
+    streams.stop_turn(hub, stop.conversation_id, turn, &stop.reason, false);
     hub.publish_to_agents(
         stop.channel_id,
         stop.conversation_id,
@@ -138,6 +145,9 @@ async fn settle(store: &Store, hub: &Hub, streams: &LiveStreams, stop: &TurnStop
         seq: stop.seq,
         revision: stop.revision,
     };
+    // A stream its agent opened as the stop committed (it passed the opening check before)
+    // is still open: it ends now, here and on every node, with what it had.
+    streams.stop_turn(hub, stop.conversation_id, turn, &stop.reason, true);
     let streamed = streams.take_stopped(stop.conversation_id, turn);
     let answer = StoppedAnswer {
         stream_id: streamed.as_ref().map(|text| text.stream_id.clone()),

@@ -83,7 +83,9 @@ impl StopReason {
             StopReason::Stopped => "stopped",
             StopReason::Superseded => "superseded",
             StopReason::ConversationClosed => "conversation_closed",
-            StopReason::Disconnected => "disconnected",
+            // Not `disconnected`: that is the abort reason of an agent's stream whose connection
+            // ended.
+            StopReason::Disconnected => "user_disconnected",
         }
     }
 }

@@ -35,7 +35,7 @@ pub const STOPPED_NOTICE: &str = "⏹️ Stopped.";
 /// What the end of an aborted stream appends to its bubble, by the abort's reason.
 pub fn abort_notice(reason: &str) -> &'static str {
     match reason {
-        "stopped" | "superseded" | "conversation_closed" | "disconnected" => STOP_NOTICE,
+        "stopped" | "superseded" | "conversation_closed" | "user_disconnected" => STOP_NOTICE,
         _ => ABORT_NOTICE,
     }
 }

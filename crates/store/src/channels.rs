@@ -79,24 +79,31 @@ const CHANNEL_COLUMNS: &str =
     "id, tenant_id, name, status, created_at, turn_policy, turn_policy_overrides, on_disconnect";
 
 impl Store {
-    /// Creates a channel of a tenant and returns it with its secret, shown only this once.
+    /// Creates a channel of a tenant, with its turn settings, and returns it with its secret,
+    /// shown only this once.
     pub async fn create_channel(
         &self,
         tenant_id: Uuid,
         name: &str,
+        turns: &TurnSettings,
     ) -> Result<(Channel, String), StoreError> {
         let secret = generate_secret("cvg_sec_");
         let created = self
             .timed("create_channel", async {
                 sqlx::query_as::<_, Channel>(sqlx::AssertSqlSafe(format!(
-                    "INSERT INTO channels (id, tenant_id, name, secret_hash)
-                     SELECT $1, id, $3, $4 FROM tenants WHERE id = $2
+                    "INSERT INTO channels (id, tenant_id, name, secret_hash, turn_policy,
+                                           turn_policy_overrides, on_disconnect)
+                     SELECT $1, id, $3, $4, $5, coalesce($6, '{{}}'), $7
+                     FROM tenants WHERE id = $2
                      RETURNING {CHANNEL_COLUMNS}"
                 )))
                 .bind(Uuid::now_v7())
                 .bind(tenant_id)
                 .bind(name)
                 .bind(hash_secret(&secret))
+                .bind(turns.turn_policy.clone().flatten())
+                .bind(turns.turn_policy_overrides.clone())
+                .bind(turns.on_disconnect.clone().flatten())
                 .fetch_optional(&self.pool)
                 .await
             })

@@ -64,7 +64,13 @@ async fn run(url: &str, settings: LoopSettings) -> anyhow::Result<serde_json::Va
     .await?;
     store.migrate().await?;
     let (tenant, _) = store.create_tenant("bench").await?;
-    let (channel, _) = store.create_channel(tenant.id, "store").await?;
+    let (channel, _) = store
+        .create_channel(
+            tenant.id,
+            "store",
+            &converger_store::TurnSettings::default(),
+        )
+        .await?;
     let mut conversations = Vec::new();
     for user in 0..settings.users {
         let conversation = store

@@ -126,14 +126,10 @@ pub(crate) async fn create(
     let request: CreateChannel = parse_json(body, false)?;
     let name = checked_name(&request.name)?;
     let settings = request.turns.settings()?;
-    let (mut channel, secret) = state.store.create_channel(tenant.id, name).await?;
-    if !request.turns.is_empty() {
-        channel = state
-            .store
-            .set_turn_settings(tenant.id, channel.id, &settings)
-            .await?
-            .ok_or_else(|| ApiError::not_found("channel"))?;
-    }
+    let (channel, secret) = state
+        .store
+        .create_channel(tenant.id, name, &settings)
+        .await?;
     tracing::info!(tenant_id = %tenant.id, channel_id = %channel.id, "channel created");
     let mut view = channel_json(&channel);
     view["secret"] = Value::String(secret);

@@ -7,7 +7,7 @@ use axum::Json;
 use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use converger_store::Channel;
+use converger_store::{Channel, TurnSettings};
 use serde_json::{Value, json};
 
 use super::tokens::token_json;
@@ -107,7 +107,10 @@ async fn demo_channel(state: &AppState) -> Result<Channel, ApiError> {
         return Ok(channel);
     }
     let (tenant, _) = state.store.create_tenant(DEMO_TENANT).await?;
-    state.store.create_channel(tenant.id, DEMO_CHANNEL).await?;
+    state
+        .store
+        .create_channel(tenant.id, DEMO_CHANNEL, &TurnSettings::default())
+        .await?;
     state
         .store
         .channel_by_names(DEMO_TENANT, DEMO_CHANNEL)

@@ -350,16 +350,26 @@ impl LiveStreams {
         }
     }
 
-    /// A turn was stopped: the streams of it that this node's agents write end here, aborted
-    /// with `reason`, and the end is relayed after every chunk they had, so every node ends
-    /// them at the same chunk. Their text is kept for the settlement.
-    pub fn stop_turn(&self, hub: &Hub, conversation_id: Uuid, turn: StreamTurn, reason: &str) {
+    /// A turn was stopped: the streams of it that this node's agents write (`any_node`: every
+    /// stream of it this node holds) end here, aborted with `reason`, and the end is relayed
+    /// after every chunk they had, so every node ends them at the same chunk. Their text is
+    /// kept for the settlement.
+    pub fn stop_turn(
+        &self,
+        hub: &Hub,
+        conversation_id: Uuid,
+        turn: StreamTurn,
+        reason: &str,
+        any_node: bool,
+    ) {
         let ended: Vec<(String, OpenStream<PackedChunks>)> = {
             let mut registry = lock(&self.registry);
             let own: Vec<String> = registry
                 .snapshot(&conversation_id)
                 .into_iter()
-                .filter(|(_, stream)| stream.turn == turn && stream.node == self.node_id)
+                .filter(|(_, stream)| {
+                    stream.turn == turn && (any_node || stream.node == self.node_id)
+                })
                 .map(|(stream_id, _)| stream_id)
                 .collect();
             own.into_iter()

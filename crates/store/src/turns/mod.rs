@@ -41,3 +41,29 @@ async fn lock_open(
         Some((_, channel_id)) => Ok(channel_id),
     })
 }
+
+/// The latest revision of each turn of the conversation that waits for its answer (`pending`)
+/// or is being stopped (`stopping`), with its status and the turn frame's commit time, oldest
+/// first. Read under the conversation's row lock, which every writer of a turn's status holds.
+async fn unanswered_turns(
+    connection: &mut sqlx::PgConnection,
+    conversation_id: uuid::Uuid,
+) -> Result<Vec<(StoppedTurn, String)>, sqlx::Error> {
+    let rows: Vec<(i64, i32, String, chrono::DateTime<chrono::Utc>)> = sqlx::query_as(
+        "SELECT t.seq, t.revision, t.status, a.created_at
+         FROM turns t
+         JOIN activities a ON a.conversation_id = t.conversation_id AND a.seq = t.seq
+         WHERE t.conversation_id = $1 AND t.status IN ('pending', 'stopping')
+           AND NOT EXISTS (SELECT 1 FROM turns later
+                           WHERE later.conversation_id = t.conversation_id
+                             AND later.seq = t.seq AND later.revision > t.revision)
+         ORDER BY t.seq",
+    )
+    .bind(conversation_id)
+    .fetch_all(&mut *connection)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(seq, revision, status, at)| (StoppedTurn { seq, revision, at }, status))
+        .collect())
+}

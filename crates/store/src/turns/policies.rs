@@ -5,11 +5,10 @@
 //! through `converger_commit_batch`. Under the row lock no other send, stop or close of the
 //! conversation interleaves, so the decision holds.
 
-use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
-use super::lock_open;
 use super::stops::StoppedTurn;
+use super::{lock_open, unanswered_turns};
 use crate::activities::{ACTIVITY_COLUMNS, Activity, CommitOutcome, NewActivity};
 use crate::{Store, StoreError};
 
@@ -40,17 +39,6 @@ pub struct PolicyCommit {
     /// The conversation's channel.
     pub channel_id: Uuid,
 }
-
-/// The latest revision of each turn still waiting for its answer, with the turn frame's commit
-/// time, oldest first.
-const RUNNING_SQL: &str = "SELECT t.seq, t.revision, a.created_at
-     FROM turns t
-     JOIN activities a ON a.conversation_id = t.conversation_id AND a.seq = t.seq
-     WHERE t.conversation_id = $1 AND t.status = 'pending'
-       AND NOT EXISTS (SELECT 1 FROM turns later
-                       WHERE later.conversation_id = t.conversation_id AND later.seq = t.seq
-                         AND later.revision > t.revision)
-     ORDER BY t.seq";
 
 impl Store {
     /// Commits a user's frame after `decide` judged the conversation's running turns (see the
@@ -92,13 +80,12 @@ impl Store {
                     }));
                 }
             }
-            let running: Vec<(i64, i32, DateTime<Utc>)> = sqlx::query_as(RUNNING_SQL)
-                .bind(new.conversation_id)
-                .fetch_all(&mut *transaction)
-                .await?;
-            let running: Vec<StoppedTurn> = running
+            // A turn being stopped is not running: it settles by itself.
+            let running: Vec<StoppedTurn> = unanswered_turns(&mut transaction, new.conversation_id)
+                .await?
                 .into_iter()
-                .map(|(seq, revision, at)| StoppedTurn { seq, revision, at })
+                .filter(|(_, status)| status == "pending")
+                .map(|(turn, _)| turn)
                 .collect();
             let (stop, rollback) = match decide(&running) {
                 PolicyVerdict::Refuse { seq } => {

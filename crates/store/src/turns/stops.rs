@@ -10,7 +10,7 @@ use serde_json::{Map, Value};
 use uuid::Uuid;
 
 use super::answers::{AnswerRow, answer_outcome};
-use super::lock_open;
+use super::{lock_open, unanswered_turns};
 use crate::activities::{Activity, Sender, SenderRole, stored_extra};
 use crate::lifecycle::SYSTEM_SENDER;
 use crate::{AnswerFrame, AnswerOutcome, NOTIFY_CHANNEL, Store, StoreError, TurnAnswer};
@@ -31,8 +31,10 @@ pub struct StoppedTurn {
 pub enum StopOutcome {
     /// The turn was running and is now stopping: its owners are told, and it settles once.
     Stopping {
-        /// The turn.
+        /// The turn (the latest, for a stop without a seq).
         turn: StoppedTurn,
+        /// For a stop without a seq, the earlier turns still waiting, stopping too.
+        earlier: Vec<StoppedTurn>,
         /// The conversation's channel.
         channel_id: Uuid,
     },
@@ -46,7 +48,8 @@ pub enum StopOutcome {
         /// The turn.
         turn: StoppedTurn,
     },
-    /// No turn of the conversation is waiting for an answer (a stop without a seq).
+    /// No turn of the conversation is waiting for an answer or stopping (a stop without a
+    /// seq).
     NothingRunning,
     /// The seq names no turn of this conversation.
     NoSuchTurn,
@@ -70,8 +73,9 @@ pub struct OverdueStop {
 pub enum Settlement {
     /// The turn is `stopped` now, with this frame committed as its result.
     Settled(Box<Activity>),
-    /// The turn was no longer `stopping` (the agent answered in time, another node settled it,
-    /// or a close did): nothing was written.
+    /// Nothing was stored: the turn was no longer `stopping` (the agent answered in time,
+    /// another node settled it, or a close did), or a newer revision of it exists (it is then
+    /// `stopped` without a frame).
     NotStopping,
 }
 
@@ -113,21 +117,12 @@ impl StoppedAnswer {
     }
 }
 
-/// The latest revision of each turn of the conversation, the newest turn first: the one a stop
-/// without a seq names is the first pending one.
-const LATEST_PENDING_SQL: &str = "SELECT t.seq FROM turns t
-     WHERE t.conversation_id = $1 AND t.status = 'pending'
-       AND NOT EXISTS (SELECT 1 FROM turns later
-                       WHERE later.conversation_id = t.conversation_id AND later.seq = t.seq
-                         AND later.revision > t.revision)
-     ORDER BY t.seq DESC
-     LIMIT 1";
-
 impl Store {
-    /// Stops the turn at `seq` (its latest revision), or the conversation's latest unanswered
-    /// turn, for `reason`. Under the conversation's row lock, so it orders with sends and a
-    /// close. `ConversationNotFound` / `ConversationClosed` when the conversation is missing or
-    /// closed.
+    /// Stops the turn at `seq` (its latest revision), or, without a seq, every turn of the
+    /// conversation still waiting for its answer (with `enqueue`, the one being answered and
+    /// those queued behind it: a stop button means that nothing more comes), for `reason`.
+    /// Under the conversation's row lock, so it orders with sends and a close.
+    /// `ConversationNotFound` / `ConversationClosed` when the conversation is missing or closed.
     pub async fn request_stop(
         &self,
         conversation_id: Uuid,
@@ -140,54 +135,66 @@ impl Store {
                 Ok(channel_id) => channel_id,
                 Err(refused) => return Ok(Err(refused)),
             };
-            let seq = match seq {
-                Some(seq) => seq,
-                None => {
-                    let latest: Option<i64> = sqlx::query_scalar(LATEST_PENDING_SQL)
-                        .bind(conversation_id)
-                        .fetch_optional(&mut *transaction)
-                        .await?;
-                    match latest {
-                        Some(seq) => seq,
-                        None => return Ok(Ok(StopOutcome::NothingRunning)),
-                    }
-                }
-            };
-            let latest: Option<(i32, String, DateTime<Utc>)> = sqlx::query_as(
-                "SELECT t.revision, t.status, a.created_at
-                     FROM turns t
-                     JOIN activities a ON a.conversation_id = t.conversation_id AND a.seq = t.seq
-                     WHERE t.conversation_id = $1 AND t.seq = $2
-                     ORDER BY t.revision DESC
-                     LIMIT 1
-                     FOR UPDATE OF t",
-            )
-            .bind(conversation_id)
-            .bind(seq)
-            .fetch_optional(&mut *transaction)
-            .await?;
-            let Some((revision, status, at)) = latest else {
-                return Ok(Ok(StopOutcome::NoSuchTurn));
-            };
-            let turn = StoppedTurn { seq, revision, at };
-            let outcome = match status.as_str() {
-                "pending" => {
-                    sqlx::query(
-                        "UPDATE turns
-                             SET status = 'stopping', stop_reason = $4, stop_requested_at = now()
-                             WHERE conversation_id = $1 AND seq = $2 AND revision = $3",
+            let outcome = match seq {
+                Some(seq) => {
+                    let latest: Option<(i32, String, DateTime<Utc>)> = sqlx::query_as(
+                        "SELECT t.revision, t.status, a.created_at
+                         FROM turns t
+                         JOIN activities a
+                           ON a.conversation_id = t.conversation_id AND a.seq = t.seq
+                         WHERE t.conversation_id = $1 AND t.seq = $2
+                         ORDER BY t.revision DESC
+                         LIMIT 1",
                     )
                     .bind(conversation_id)
                     .bind(seq)
-                    .bind(revision)
+                    .fetch_optional(&mut *transaction)
+                    .await?;
+                    let Some((revision, status, at)) = latest else {
+                        return Ok(Ok(StopOutcome::NoSuchTurn));
+                    };
+                    let turn = StoppedTurn { seq, revision, at };
+                    match status.as_str() {
+                        "pending" => StopOutcome::Stopping {
+                            turn,
+                            earlier: Vec::new(),
+                            channel_id,
+                        },
+                        "stopping" => StopOutcome::AlreadyStopping { turn },
+                        _ => StopOutcome::NotRunning { turn },
+                    }
+                }
+                None => {
+                    let unanswered = unanswered_turns(&mut transaction, conversation_id).await?;
+                    let (mut running, stopping): (Vec<_>, Vec<_>) = unanswered
+                        .into_iter()
+                        .partition(|(_, status)| status == "pending");
+                    match (running.pop(), stopping.last()) {
+                        (Some((turn, _)), _) => StopOutcome::Stopping {
+                            turn,
+                            earlier: running.into_iter().map(|(turn, _)| turn).collect(),
+                            channel_id,
+                        },
+                        (None, Some((turn, _))) => StopOutcome::AlreadyStopping { turn: *turn },
+                        (None, None) => StopOutcome::NothingRunning,
+                    }
+                }
+            };
+            if let StopOutcome::Stopping { turn, earlier, .. } = &outcome {
+                for stopped in earlier.iter().chain([turn]) {
+                    sqlx::query(
+                        "UPDATE turns
+                         SET status = 'stopping', stop_reason = $4, stop_requested_at = now()
+                         WHERE conversation_id = $1 AND seq = $2 AND revision = $3",
+                    )
+                    .bind(conversation_id)
+                    .bind(stopped.seq)
+                    .bind(stopped.revision)
                     .bind(reason)
                     .execute(&mut *transaction)
                     .await?;
-                    StopOutcome::Stopping { turn, channel_id }
                 }
-                "stopping" => StopOutcome::AlreadyStopping { turn },
-                _ => StopOutcome::NotRunning { turn },
-            };
+            }
             transaction.commit().await?;
             Ok(Ok(outcome))
         })
@@ -258,12 +265,14 @@ impl Store {
                 .fetch_one(&mut *transaction)
                 .await?;
                 let outcome = answer_outcome(&settled, row.0)?;
-                let AnswerOutcome::Committed { activities, .. } = outcome else {
-                    // Superseded by a newer revision meanwhile: that revision runs on.
-                    return Ok(None);
+                // Superseded by a newer revision meanwhile (an edit or a regenerate after the
+                // stop): that revision runs on, and this one is settled without a frame.
+                let activities = match outcome {
+                    AnswerOutcome::Committed { activities, .. } => activities,
+                    _ => Vec::new(),
                 };
                 sqlx::query(
-                    "UPDATE turns SET status = 'stopped'
+                    "UPDATE turns SET status = 'stopped', completed_at = now()
                      WHERE conversation_id = $1 AND seq = $2 AND revision = $3",
                 )
                 .bind(conversation_id)
@@ -272,6 +281,7 @@ impl Store {
                 .execute(&mut *transaction)
                 .await?;
                 let Some(activity) = activities.into_iter().next() else {
+                    transaction.commit().await?;
                     return Ok(None);
                 };
                 sqlx::query(sqlx::AssertSqlSafe(format!(

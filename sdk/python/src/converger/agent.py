@@ -153,7 +153,8 @@ class Turn:
     ack: ReplyAck | None = field(default=None, repr=False)
     """The ack of this turn's answer, once :meth:`reply` succeeded."""
     cancel_reason: str | None = field(default=None)
-    """Why the turn was cancelled (``"stopped"``, ``"superseded"``, …), once it was."""
+    """Why the turn was cancelled (``"stopped"``, ``"superseded"``, ``"user_disconnected"``,
+    ``"conversation_closed"``), once it was."""
     _cancelled: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     _handler_task: asyncio.Task[None] | None = field(default=None, repr=False)
 

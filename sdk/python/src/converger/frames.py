@@ -647,7 +647,8 @@ class StreamChunk:
 class StreamEnd:
     """``streamEnd``: a stream ended, ``committed`` (its answer is stored) or ``aborted``.
 
-    ``reason`` says why it was aborted (``stopped`` or ``superseded`` for a stopped turn,
+    ``reason`` says why it was aborted (``stopped``, ``superseded``, ``user_disconnected`` or
+    ``conversation_closed`` for a stopped turn,
     ``disconnected``, ``node_down``, ``too_large``, ``fenced``, ``conflict``, the agent's own
     reason, …). The committed answer and the
     ``streamEnd`` may arrive in either order. ``raw`` is the frame that ended the stream: the

@@ -230,13 +230,17 @@ class RestClient:
         turn_policy: str | None = None,
         turn_policy_overrides: list[str] | None = None,
         on_disconnect: str | None = None,
+        default_turn_policy: bool = False,
     ) -> Channel:
         """``PATCH /api/v1/channels/{id}``: the channel's turn settings.
 
-        See ``docs/protocol.md`` §3.10; arguments left ``None`` are left as they are.
+        See ``docs/protocol.md`` §3.10; arguments left ``None`` are left as they are, and
+        ``default_turn_policy=True`` gives the channel the node's default policy back.
         """
         body: JSONObject = {}
-        if turn_policy is not None:
+        if default_turn_policy:
+            body["turnPolicy"] = None
+        elif turn_policy is not None:
             body["turnPolicy"] = turn_policy
         if turn_policy_overrides is not None:
             body["turnPolicyOverrides"] = list(turn_policy_overrides)

@@ -138,7 +138,7 @@ impl AgentSession<'_> {
         if !state.pending {
             return Some(refuse(
                 ErrorCode::StreamClosed,
-                "the turn is answered already",
+                "the turn is answered or stopped already",
                 stream,
             ));
         }

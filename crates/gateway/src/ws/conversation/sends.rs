@@ -314,7 +314,12 @@ impl Session<'_> {
             frame_type: Some("stop".into()),
             ..crate::error::error_frame(code, message)
         };
-        let seq = seq.and_then(|seq| i64::try_from(seq).ok());
+        let seq = match seq.map(i64::try_from) {
+            None => None,
+            Some(Ok(seq)) => Some(seq),
+            // Beyond any seq there can be: no such turn (never "the latest").
+            Some(Err(_)) => return self.push_error(refuse(ErrorCode::BadRequest, "no such turn")),
+        };
         let outcome =
             crate::stops::stop(self.state, self.conversation_id, seq, StopReason::Stopped).await;
         let (stopped, turn) = match outcome {
