@@ -394,18 +394,33 @@ impl<C: Eq + Hash + Clone, L: ChunkLog> StreamRegistry<C, L> {
 
     /// Ends the open streams of a turn; returns their ids.
     pub fn end_turn(&mut self, conversation: &C, turn: StreamTurn) -> Vec<String> {
+        self.end_turn_where(conversation, turn, |_| true)
+            .into_iter()
+            .map(|(id, _)| id)
+            .collect()
+    }
+
+    /// Ends the open streams of a turn that `matches`; returns them with their ids.
+    pub fn end_turn_where(
+        &mut self,
+        conversation: &C,
+        turn: StreamTurn,
+        matches: impl Fn(&OpenStream<L>) -> bool,
+    ) -> Vec<(String, OpenStream<L>)> {
         let ids: Vec<String> = self
             .open
             .get(conversation)
             .into_iter()
             .flatten()
-            .filter(|(_, stream)| stream.turn == turn)
+            .filter(|(_, stream)| stream.turn == turn && matches(stream))
             .map(|(id, _)| id.clone())
             .collect();
-        for id in &ids {
-            self.end(conversation, id);
-        }
-        ids
+        ids.into_iter()
+            .filter_map(|id| {
+                let stream = self.end(conversation, &id)?;
+                Some((id, stream))
+            })
+            .collect()
     }
 
     /// Ends every stream that `matches`; returns (conversation, stream id) of each.

@@ -74,18 +74,10 @@ pub(crate) fn spawn_expiry(state: AppState) -> Option<JoinHandle<()>> {
                 // Every node, this one included, hears the closes from their notifications;
                 // the agents of the turns they settled are told here.
                 for expired in &closed {
-                    let channel_id = match state
-                        .store
-                        .conversation(expired.frame.conversation_id)
-                        .await
-                    {
-                        Ok(Some(conversation)) => conversation.channel_id,
-                        _ => continue,
-                    };
                     for turn in &expired.settled {
                         crate::stops::tell_closed(
                             &state,
-                            channel_id,
+                            expired.channel_id,
                             expired.frame.conversation_id,
                             *turn,
                         )

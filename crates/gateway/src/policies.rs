@@ -5,7 +5,7 @@
 //! stopped are then announced and settled as any stop (`stops.rs`).
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use converger_core::policies::{ChannelPolicies, RunningTurn, SendDecision, TurnPolicy};
@@ -61,7 +61,7 @@ impl ChannelTurns {
 /// Each channel's settings as this node last read them.
 #[derive(Debug, Default)]
 pub(crate) struct ChannelTurnsCache {
-    read: Mutex<HashMap<Uuid, (Instant, ChannelTurns)>>,
+    read: Mutex<HashMap<Uuid, (Instant, Arc<ChannelTurns>)>>,
 }
 
 impl ChannelTurnsCache {
@@ -72,23 +72,23 @@ impl ChannelTurnsCache {
         store: &Store,
         defaults: &TurnsConfig,
         channel_id: Uuid,
-    ) -> Result<ChannelTurns, StoreError> {
+    ) -> Result<Arc<ChannelTurns>, StoreError> {
         if let Some((at, turns)) = lock(&self.read).get(&channel_id)
             && at.elapsed() < SETTINGS_TTL
         {
-            return Ok(turns.clone());
+            return Ok(Arc::clone(turns));
         }
         let channel = store
             .channel(channel_id)
             .await?
             .ok_or(StoreError::ChannelNotFound)?;
-        let turns = ChannelTurns::of(&channel, defaults);
-        self.remember(channel_id, turns.clone());
+        let turns = Arc::new(ChannelTurns::of(&channel, defaults));
+        self.remember(channel_id, Arc::clone(&turns));
         Ok(turns)
     }
 
     /// Keeps settings this node just wrote or read.
-    pub(crate) fn remember(&self, channel_id: Uuid, turns: ChannelTurns) {
+    pub(crate) fn remember(&self, channel_id: Uuid, turns: Arc<ChannelTurns>) {
         let mut read = lock(&self.read);
         if read.len() >= REMEMBERED_CHANNELS {
             read.clear();

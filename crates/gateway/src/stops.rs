@@ -63,12 +63,7 @@ pub(crate) async fn announce(
     metrics::counter!("converger_turns_stopped_total", "reason" => reason.as_str()).increment(1);
     tracing::info!(%conversation_id, seq = turn.seq, revision = turn.revision, reason = reason.as_str(), "turn stopped");
     let stop = turn_stop(state, channel_id, conversation_id, turn, reason);
-    apply(&state.hub, &state.streams, &stop);
-    if let Err(error) = state.store.publish_turn_stop(&stop).await {
-        // The other nodes' agents are not told; the turn still settles here, and an answer
-        // after that is refused.
-        tracing::warn!(%error, %conversation_id, seq = turn.seq, "stop not announced to the other nodes");
-    }
+    spread(state, &stop).await;
     let grace = Duration::from_millis(state.config.turns.stop_grace_ms);
     let (store, hub, streams) = (
         state.store.clone(),
@@ -97,9 +92,15 @@ pub(crate) async fn tell_closed(
         turn,
         StopReason::ConversationClosed,
     );
-    apply(&state.hub, &state.streams, &stop);
-    if let Err(error) = state.store.publish_turn_stop(&stop).await {
-        tracing::warn!(%error, %conversation_id, seq = turn.seq, "close not announced to the other nodes' agents");
+    spread(state, &stop).await;
+}
+
+/// Applies a stop this node made here and publishes it to the other nodes. A lost publish
+/// leaves their agents untold; the settlement still comes, and ends what is open then.
+async fn spread(state: &AppState, stop: &TurnStop) {
+    apply(&state.hub, &state.streams, stop);
+    if let Err(error) = state.store.publish_turn_stop(stop).await {
+        tracing::warn!(%error, conversation_id = %stop.conversation_id, seq = stop.seq, "stop not announced to the other nodes");
     }
 }
 

@@ -68,6 +68,8 @@ pub struct Transition {
 /// A close the expiry sweep made: its frame and the turns it settled.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Expired {
+    /// The conversation's channel.
+    pub channel_id: Uuid,
     /// The appended `conversationUpdate` frame.
     pub frame: Activity,
     /// The waiting turns it settled as `closed`.
@@ -109,7 +111,8 @@ fn status_change_sql() -> String {
                 (SELECT coalesce(jsonb_agg(jsonb_build_object(
                             'seq', s.seq, 'revision', s.revision, 'at', a.created_at)), '[]')
                  FROM settled s
-                 JOIN activities a ON a.conversation_id = $1 AND a.seq = s.seq) AS settled
+                 JOIN activities a ON a.conversation_id = $1 AND a.seq = s.seq) AS settled,
+                (SELECT channel_id FROM conv) AS channel_id
          FROM act WHERE (SELECT count(*) FROM notified) = 1"
     )
 }
@@ -120,30 +123,8 @@ fn status_change_sql() -> String {
 struct Changed {
     #[sqlx(flatten)]
     frame: Activity,
-    settled: sqlx::types::Json<Vec<SettledTurn>>,
-}
-
-#[derive(serde::Deserialize)]
-struct SettledTurn {
-    seq: i64,
-    revision: i32,
-    at: chrono::DateTime<chrono::Utc>,
-}
-
-impl Changed {
-    fn into_parts(self) -> (Activity, Vec<StoppedTurn>) {
-        let settled = self
-            .settled
-            .0
-            .into_iter()
-            .map(|turn| StoppedTurn {
-                seq: turn.seq,
-                revision: turn.revision,
-                at: turn.at,
-            })
-            .collect();
-        (self.frame, settled)
-    }
+    settled: sqlx::types::Json<Vec<StoppedTurn>>,
+    channel_id: Uuid,
 }
 
 /// The status change's statement with its parameters bound.
@@ -186,7 +167,7 @@ impl Store {
                     .fetch_optional(&mut *transaction)
                     .await?;
                 transaction.commit().await?;
-                Ok(changed.map(Changed::into_parts))
+                Ok(changed.map(|changed| (changed.frame, changed.settled.0)))
             })
             .await?;
         let Some(conversation) = self.conversation(conversation_id).await? else {
@@ -241,11 +222,11 @@ impl Store {
                     status_change(&sql, conversation_id, StatusChange::Close, EXPIRED_REASON)
                         .fetch_optional(&mut *transaction)
                         .await?;
-                closed.extend(
-                    changed
-                        .map(Changed::into_parts)
-                        .map(|(frame, settled)| Expired { frame, settled }),
-                );
+                closed.extend(changed.map(|changed| Expired {
+                    channel_id: changed.channel_id,
+                    frame: changed.frame,
+                    settled: changed.settled.0,
+                }));
             }
             transaction.commit().await?;
             Ok(closed)

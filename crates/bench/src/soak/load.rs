@@ -17,6 +17,7 @@ use converger_client::streams::AnswerStream;
 use converger_client::{
     Backoff, ClientError, Conversation, ConversationOptions, ServerFrame, SessionOptions,
 };
+use converger_core::policies::TurnPolicy;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use serde_json::{Value, json};
@@ -235,9 +236,6 @@ struct InFlight {
     double: bool,
 }
 
-/// The turn policies a double text is sent under, one at random each time.
-const POLICIES: [&str; 4] = ["enqueue", "reject", "interrupt", "rollback"];
-
 /// One end user: sends a turn, waits for its ack and its answer, thinks, sends the next, until
 /// the phase says otherwise. It connects to node `index % nodes`.
 pub async fn user(load: Arc<Load>, index: usize, conversation_id: Uuid, token: String) {
@@ -330,7 +328,8 @@ pub async fn user(load: Arc<Load>, index: usize, conversation_id: Uuid, token: S
                             // Stopped mid-stream: once its first chunk is seen.
                             stop_on_chunk = Some(seq);
                         } else if roll < load.stop_share + load.double_share {
-                            let policy = POLICIES[rng.random_range(0..POLICIES.len())];
+                            let policies = TurnPolicy::ALL;
+                            let policy = policies[rng.random_range(0..policies.len())].as_str();
                             let client_id = format!("u{index}-{next}");
                             next += 1;
                             let frame = json!({"type": "text", "data": {"text": "again"},

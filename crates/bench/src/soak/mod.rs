@@ -24,6 +24,7 @@ use anyhow::{Context, bail};
 use converger_checker::effects::{EffectFigures, Effects};
 use converger_checker::history::Verdict;
 use converger_client::{RestClient, TokenRequest};
+use converger_core::policies::TurnPolicy;
 use converger_embedded::{PairMember, ReplicatedPair};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -377,7 +378,7 @@ async fn soak_channel(
     reqwest::Client::new()
         .patch(format!("{base_url}/api/v1/channels/{}", channel.id))
         .header("x-api-key", &tenant.api_key)
-        .json(&json!({"turnPolicyOverrides": ["enqueue", "reject", "interrupt", "rollback"]}))
+        .json(&json!({"turnPolicyOverrides": TurnPolicy::ALL.map(TurnPolicy::as_str)}))
         .timeout(Duration::from_secs(10))
         .send()
         .await?

@@ -194,7 +194,10 @@ pub(crate) async fn update(
     let channel = channel.ok_or_else(|| ApiError::not_found("channel"))?;
     state.channel_turns.remember(
         channel.id,
-        crate::policies::ChannelTurns::of(&channel, &state.config.turns),
+        std::sync::Arc::new(crate::policies::ChannelTurns::of(
+            &channel,
+            &state.config.turns,
+        )),
     );
     tracing::info!(tenant_id = %tenant.id, channel_id = %channel.id, status = %channel.status, "channel updated");
     if status == Some(ChannelStatus::Inactive) {

@@ -1,4 +1,4 @@
-//! `POST /api/v1/converger/conversations/{id}/stop`: stops the conversation's running turn
+//! `POST /api/v1/converger/conversations/{id}/stop`: stops the conversation's running turns
 //! (ADR 0028), for an end user's token (or any token that may use the conversation, or the
 //! tenant's API key). Idempotent: a repeat answers the same.
 
@@ -7,7 +7,6 @@ use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, State};
 use converger_protocol::StopReason;
-use converger_store::StopOutcome;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
@@ -21,13 +20,13 @@ use crate::state::AppState;
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 struct StopRequest {
-    /// The turn to stop; absent: the latest unanswered one.
+    /// The turn to stop; absent: every unanswered one.
     #[serde(default)]
     seq: Option<i64>,
 }
 
-/// Stops the turn: 200 `{stopped, seq}`; `seq` is the turn named or found (`null` when none
-/// is running), `stopped` whether it is stopping now.
+/// Stops the turn: 200 `{stopped, seq}`; `seq` is the turn named, or the latest found (`null`
+/// when none is running or stopping), `stopped` whether it is stopping now.
 pub(crate) async fn stop(
     State(state): State<AppState>,
     actor: TenantOrToken,
@@ -44,13 +43,10 @@ pub(crate) async fn stop(
     };
     let outcome =
         crate::stops::stop(&state, conversation.id, request.seq, StopReason::Stopped).await?;
-    let (stopped, seq) = match outcome {
-        StopOutcome::Stopping { turn, .. } | StopOutcome::AlreadyStopping { turn } => {
-            (true, Some(turn.seq))
-        }
-        StopOutcome::NotRunning { turn } => (false, Some(turn.seq)),
-        StopOutcome::NothingRunning => (false, None),
-        StopOutcome::NoSuchTurn => return Err(ApiError::bad_request("no such turn")),
-    };
-    Ok(Json(json!({"stopped": stopped, "seq": seq})))
+    let (stopped, turn) = outcome
+        .answer()
+        .ok_or_else(|| ApiError::bad_request("no such turn"))?;
+    Ok(Json(
+        json!({"stopped": stopped, "seq": turn.map(|turn| turn.seq)}),
+    ))
 }

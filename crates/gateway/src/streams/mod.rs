@@ -362,23 +362,9 @@ impl LiveStreams {
         reason: &str,
         any_node: bool,
     ) {
-        let ended: Vec<(String, OpenStream<PackedChunks>)> = {
-            let mut registry = lock(&self.registry);
-            let own: Vec<String> = registry
-                .snapshot(&conversation_id)
-                .into_iter()
-                .filter(|(_, stream)| {
-                    stream.turn == turn && (any_node || stream.node == self.node_id)
-                })
-                .map(|(stream_id, _)| stream_id)
-                .collect();
-            own.into_iter()
-                .filter_map(|stream_id| {
-                    let stream = registry.end(&conversation_id, &stream_id)?;
-                    Some((stream_id, stream))
-                })
-                .collect()
-        };
+        let ended = lock(&self.registry).end_turn_where(&conversation_id, turn, |stream| {
+            any_node || stream.node == self.node_id
+        });
         for (stream_id, stream) in ended {
             self.keep_stopped(conversation_id, &stream_id, &stream);
             self.relay_end(conversation_id, &stream_id, Some(reason));

@@ -16,7 +16,7 @@ use crate::lifecycle::SYSTEM_SENDER;
 use crate::{AnswerFrame, AnswerOutcome, NOTIFY_CHANNEL, Store, StoreError, TurnAnswer};
 
 /// A turn a stop names: the key and the turn frame's commit time (owners are decided at it).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
 pub struct StoppedTurn {
     /// The turn's seq.
     pub seq: i64,
@@ -53,6 +53,21 @@ pub enum StopOutcome {
     NothingRunning,
     /// The seq names no turn of this conversation.
     NoSuchTurn,
+}
+
+impl StopOutcome {
+    /// What a stop answers: whether a turn is stopping now, and which turn (the one named, or
+    /// the latest found); `None` when the seq names no turn.
+    pub fn answer(&self) -> Option<(bool, Option<StoppedTurn>)> {
+        match self {
+            StopOutcome::Stopping { turn, .. } | StopOutcome::AlreadyStopping { turn } => {
+                Some((true, Some(*turn)))
+            }
+            StopOutcome::NotRunning { turn } => Some((false, Some(*turn))),
+            StopOutcome::NothingRunning => Some((false, None)),
+            StopOutcome::NoSuchTurn => None,
+        }
+    }
 }
 
 /// A stop whose grace ran out, found by the sweep.

@@ -178,7 +178,7 @@ fn replay_cap(state: &AppState, profile: Profile) -> Option<u64> {
         .then_some(state.config.limits.replay_max as u64)
 }
 
-impl Session<'_> {
+impl<'a> Session<'a> {
     fn is_converger(&self) -> bool {
         self.profile.is_converger()
     }
@@ -320,7 +320,7 @@ impl Session<'_> {
         live: &mut broadcast::Receiver<HubEvent>,
         controls: &mut mpsc::Receiver<SessionControl>,
     ) -> Ending {
-        let mut in_flight: Option<CommitFuture> = None;
+        let mut in_flight: Option<CommitFuture<'a>> = None;
         let ending = self.serve(stream, live, controls, &mut in_flight).await;
         self.finish(&ending, stream, in_flight).await;
         ending
@@ -332,7 +332,7 @@ impl Session<'_> {
         &mut self,
         ending: &Ending,
         stream: &mut SplitStream<WebSocket>,
-        in_flight: Option<CommitFuture>,
+        in_flight: Option<CommitFuture<'a>>,
     ) {
         if matches!(ending, Ending::Gone) {
             self.read_what_is_left(stream).await;
@@ -377,7 +377,7 @@ impl Session<'_> {
     /// a cut socket, a slow-consumer close): the node received those frames, and a mekik client
     /// never resends. Acks go out while the socket still takes them. Bounded by
     /// `limits.write_timeout_ms`; only a node crash loses what was read.
-    async fn finish_sends(&mut self, in_flight: Option<CommitFuture>) {
+    async fn finish_sends(&mut self, in_flight: Option<CommitFuture<'a>>) {
         if in_flight.is_none() && self.sends.is_empty() {
             return;
         }
@@ -411,7 +411,7 @@ impl Session<'_> {
         stream: &mut SplitStream<WebSocket>,
         live: &mut broadcast::Receiver<HubEvent>,
         controls: &mut mpsc::Receiver<SessionControl>,
-        in_flight: &mut Option<CommitFuture>,
+        in_flight: &mut Option<CommitFuture<'a>>,
     ) -> Ending {
         let limits = self.state.config.limits.clone();
         let heartbeat_every = Duration::from_millis(limits.heartbeat_interval_ms);

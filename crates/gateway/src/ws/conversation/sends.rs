@@ -19,7 +19,8 @@ use crate::policies::SendError;
 use crate::publish;
 use crate::ws::session::Ending;
 
-pub(super) type CommitFuture = Pin<Box<dyn Future<Output = CommitDone> + Send>>;
+/// A send's commit; it borrows the node's state, which outlives every session.
+pub(super) type CommitFuture<'a> = Pin<Box<dyn Future<Output = CommitDone> + Send + 'a>>;
 
 /// A send waiting for its commit.
 pub(super) struct PendingSend {
@@ -35,7 +36,7 @@ pub(super) struct CommitDone {
     result: Result<CommitOutcome, SendError>,
 }
 
-impl Session<'_> {
+impl<'a> Session<'a> {
     pub(super) fn on_send(&mut self, frame: MessageFrame) -> Result<(), Ending> {
         let policy = match frame.turn_policy.as_deref().map(TurnPolicy::parse) {
             None => None,
@@ -63,8 +64,8 @@ impl Session<'_> {
         Ok(())
     }
 
-    pub(super) fn start_commit(&self, send: PendingSend) -> CommitFuture {
-        let state = self.state.clone();
+    pub(super) fn start_commit(&self, send: PendingSend) -> CommitFuture<'a> {
+        let state = self.state;
         let channel_id = self.channel_id;
         let policy = send.policy;
         let frame = send.frame;
@@ -91,7 +92,7 @@ impl Session<'_> {
         };
         let frame_type = frame.kind;
         Box::pin(async move {
-            let result = crate::policies::commit_send(&state, channel_id, &new, policy).await;
+            let result = crate::policies::commit_send(state, channel_id, &new, policy).await;
             CommitDone {
                 client_id,
                 frame_type,
@@ -322,15 +323,9 @@ impl Session<'_> {
         };
         let outcome =
             crate::stops::stop(self.state, self.conversation_id, seq, StopReason::Stopped).await;
-        let (stopped, turn) = match outcome {
-            Ok(StopOutcome::Stopping { turn, .. } | StopOutcome::AlreadyStopping { turn }) => {
-                (true, Some(turn))
-            }
-            Ok(StopOutcome::NotRunning { turn }) => (false, Some(turn)),
-            Ok(StopOutcome::NothingRunning) => (false, None),
-            Ok(StopOutcome::NoSuchTurn) => {
-                return self.push_error(refuse(ErrorCode::BadRequest, "no such turn"));
-            }
+        let (stopped, turn) = match outcome.as_ref().map(StopOutcome::answer) {
+            Ok(Some(answer)) => answer,
+            Ok(None) => return self.push_error(refuse(ErrorCode::BadRequest, "no such turn")),
             Err(StoreError::ConversationClosed) => {
                 return self.push_error(refuse(
                     ErrorCode::ConversationClosed,
@@ -340,7 +335,7 @@ impl Session<'_> {
             Err(error) => {
                 tracing::warn!(%error, "stop not stored");
                 return self.push_error(refuse(
-                    crate::error::failure_code(&error),
+                    crate::error::failure_code(error),
                     "the stop was not stored",
                 ));
             }
