@@ -50,19 +50,9 @@ async fn chat() -> Chat {
 
 /// `GET …/activities` of the conversation with `query` (`?view=chat`, …): (status, body).
 async fn activities(chat: &Chat, query: &str) -> (u16, Value) {
-    let response = chat
-        .node
-        .http
-        .get(chat.node.url(&format!(
-            "/api/v1/converger/conversations/{}/activities{query}",
-            chat.conversation_id
-        )))
-        .bearer_auth(&chat.token)
-        .send()
+    chat.node
+        .activities(chat.conversation_id, &chat.token, query)
         .await
-        .unwrap();
-    let status = response.status().as_u16();
-    (status, response.json().await.unwrap())
 }
 
 /// The next turn delivered to `agent`: (conversation id, seq, revision, the turn's frame).

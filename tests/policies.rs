@@ -45,15 +45,6 @@ async fn next_turn(agent: &mut WsClient, cancels: &mut Vec<Value>) -> (String, i
     }
 }
 
-async fn next_of(client: &mut WsClient, kind: &str) -> Value {
-    loop {
-        let frame = client.recv().await;
-        if frame["type"] == kind || frame["frame"]["type"] == kind {
-            return frame;
-        }
-    }
-}
-
 fn text(client_id: &str, words: &str) -> Value {
     json!({"type": "text", "clientId": client_id, "data": {"text": words}})
 }
@@ -94,10 +85,10 @@ async fn reject_refuses_a_send_while_a_turn_runs_and_stores_nothing() {
     for (id, words) in [("q-1", "first"), ("q-2", "second"), ("q-3", "third")] {
         tab.send(text(id, words)).await;
     }
-    let ack = next_of(&mut tab, "ack").await;
+    let ack = tab.skip_to("ack").await;
     assert_eq!(ack["clientId"], "q-1");
     for refused_id in ["q-2", "q-3"] {
-        let error = next_of(&mut tab, "error").await;
+        let error = tab.skip_to("error").await;
         assert_eq!(error["data"]["code"], "turn_in_progress");
         assert_eq!(error["data"]["clientId"], refused_id);
         assert_eq!(error["data"]["details"]["turn"]["seq"], ack["seq"]);
@@ -114,13 +105,13 @@ async fn reject_refuses_a_send_while_a_turn_runs_and_stores_nothing() {
         .send(json!({"conversationId": conversation, "frame": {"type": "turnResult", "clientId": "r-1",
             "turn": {"seq": seq}, "frames": [{"type": "text", "data": {"text": "done"}}]}}))
         .await;
-    next_of(&mut agent, "ack").await;
+    agent.skip_to_enveloped("ack").await;
     tab.send(text("q-4", "fourth")).await;
-    let ack = next_of(&mut tab, "ack").await;
+    let ack = tab.skip_to("ack").await;
     assert_eq!(ack["clientId"], "q-4");
     // A resend of a refused key after that is a new send; of a stored one, its duplicate.
     tab.send(text("q-1", "first")).await;
-    let again = next_of(&mut tab, "ack").await;
+    let again = tab.skip_to("ack").await;
     assert_eq!(
         (again["clientId"].as_str(), again["duplicate"].as_bool()),
         (Some("q-1"), Some(true))
@@ -152,7 +143,7 @@ async fn interrupt_stops_the_running_turn_with_the_owner_on_another_node_then_de
     let (_, second) = next_turn(&mut agent, &mut cancels).await;
     let (_, third) = next_turn(&mut agent, &mut cancels).await;
     while cancels.len() < 2 {
-        cancels.push(next_of(&mut agent, "cancel").await["frame"].clone());
+        cancels.push(agent.skip_to_enveloped("cancel").await);
     }
     let stopped: Vec<(i64, &str)> = cancels
         .iter()
@@ -164,7 +155,7 @@ async fn interrupt_stops_the_running_turn_with_the_owner_on_another_node_then_de
         })
         .collect();
     assert_eq!(stopped, vec![(first, "superseded"), (second, "superseded")]);
-    let end = next_of(&mut tab, "streamEnd").await;
+    let end = tab.skip_to("streamEnd").await;
     assert_eq!(
         (end["status"].as_str(), end["reason"].as_str()),
         (Some("aborted"), Some("superseded"))
@@ -173,7 +164,7 @@ async fn interrupt_stops_the_running_turn_with_the_owner_on_another_node_then_de
     // The first two turns settle, the first with what was streamed; the third is answered.
     let mut settled: Vec<Value> = Vec::new();
     while settled.len() < 2 {
-        let frame = next_of(&mut tab, "text").await;
+        let frame = tab.skip_to("text").await;
         if frame["sender"]["role"] == "system" {
             settled.push(frame);
         }
@@ -193,7 +184,7 @@ async fn interrupt_stops_the_running_turn_with_the_owner_on_another_node_then_de
         .send(json!({"conversationId": conversation, "frame": {"type": "turnResult", "clientId": "r-3",
             "turn": {"seq": third}, "frames": [{"type": "text", "data": {"text": "la la"}}]}}))
         .await;
-    next_of(&mut agent, "ack").await;
+    agent.skip_to_enveloped("ack").await;
     let statuses = node
         .db
         .count(&format!(
@@ -218,7 +209,7 @@ async fn rollback_takes_the_interrupted_turn_and_its_partial_answer_out_of_the_c
     let (_, second) = next_turn(&mut agent, &mut cancels).await;
     // The stopped turn settles (after the grace period) before the chat view is read.
     loop {
-        let frame = next_of(&mut tab, "text").await;
+        let frame = tab.skip_to("text").await;
         if frame["sender"]["role"] == "system" {
             break;
         }
@@ -227,21 +218,12 @@ async fn rollback_takes_the_interrupted_turn_and_its_partial_answer_out_of_the_c
         .send(json!({"conversationId": conversation, "frame": {"type": "turnResult", "clientId": "r-2",
             "turn": {"seq": second}, "frames": [{"type": "text", "data": {"text": "roses are red"}}]}}))
         .await;
-    next_of(&mut agent, "ack").await;
+    agent.skip_to_enveloped("ack").await;
 
     let page = |view: &'static str| {
         let (node, token) = (&node, &token);
         async move {
-            let response = node
-                .http
-                .get(node.url(&format!(
-                    "/api/v1/converger/conversations/{conversation_id}/activities{view}"
-                )))
-                .bearer_auth(token)
-                .send()
-                .await
-                .unwrap();
-            let body: Value = response.json().await.unwrap();
+            let (_, body) = node.activities(conversation_id, token, view).await;
             body["activities"]
                 .as_array()
                 .unwrap()
@@ -274,13 +256,13 @@ async fn a_policy_the_channel_does_not_allow_or_does_not_know_is_refused() {
     let mut frame = text("q-1", "hi");
     frame["turnPolicy"] = json!("rollback");
     tab.send(frame).await;
-    let error = next_of(&mut tab, "error").await;
+    let error = tab.skip_to("error").await;
     assert_eq!(error["data"]["code"], "bad_request");
     assert_eq!(error["data"]["clientId"], "q-1");
     let mut frame = text("q-2", "hi");
     frame["turnPolicy"] = json!("supersede");
     tab.send_invalid(frame).await;
-    let error = next_of(&mut tab, "error").await;
+    let error = tab.skip_to("error").await;
     assert_eq!(error["data"]["code"], "invalid_message");
     assert_eq!(user_frames(&node, conversation_id).await, 0);
 
@@ -310,12 +292,12 @@ async fn the_last_tab_leaving_cancels_the_turn_only_where_the_channel_asks_for_i
         (200, Some("cancel"))
     );
     tab.send(text("q-1", "hi")).await;
-    next_of(&mut tab, "ack").await;
+    tab.skip_to("ack").await;
     let (_, seq) = next_turn(&mut agent, &mut Vec::new()).await;
     tab.close().await;
-    let cancel = next_of(&mut agent, "cancel").await;
-    assert_eq!(cancel["frame"]["reason"], "user_disconnected");
-    assert_eq!(cancel["frame"]["turn"]["seq"], seq);
+    let cancel = agent.skip_to_enveloped("cancel").await;
+    assert_eq!(cancel["reason"], "user_disconnected");
+    assert_eq!(cancel["turn"]["seq"], seq);
 
     // On a channel that continues (the default), a closed tab never stops a turn: the answer
     // sent after the tab left, and after a cancelling channel's delay, is taken.
@@ -327,7 +309,7 @@ async fn the_last_tab_leaving_cancels_the_turn_only_where_the_channel_asks_for_i
     let mut bob = WsClient::connect(&node.ws_url("")).await;
     bob.hello(&bob_token, json!({})).await;
     bob.send(text("b-1", "hello")).await;
-    next_of(&mut bob, "ack").await;
+    bob.skip_to("ack").await;
     let (conversation, bob_seq) = next_turn(&mut other_agent, &mut Vec::new()).await;
     bob.close().await;
     // A cancelling conversation closed after bob's is cancelled: bob's delay has passed too.
@@ -335,16 +317,16 @@ async fn the_last_tab_leaving_cancels_the_turn_only_where_the_channel_asks_for_i
     let mut carol = WsClient::connect(&node.ws_url("")).await;
     carol.hello(&carol_token, json!({})).await;
     carol.send(text("c-1", "hello")).await;
-    next_of(&mut carol, "ack").await;
+    carol.skip_to("ack").await;
     next_turn(&mut agent, &mut Vec::new()).await;
     carol.close().await;
-    next_of(&mut agent, "cancel").await;
+    agent.skip_to_enveloped("cancel").await;
     other_agent
         .send(json!({"conversationId": conversation, "frame": {"type": "turnResult", "clientId": "r-b",
             "turn": {"seq": bob_seq}, "frames": [{"type": "text", "data": {"text": "hi bob"}}]}}))
         .await;
-    let ack = next_of(&mut other_agent, "ack").await;
-    assert_eq!(ack["frame"]["turn"]["seq"], bob_seq);
+    let ack = other_agent.skip_to_enveloped("ack").await;
+    assert_eq!(ack["turn"]["seq"], bob_seq);
     let stopped = node
         .db
         .count(&format!(

@@ -9,7 +9,7 @@ use serde_json::{Value, json};
 use std::time::Duration;
 use support::mekik::Widget;
 use support::ws::WsClient;
-use support::{TestNode, setup, stream_words};
+use support::{TestNode, next_turn, setup, stream_words, turn_in_progress};
 use uuid::Uuid;
 
 fn grace(ms: u64) -> impl FnOnce(&mut converger_gateway::Config) {
@@ -19,57 +19,10 @@ fn grace(ms: u64) -> impl FnOnce(&mut converger_gateway::Config) {
     }
 }
 
-/// The next delivered turn of an agent: (conversation id, seq).
-async fn next_turn(agent: &mut WsClient) -> (String, i64) {
-    loop {
-        let delivered = agent.recv().await;
-        if let Some(seq) = delivered["frame"]["meta"]["turn"]["seq"].as_i64() {
-            let conversation = delivered["conversationId"].as_str().unwrap().to_owned();
-            return (conversation, seq);
-        }
-    }
-}
-
-/// The next enveloped frame of `kind` an agent receives.
-async fn next_of(agent: &mut WsClient, kind: &str) -> Value {
-    loop {
-        let envelope = agent.recv().await;
-        if envelope["frame"]["type"] == kind {
-            return envelope["frame"].clone();
-        }
-    }
-}
-
-/// The next frame of `kind` a tab receives, past any other (stream chunks, presence).
-async fn next_frame(tab: &mut WsClient, kind: &str) -> Value {
-    loop {
-        let frame = tab.recv().await;
-        if frame["type"] == kind {
-            return frame;
-        }
-    }
-}
-
 fn result(conversation: &str, seq: i64, text: &str) -> Value {
     json!({"conversationId": conversation, "frame": {
         "type": "turnResult", "clientId": format!("r-{seq}"), "turn": {"seq": seq},
         "frames": [{"type": "text", "streamId": "s-1", "data": {"text": text}}]}})
-}
-
-/// A settled agent owning alice's turns, alice's tab, and one turn the agent was given:
-/// (node, conversation id, alice's token, agent, tab, enveloped conversation id, seq).
-async fn running_turn(node: TestNode) -> (TestNode, Uuid, String, WsClient, WsClient, String, i64) {
-    let (acme, conversation_id, token) = setup(&node).await;
-    let agent_token = node.agent_token(&acme).await;
-    let (mut agent, welcome) = node.agent(&agent_token, Some("bot")).await;
-    support::settle(&welcome).await;
-    let mut tab = WsClient::connect(&node.ws_url("")).await;
-    tab.hello(&token, json!({})).await;
-    tab.send(json!({"type": "text", "clientId": "q-1", "data": {"text": "tell me a story"}}))
-        .await;
-    tab.recv_type("ack").await;
-    let (conversation, seq) = next_turn(&mut agent).await;
-    (node, conversation_id, token, agent, tab, conversation, seq)
 }
 
 /// `POST …/stop` with `token` and `body`: (status, answer).
@@ -133,17 +86,17 @@ async fn turn_status(node: &TestNode, conversation: Uuid, seq: i64) -> String {
 async fn a_stop_mid_stream_tells_the_owner_and_its_answer_within_the_grace_period_is_the_result() {
     let node = TestNode::start_with(grace(30_000)).await;
     let (node, conversation_id, _, mut agent, mut tab, conversation, seq) =
-        running_turn(node).await;
+        turn_in_progress(node).await;
     let streamed = stream_words(&mut agent, &conversation, "s-1", seq, 0..3).await;
 
     tab.send(json!({"type": "stop", "clientId": "stop-1"}))
         .await;
-    let ack = next_frame(&mut tab, "ack").await;
+    let ack = tab.skip_to("ack").await;
     assert_eq!(ack["clientId"], "stop-1");
     assert_eq!(ack["stopped"], true);
     assert_eq!(ack["turn"]["seq"], seq);
 
-    let cancel = next_of(&mut agent, "cancel").await;
+    let cancel = agent.skip_to_enveloped("cancel").await;
     assert_eq!(cancel["reason"], "stopped");
     assert_eq!(cancel["turn"]["seq"], seq);
     assert_eq!(
@@ -151,7 +104,7 @@ async fn a_stop_mid_stream_tells_the_owner_and_its_answer_within_the_grace_perio
         format!("{conversation}:{seq}:0"),
         "the turn key names the turn"
     );
-    let end = next_frame(&mut tab, "streamEnd").await;
+    let end = tab.skip_to("streamEnd").await;
     assert_eq!(end["status"], "aborted");
     assert_eq!(end["reason"], "stopped");
 
@@ -159,20 +112,20 @@ async fn a_stop_mid_stream_tells_the_owner_and_its_answer_within_the_grace_perio
     agent
         .send(support::stream_chunk(&conversation, "s-1", 3, seq, "late"))
         .await;
-    let refused = next_of(&mut agent, "error").await;
+    let refused = agent.skip_to_enveloped("error").await;
     assert_eq!(refused["data"]["code"], "stream_closed");
     agent.send(result(&conversation, seq, &streamed)).await;
-    let acked = next_of(&mut agent, "ack").await;
+    let acked = agent.skip_to_enveloped("ack").await;
     assert_eq!(acked["turn"]["seq"], seq);
 
-    let stored = next_frame(&mut tab, "text").await;
+    let stored = tab.skip_to("text").await;
     assert_eq!(stored["data"]["text"], streamed);
     assert_eq!(stored["sender"]["role"], "agent");
     assert_eq!(turn_status(&node, conversation_id, seq).await, "completed");
     // A second stop of the answered turn changes nothing and says so.
     tab.send(json!({"type": "stop", "clientId": "stop-2", "seq": seq}))
         .await;
-    let again = next_frame(&mut tab, "ack").await;
+    let again = tab.skip_to("ack").await;
     assert_eq!(again["stopped"], false);
     assert_eq!(again["turn"]["seq"], seq);
     assert_eq!(stored_answers(&node, conversation_id, seq).await.len(), 1);
@@ -182,7 +135,7 @@ async fn a_stop_mid_stream_tells_the_owner_and_its_answer_within_the_grace_perio
 async fn an_agent_that_ignores_cancel_loses_the_race_and_its_late_answer_is_refused() {
     let node = TestNode::start_with(grace(300)).await;
     let (node, conversation_id, token, mut agent, mut tab, conversation, seq) =
-        running_turn(node).await;
+        turn_in_progress(node).await;
     let streamed = stream_words(&mut agent, &conversation, "s-1", seq, 0..4).await;
 
     let (status, answer) = rest_stop(&node, conversation_id, &token, json!({})).await;
@@ -191,10 +144,10 @@ async fn an_agent_that_ignores_cancel_loses_the_race_and_its_late_answer_is_refu
     // Idempotent while it settles.
     let (_, again) = rest_stop(&node, conversation_id, &token, json!({"seq": seq})).await;
     assert_eq!(again, json!({"stopped": true, "seq": seq}));
-    next_of(&mut agent, "cancel").await;
+    agent.skip_to_enveloped("cancel").await;
 
     // The gateway settles it with the text streamed, under the stream's id.
-    let settled = next_frame(&mut tab, "text").await;
+    let settled = tab.skip_to("text").await;
     assert_eq!(settled["data"]["text"], streamed);
     assert_eq!(settled["data"]["status"], "stopped");
     assert_eq!(settled["data"]["reason"], "stopped");
@@ -206,7 +159,7 @@ async fn an_agent_that_ignores_cancel_loses_the_race_and_its_late_answer_is_refu
     agent
         .send(result(&conversation, seq, "the whole story"))
         .await;
-    let refused = next_of(&mut agent, "error").await;
+    let refused = agent.skip_to_enveloped("error").await;
     assert_eq!(refused["data"]["code"], "turn_stopped");
     assert_eq!(refused["data"]["details"]["turn"]["seq"], seq);
     let answers = stored_answers(&node, conversation_id, seq).await;
@@ -222,7 +175,7 @@ async fn an_agent_that_ignores_cancel_loses_the_race_and_its_late_answer_is_refu
 #[tokio::test]
 async fn bad_stops_are_refused_and_change_nothing() {
     let node = TestNode::start_with(grace(300)).await;
-    let (node, conversation_id, token, _agent, mut tab, _, seq) = running_turn(node).await;
+    let (node, conversation_id, token, _agent, mut tab, _, seq) = turn_in_progress(node).await;
     let acme = node.tenant_with_channel("other").await;
     let (other_conversation, other_token) = node.conversation(&acme, "bob").await;
 
@@ -246,11 +199,11 @@ async fn bad_stops_are_refused_and_change_nothing() {
     // Over the socket: a seq that is no turn of this conversation.
     tab.send(json!({"type": "stop", "clientId": "s-9", "seq": seq + 100}))
         .await;
-    let error = next_frame(&mut tab, "error").await;
+    let error = tab.skip_to("error").await;
     assert_eq!(error["data"]["code"], "bad_request");
     assert_eq!(error["data"]["clientId"], "s-9");
     tab.send_invalid(json!({"type": "stop", "seq": -1})).await;
-    let error = next_frame(&mut tab, "error").await;
+    let error = tab.skip_to("error").await;
     assert_eq!(error["data"]["code"], "invalid_message");
     assert_eq!(turn_status(&node, conversation_id, seq).await, "pending");
 
@@ -272,7 +225,7 @@ async fn the_widgets_abort_stops_the_turn_and_shows_that_it_stopped() {
     let mut widget = Widget::new(&node.ws_url(""), &token);
     widget.connect().await;
     widget.send_text("write me a poem").await;
-    let (conversation, seq) = next_turn(&mut agent).await;
+    let (conversation, seq, _) = next_turn(&mut agent).await;
     let streamed = stream_words(&mut agent, &conversation, "s-1", seq, 0..2).await;
     widget
         .read_until(|frame| frame["type"] == "genui" && frame["chunk"]["content"] == "w1 ")
@@ -280,9 +233,9 @@ async fn the_widgets_abort_stops_the_turn_and_shows_that_it_stopped() {
 
     widget.send(json!({"type": "abort"})).await;
     // Agents that read the mekik abort still get it, and the owner gets cancel.
-    let forwarded = next_of(&mut agent, "abort").await;
+    let forwarded = agent.skip_to_enveloped("abort").await;
     assert_eq!(forwarded["type"], "abort");
-    let cancel = next_of(&mut agent, "cancel").await;
+    let cancel = agent.skip_to_enveloped("cancel").await;
     assert_eq!(cancel["turn"]["seq"], seq);
     widget.read_until(|frame| frame["done"] == true).await;
     let bubble = widget
@@ -299,7 +252,7 @@ async fn the_widgets_abort_stops_the_turn_and_shows_that_it_stopped() {
 
     // A turn stopped before any text: the settlement shows as a notice, never an empty bubble.
     widget.send_text("never mind, another one").await;
-    let (_, second) = next_turn(&mut agent).await;
+    let (_, second, _) = next_turn(&mut agent).await;
     widget.send(json!({"type": "abort"})).await;
     widget
         .read_until(|frame| {
@@ -331,7 +284,7 @@ async fn a_stop_on_one_node_cancels_the_owner_on_another_and_settles_with_its_st
     tab.send(json!({"type": "text", "clientId": "q-1", "data": {"text": "hi"}}))
         .await;
     tab.recv_type("ack").await;
-    let (conversation, seq) = next_turn(&mut agent).await;
+    let (conversation, seq, _) = next_turn(&mut agent).await;
     let streamed = stream_words(&mut agent, &conversation, "s-1", seq, 0..5).await;
     // The tab has every chunk before it stops.
     let mut seen = String::new();
@@ -344,12 +297,12 @@ async fn a_stop_on_one_node_cancels_the_owner_on_another_and_settles_with_its_st
 
     tab.send(json!({"type": "stop", "clientId": "stop-1"}))
         .await;
-    assert_eq!(next_frame(&mut tab, "ack").await["stopped"], true);
-    let cancel = next_of(&mut agent, "cancel").await;
+    assert_eq!(tab.skip_to("ack").await["stopped"], true);
+    let cancel = agent.skip_to_enveloped("cancel").await;
     assert_eq!(cancel["turn"]["seq"], seq);
-    let end = next_frame(&mut tab, "streamEnd").await;
+    let end = tab.skip_to("streamEnd").await;
     assert_eq!(end["reason"], "stopped");
-    let settled = next_frame(&mut tab, "text").await;
+    let settled = tab.skip_to("text").await;
     assert_eq!(
         settled["data"]["text"], streamed,
         "what the tab was streamed"
@@ -362,7 +315,7 @@ async fn a_stop_on_one_node_cancels_the_owner_on_another_and_settles_with_its_st
     );
     tokio::time::timeout(Duration::from_secs(5), async {
         agent.send(result(&conversation, seq, "late")).await;
-        let refused = next_of(&mut agent, "error").await;
+        let refused = agent.skip_to_enveloped("error").await;
         assert_eq!(refused["data"]["code"], "turn_stopped");
     })
     .await
@@ -451,7 +404,7 @@ async fn a_stop_whose_node_is_killed_before_its_grace_ends_is_settled_by_another
     tab.hello(&created.token, json!({})).await;
     tab.send(json!({"type": "text", "clientId": "q-1", "data": {"text": "hi"}}))
         .await;
-    let (conversation, seq) = next_turn(&mut agent).await;
+    let (conversation, seq, _) = next_turn(&mut agent).await;
     let streamed = stream_words(&mut agent, &conversation, "s-1", seq, 0..3).await;
     let response = reqwest::Client::new()
         .post(format!(
@@ -467,8 +420,8 @@ async fn a_stop_whose_node_is_killed_before_its_grace_ends_is_settled_by_another
     a.kill_9().await;
 
     // b's sweep settles it with the stream b holds, once.
-    next_of(&mut agent, "cancel").await;
-    let settled = next_frame(&mut tab, "text").await;
+    agent.skip_to_enveloped("cancel").await;
+    let settled = tab.skip_to("text").await;
     assert_eq!(settled["data"]["text"], streamed);
     assert_eq!(settled["data"]["status"], "stopped");
     let mut connection = db.connect().await;
@@ -488,32 +441,32 @@ async fn a_stop_whose_node_is_killed_before_its_grace_ends_is_settled_by_another
 async fn a_close_tells_the_running_turns_agent_and_settles_a_stopping_turn_as_closed() {
     let node = TestNode::start_with(grace(30_000)).await;
     let (node, conversation_id, token, mut agent, mut tab, conversation, seq) =
-        running_turn(node).await;
+        turn_in_progress(node).await;
     stream_words(&mut agent, &conversation, "s-1", seq, 0..2).await;
     // A second turn, stopped: it is stopping when the conversation closes.
     tab.send(json!({"type": "text", "clientId": "q-2", "data": {"text": "and another"}}))
         .await;
-    let second = next_frame(&mut tab, "ack").await["seq"].as_i64().unwrap();
+    let second = tab.skip_to("ack").await["seq"].as_i64().unwrap();
     let (_, stopping) = rest_stop(&node, conversation_id, &token, json!({"seq": second})).await;
     assert_eq!(stopping["stopped"], true);
 
     rest_close(&node, conversation_id, &token).await;
     let mut reasons = Vec::new();
     while !reasons.contains(&(seq, "conversation_closed".to_owned())) {
-        let cancel = next_of(&mut agent, "cancel").await;
+        let cancel = agent.skip_to_enveloped("cancel").await;
         reasons.push((
             cancel["turn"]["seq"].as_i64().unwrap(),
             cancel["reason"].as_str().unwrap().to_owned(),
         ));
     }
-    let end = next_frame(&mut tab, "streamEnd").await;
+    let end = tab.skip_to("streamEnd").await;
     assert_eq!(end["reason"], "conversation_closed");
     // Both turns are settled by the close: the stopping one will not be settled again (the
     // close is the last frame of a closed conversation).
     assert_eq!(turn_status(&node, conversation_id, seq).await, "closed");
     assert_eq!(turn_status(&node, conversation_id, second).await, "closed");
     agent.send(result(&conversation, seq, "too late")).await;
-    let refused = next_of(&mut agent, "error").await;
+    let refused = agent.skip_to_enveloped("error").await;
     assert_eq!(refused["data"]["code"], "conversation_closed");
 }
 
@@ -531,11 +484,11 @@ async fn a_stopped_turn_is_never_handed_on_to_the_next_lease_mode_member() {
     tab.hello(&token, json!({})).await;
     tab.send(json!({"type": "text", "clientId": "q-1", "data": {"text": "one"}}))
         .await;
-    next_frame(&mut tab, "ack").await;
-    let (_, stopped) = next_turn(&mut first).await;
+    tab.skip_to("ack").await;
+    let (_, stopped, _) = next_turn(&mut first).await;
     let (_, answer) = rest_stop(&node, conversation_id, &token, json!({})).await;
     assert_eq!(answer, json!({"stopped": true, "seq": stopped}));
-    next_of(&mut first, "cancel").await;
+    first.skip_to_enveloped("cancel").await;
     first.close().await;
 
     // The next member is handed what is pending, which the stopped turn is not: its first
@@ -545,8 +498,8 @@ async fn a_stopped_turn_is_never_handed_on_to_the_next_lease_mode_member() {
     support::settle(&welcome).await;
     tab.send(json!({"type": "text", "clientId": "q-2", "data": {"text": "two"}}))
         .await;
-    let sent = next_frame(&mut tab, "ack").await["seq"].as_i64().unwrap();
-    let (_, delivered) = next_turn(&mut second).await;
+    let sent = tab.skip_to("ack").await["seq"].as_i64().unwrap();
+    let (_, delivered, _) = next_turn(&mut second).await;
     assert_eq!(delivered, sent, "the stopped turn {stopped} was handed on");
     assert_eq!(
         turn_status(&node, conversation_id, stopped).await,
@@ -557,17 +510,17 @@ async fn a_stopped_turn_is_never_handed_on_to_the_next_lease_mode_member() {
 #[tokio::test]
 async fn a_stop_without_a_seq_stops_every_waiting_turn_and_a_regenerate_after_a_stop_runs_on() {
     let node = TestNode::start_with(grace(300)).await;
-    let (node, conversation_id, token, mut agent, mut tab, _, first) = running_turn(node).await;
+    let (node, conversation_id, token, mut agent, mut tab, _, first) = turn_in_progress(node).await;
     // A second turn queued behind the first (enqueue): a stop button stops both.
     tab.send(json!({"type": "text", "clientId": "q-2", "data": {"text": "and then?"}}))
         .await;
-    let second = next_frame(&mut tab, "ack").await["seq"].as_i64().unwrap();
+    let second = tab.skip_to("ack").await["seq"].as_i64().unwrap();
     next_turn(&mut agent).await;
     let (_, answer) = rest_stop(&node, conversation_id, &token, json!({})).await;
     assert_eq!(answer, json!({"stopped": true, "seq": second}));
     let mut cancelled = vec![
-        next_of(&mut agent, "cancel").await["turn"]["seq"].as_i64(),
-        next_of(&mut agent, "cancel").await["turn"]["seq"].as_i64(),
+        agent.skip_to_enveloped("cancel").await["turn"]["seq"].as_i64(),
+        agent.skip_to_enveloped("cancel").await["turn"]["seq"].as_i64(),
     ];
     cancelled.sort();
     assert_eq!(cancelled, vec![Some(first), Some(second)]);
@@ -579,7 +532,7 @@ async fn a_stop_without_a_seq_stops_every_waiting_turn_and_a_regenerate_after_a_
     // settled without a frame and is never picked up again.
     tab.send(json!({"type": "regenerate", "clientId": "g-1", "seq": second}))
         .await;
-    let regenerated = next_frame(&mut tab, "ack").await;
+    let regenerated = tab.skip_to("ack").await;
     assert_eq!(regenerated["turn"]["revision"], 1);
     let delivered = loop {
         let envelope = agent.recv().await;
@@ -609,7 +562,7 @@ async fn a_stop_without_a_seq_stops_every_waiting_turn_and_a_regenerate_after_a_
     // A seq beyond any there can be is no turn, never "the latest".
     tab.send(json!({"type": "stop", "clientId": "s-big", "seq": u64::MAX}))
         .await;
-    let error = next_frame(&mut tab, "error").await;
+    let error = tab.skip_to("error").await;
     assert_eq!(error["data"]["code"], "bad_request");
     assert_eq!(turn_status(&node, conversation_id, second).await, "pending");
 }

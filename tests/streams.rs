@@ -9,23 +9,10 @@ use serde_json::{Value, json};
 use std::collections::HashMap;
 use support::mekik::Widget;
 use support::ws::WsClient;
-use support::{TestNode, setup, stream_chunk as chunk};
-use uuid::Uuid;
+use support::{TestNode, next_turn, setup, stream_chunk as chunk, turn_in_progress};
 
 fn fast_settle(config: &mut converger_gateway::Config) {
     config.group_settle_ms = 100;
-}
-
-/// The next delivered turn of an agent: (conversation id, seq, fence).
-async fn next_turn(agent: &mut WsClient) -> (String, i64, Option<i64>) {
-    loop {
-        let delivered = agent.recv().await;
-        let turn = &delivered["frame"]["meta"]["turn"];
-        if let Some(seq) = turn["seq"].as_i64() {
-            let conversation = delivered["conversationId"].as_str().unwrap().to_owned();
-            return (conversation, seq, turn["fence"].as_i64());
-        }
-    }
 }
 
 fn result(conversation: &str, seq: i64, stream: &str, text: &str) -> Value {
@@ -88,25 +75,6 @@ impl Tab {
     fn chunks_of(&self, stream: &str) -> usize {
         self.indices.get(stream).map_or(0, Vec::len)
     }
-}
-
-/// A node, alice's conversation and token, a settled agent owning its turns, and alice's first
-/// tab, which has sent "hi" (the agent has the turn): (node, conversation, token, agent, tab,
-/// the turn's seq).
-async fn turn_in_progress(
-    node: TestNode,
-) -> (TestNode, Uuid, String, WsClient, WsClient, String, i64) {
-    let (acme, conversation_id, token) = setup(&node).await;
-    let agent_token = node.agent_token(&acme).await;
-    let (mut agent, welcome) = node.agent(&agent_token, Some("bot")).await;
-    support::settle(&welcome).await;
-    let mut tab = WsClient::connect(&node.ws_url("")).await;
-    tab.hello(&token, json!({})).await;
-    tab.send(json!({"type": "text", "clientId": "q-1", "data": {"text": "hi"}}))
-        .await;
-    tab.recv_type("ack").await;
-    let (conversation, seq, _) = next_turn(&mut agent).await;
-    (node, conversation_id, token, agent, tab, conversation, seq)
 }
 
 #[tokio::test]

@@ -323,6 +323,26 @@ impl TestNode {
             .expect("/metrics body")
     }
 
+    /// `GET …/conversations/{conversation}/activities{query}` with `token`: (status, body).
+    pub async fn activities(
+        &self,
+        conversation: Uuid,
+        token: &str,
+        query: &str,
+    ) -> (u16, serde_json::Value) {
+        let response = self
+            .http
+            .get(self.url(&format!(
+                "/api/v1/converger/conversations/{conversation}/activities{query}"
+            )))
+            .bearer_auth(token)
+            .send()
+            .await
+            .expect("GET activities");
+        let status = response.status().as_u16();
+        (status, response.json().await.expect("a JSON page"))
+    }
+
     /// A tenant with one channel: (api key, channel id, channel secret).
     pub async fn tenant_with_channel(&self, name: &str) -> TenantFixture {
         let tenant = self
@@ -478,4 +498,43 @@ pub async fn wait_until_taken(
         assert_eq!(details["expected"], next, "every chunk was taken: {frame}");
         return;
     }
+}
+
+/// The next delivered turn of an agent, past any other frame: (conversation id, seq, fence).
+pub async fn next_turn(agent: &mut ws::WsClient) -> (String, i64, Option<i64>) {
+    loop {
+        let delivered = agent.recv().await;
+        let turn = &delivered["frame"]["meta"]["turn"];
+        if let Some(seq) = turn["seq"].as_i64() {
+            let conversation = delivered["conversationId"].as_str().unwrap().to_owned();
+            return (conversation, seq, turn["fence"].as_i64());
+        }
+    }
+}
+
+/// A node, alice's conversation and token, a settled agent (group `bot`) owning its turns, and
+/// alice's first tab, which has sent "hi" and read its ack (the agent has the turn): (node,
+/// conversation, token, agent, tab, the enveloped conversation id, the turn's seq).
+pub async fn turn_in_progress(
+    node: TestNode,
+) -> (
+    TestNode,
+    Uuid,
+    String,
+    ws::WsClient,
+    ws::WsClient,
+    String,
+    i64,
+) {
+    let (acme, conversation_id, token) = setup(&node).await;
+    let agent_token = node.agent_token(&acme).await;
+    let (mut agent, welcome) = node.agent(&agent_token, Some("bot")).await;
+    settle(&welcome).await;
+    let mut tab = ws::WsClient::connect(&node.ws_url("")).await;
+    tab.hello(&token, serde_json::json!({})).await;
+    tab.send(serde_json::json!({"type": "text", "clientId": "q-1", "data": {"text": "hi"}}))
+        .await;
+    tab.recv_type("ack").await;
+    let (conversation, seq, _) = next_turn(&mut agent).await;
+    (node, conversation_id, token, agent, tab, conversation, seq)
 }

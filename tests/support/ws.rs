@@ -253,6 +253,25 @@ impl WsClient {
         }
     }
 
+    /// The next frame of type `kind`, past any other ([`WsClient::recv_until`]'s last).
+    pub async fn skip_to(&mut self, kind: &str) -> Value {
+        let mut frames = self.recv_until(kind).await;
+        frames
+            .pop()
+            .expect("recv_until ends with the frame it waited for")
+    }
+
+    /// The `frame` of the next envelope whose frame has type `kind` (an agent's connection),
+    /// past any other.
+    pub async fn skip_to_enveloped(&mut self, kind: &str) -> Value {
+        loop {
+            let envelope = self.recv().await;
+            if envelope["frame"]["type"] == kind {
+                return envelope["frame"].clone();
+            }
+        }
+    }
+
     /// Frames of type `kind`, skipping heartbeats.
     pub async fn recv_type(&mut self, kind: &str) -> Value {
         loop {
