@@ -216,19 +216,7 @@ async fn a_reload_after_an_edit_and_two_regenerations_shows_one_question_and_one
     );
 
     // REST keeps the whole transcript, and shows the chat on request.
-    let texts = |page: &Value| -> Vec<String> {
-        page["activities"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|frame| {
-                frame["data"]["text"]
-                    .as_str()
-                    .unwrap_or_default()
-                    .to_owned()
-            })
-            .collect()
-    };
+    let texts = support::page_texts;
     let (_, page) = activities(&chat, "?view=chat").await;
     let expected: Vec<String> = chat_view.iter().map(|(_, text)| text.to_string()).collect();
     assert_eq!(texts(&page), expected);

@@ -222,20 +222,7 @@ async fn rollback_takes_the_interrupted_turn_and_its_partial_answer_out_of_the_c
 
     let page = |view: &'static str| {
         let (node, token) = (&node, &token);
-        async move {
-            let (_, body) = node.activities(conversation_id, token, view).await;
-            body["activities"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|frame| {
-                    frame["data"]["text"]
-                        .as_str()
-                        .unwrap_or_default()
-                        .to_owned()
-                })
-                .collect::<Vec<String>>()
-        }
+        async move { support::page_texts(&node.activities(conversation_id, token, view).await.1) }
     };
     assert_eq!(
         page("?view=chat").await,

@@ -538,3 +538,18 @@ pub async fn turn_in_progress(
     let (conversation, seq, _) = next_turn(&mut agent).await;
     (node, conversation_id, token, agent, tab, conversation, seq)
 }
+
+/// The `data.text` of each frame of an activities page (`""` for frames without one).
+pub fn page_texts(page: &serde_json::Value) -> Vec<String> {
+    page["activities"]
+        .as_array()
+        .expect("a page has activities")
+        .iter()
+        .map(|frame| {
+            frame["data"]["text"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned()
+        })
+        .collect()
+}
