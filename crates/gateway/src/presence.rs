@@ -15,6 +15,47 @@ use uuid::Uuid;
 use crate::publish::{Audience, Transient};
 use crate::state::AppState;
 
+/// An end user's session outside a WebSocket (Server-Sent Events, the chat frontends),
+/// registered with the hub like a socket: drained with the node, closed by a force-disconnect
+/// (through `controls`), and counted present while it lasts.
+pub(crate) struct EndUserSession {
+    /// Unregisters the session when dropped.
+    pub guard: crate::hub::SessionGuard,
+    /// Drain and force-disconnect orders.
+    pub controls: tokio::sync::mpsc::Receiver<crate::hub::SessionControl>,
+    /// Who it is, for presence.
+    pub presence: Presence,
+}
+
+impl EndUserSession {
+    /// Registers an end-user session of `conversation` on this node.
+    pub(crate) fn register(
+        state: &AppState,
+        conversation: &converger_store::Conversation,
+    ) -> EndUserSession {
+        let (control_sender, controls) = tokio::sync::mpsc::channel(8);
+        let guard = state.hub.register(
+            crate::hub::SessionIdentity {
+                tenant_id: conversation.tenant_id,
+                channel_id: conversation.channel_id,
+                end_user: Some((conversation.id, conversation.user_id.clone())),
+            },
+            control_sender,
+        );
+        let presence = Presence {
+            channel_id: conversation.channel_id,
+            conversation_id: conversation.id,
+            user_id: conversation.user_id.clone(),
+            connection_id: guard.connection_id(),
+        };
+        EndUserSession {
+            guard,
+            controls,
+            presence,
+        }
+    }
+}
+
 /// How often a node looks for dead nodes whose connections still count.
 const REAP_EVERY: Duration = Duration::from_secs(1);
 

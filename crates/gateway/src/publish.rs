@@ -50,6 +50,34 @@ pub(crate) async fn commit_frame(
     Ok((activity, duplicate))
 }
 
+/// A regenerate opened `revision` of `turn` (nothing stored but the registry row): this node's
+/// agents are handed it, and the other nodes' through the bus.
+pub(crate) async fn regenerated(
+    state: &AppState,
+    channel_id: Uuid,
+    turn: Arc<Activity>,
+    revision: i32,
+) {
+    let (conversation_id, seq) = (turn.conversation_id, turn.seq);
+    let event = HubEvent::Regenerated { turn, revision };
+    state
+        .hub
+        .publish_to_agents(channel_id, conversation_id, event);
+    if let Err(error) = state
+        .store
+        .publish_regenerated(
+            state.hub.node_id(),
+            channel_id,
+            conversation_id,
+            seq,
+            revision,
+        )
+        .await
+    {
+        tracing::warn!(%error, "regenerated turn not published to other nodes");
+    }
+}
+
 /// Who receives a transient frame.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Audience {

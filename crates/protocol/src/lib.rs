@@ -3,7 +3,10 @@
 //! No I/O lives here.
 #![forbid(unsafe_code)]
 
+pub mod ag_ui;
 mod agent_frame;
+pub mod ai_sdk;
+mod answer_parts;
 mod client_frame;
 mod delivery;
 mod error_code;
@@ -19,6 +22,7 @@ mod streams;
 mod welcome;
 
 pub use agent_frame::{AgentFrame, EnvelopedFrame, ResultRuntime, TurnResult, parse_agent_text};
+pub use answer_parts::{AnswerPart, ToolCalls, answer_part};
 pub use client_frame::{
     ClientFrame, FORWARDED_TYPES, Hello, Refusal, TurnTarget, parse_client_frame, parse_client_text,
 };

@@ -6,7 +6,8 @@ mod sections;
 
 pub use sections::{
     AdminConfig, ConversationsConfig, DatabaseConfig, DemoConfig, DemoPage, DrainConfig,
-    GossipConfig, HttpConfig, LogFormat, RatesConfig, StatusConfig, StreamsConfig, TurnsConfig,
+    FrontendsConfig, GossipConfig, HttpConfig, LogFormat, RatesConfig, StatusConfig, StreamsConfig,
+    TurnsConfig,
 };
 
 use std::net::SocketAddr;
@@ -79,6 +80,8 @@ pub struct Config {
     pub conversations: ConversationsConfig,
     /// Stops and double texting.
     pub turns: TurnsConfig,
+    /// The chat frontends' routes (AI SDK, AG-UI).
+    pub frontends: FrontendsConfig,
     /// The demo chat page.
     pub demo: DemoConfig,
 }
@@ -113,6 +116,7 @@ impl Default for Config {
             streams: StreamsConfig::default(),
             conversations: ConversationsConfig::default(),
             turns: TurnsConfig::default(),
+            frontends: FrontendsConfig::default(),
             demo: DemoConfig::default(),
         }
     }
@@ -284,7 +288,7 @@ impl Config {
 }
 
 /// Accepts `["a:1", "b:2"]` from TOML or `"a:1,b:2"` from the environment.
-fn list_or_comma_separated<'de, D: Deserializer<'de>>(
+pub(crate) fn list_or_comma_separated<'de, D: Deserializer<'de>>(
     deserializer: D,
 ) -> Result<Vec<String>, D::Error> {
     #[derive(Deserialize)]

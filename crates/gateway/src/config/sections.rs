@@ -265,6 +265,28 @@ impl TurnsConfig {
     }
 }
 
+/// The chat frontends' routes (docs/frontends.md): the AI SDK's `useChat` and AG-UI clients.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FrontendsConfig {
+    /// Browser origins (`scheme://host[:port]`) whose pages may call the frontends' routes
+    /// (CORS); same-origin pages and clients that send no `Origin` always may.
+    #[serde(deserialize_with = "super::list_or_comma_separated")]
+    pub allow_origins: Vec<String>,
+    /// A chat's history (`…/messages`, AG-UI's `MESSAGES_SNAPSHOT`) holds at most this many of
+    /// the conversation's latest frames.
+    pub max_history_frames: i64,
+}
+
+impl Default for FrontendsConfig {
+    fn default() -> Self {
+        FrontendsConfig {
+            allow_origins: Vec::new(),
+            max_history_frames: 1_000,
+        }
+    }
+}
+
 /// Whether the node serves the demo chat page (`GET /demo`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]

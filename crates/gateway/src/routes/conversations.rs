@@ -11,9 +11,10 @@ use axum::http::{HeaderMap, StatusCode};
 use converger_core::policies::TurnPolicy;
 use converger_protocol::Viewer;
 use converger_protocol::{
-    ErrorCode, FrameError, is_valid_client_id, validate_agent_message_frame, validate_message_frame,
+    ErrorCode, FrameError, MessageFrame, is_valid_client_id, validate_agent_message_frame,
+    validate_message_frame,
 };
-use converger_store::{Conversation, NewActivity, Sender, SenderRole};
+use converger_store::{Activity, Conversation, NewActivity, Sender, SenderRole};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use uuid::Uuid;
@@ -101,7 +102,7 @@ pub(crate) async fn create(
 }
 
 /// Loads a conversation the token may use; anything else is 404 so existence never leaks.
-pub(super) async fn authorized_conversation(
+pub(crate) async fn authorized_conversation(
     state: &AppState,
     claims: &Claims,
     raw_id: &str,
@@ -198,7 +199,7 @@ pub(crate) async fn list_activities(
     ))
 }
 
-fn frame_error(error: FrameError) -> ApiError {
+pub(crate) fn frame_error(error: FrameError) -> ApiError {
     let status = match error.code {
         ErrorCode::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
         _ => StatusCode::BAD_REQUEST,
@@ -238,77 +239,29 @@ pub(crate) async fn post_activity(
             Some(key.to_owned())
         }
     };
-    let (sender, frame_id) = match claims.scope() {
-        Scope::Conversation => (
-            Sender {
-                id: conversation.user_id.clone(),
-                role: SenderRole::User,
-            },
-            None,
-        ),
+    let (activity, duplicate) = match claims.scope() {
+        Scope::Conversation => {
+            let key = idempotency_key.or_else(|| message.user_idempotency_key().map(str::to_owned));
+            commit_user_message(&state, &conversation, message, key).await?
+        }
         Scope::Channel => {
             let agent_id = claims
                 .user_id
                 .clone()
                 .unwrap_or_else(|| DEFAULT_AGENT_ID.to_owned());
-            (
-                Sender {
+            let new = NewActivity {
+                conversation_id: conversation.id,
+                id: message.id.clone(),
+                sender: Sender {
                     id: agent_id,
                     role: SenderRole::Agent,
                 },
-                message.id.clone(),
-            )
-        }
-    };
-    let frame_key = match claims.scope() {
-        Scope::Conversation => message.user_idempotency_key().map(str::to_owned),
-        Scope::Channel => message.client_id.clone(),
-    };
-    let new = NewActivity {
-        conversation_id: conversation.id,
-        id: frame_id,
-        kind: message.kind,
-        sender,
-        data: message.data,
-        metadata: message.metadata,
-        extra: Some(message.extra),
-        client_id: idempotency_key.or(frame_key),
-    };
-    let (activity, duplicate) = match claims.scope() {
-        // A user's send is a turn: under its channel's turn policy, or the one it asks for.
-        Scope::Conversation => {
-            let asked = match message.turn_policy.as_deref() {
-                None => None,
-                Some(name) => Some(TurnPolicy::parse(name).ok_or_else(|| {
-                    ApiError::new(
-                        StatusCode::BAD_REQUEST,
-                        ErrorCode::InvalidMessage,
-                        crate::policies::UNKNOWN_POLICY,
-                    )
-                })?),
+                client_id: idempotency_key.or_else(|| message.client_id.clone()),
+                kind: message.kind,
+                data: message.data,
+                metadata: message.metadata,
+                extra: Some(message.extra),
             };
-            let outcome =
-                crate::policies::commit_send(&state, conversation.channel_id, &new, asked)
-                    .await
-                    .map_err(|error| match error {
-                        SendError::Store(error) => ApiError::from(error),
-                        SendError::NotAllowed(policy) => ApiError::bad_request(format!(
-                            "turnPolicy {} is not allowed on this channel",
-                            policy.as_str()
-                        )),
-                    })?;
-            let activity = Arc::new(outcome.activity);
-            if !outcome.duplicate {
-                crate::publish::committed(
-                    &state.hub,
-                    conversation.channel_id,
-                    conversation.id,
-                    [Arc::clone(&activity)],
-                );
-            }
-            (activity, outcome.duplicate)
-        }
-        Scope::Channel => {
             crate::publish::commit_frame(&state, conversation.channel_id, &new).await?
         }
     };
@@ -321,4 +274,57 @@ pub(crate) async fn post_activity(
         status,
         Json(json!({"id": activity.id, "seq": activity.seq})),
     ))
+}
+
+/// Commits an end user's message frame as the conversation's user (a turn), under its channel's
+/// turn policy or the one the frame asks for, and publishes it when new: `(frame, duplicate)`.
+/// REST sends and the chat frontends' posts (docs/frontends.md) share it.
+pub(crate) async fn commit_user_message(
+    state: &AppState,
+    conversation: &Conversation,
+    message: MessageFrame,
+    client_id: Option<String>,
+) -> Result<(Arc<Activity>, bool), ApiError> {
+    let asked = match message.turn_policy.as_deref() {
+        None => None,
+        Some(name) => Some(TurnPolicy::parse(name).ok_or_else(|| {
+            ApiError::new(
+                StatusCode::BAD_REQUEST,
+                ErrorCode::InvalidMessage,
+                crate::policies::UNKNOWN_POLICY,
+            )
+        })?),
+    };
+    let new = NewActivity {
+        conversation_id: conversation.id,
+        id: None,
+        kind: message.kind,
+        sender: Sender {
+            id: conversation.user_id.clone(),
+            role: SenderRole::User,
+        },
+        data: message.data,
+        metadata: message.metadata,
+        extra: Some(message.extra),
+        client_id,
+    };
+    let outcome = crate::policies::commit_send(state, conversation.channel_id, &new, asked)
+        .await
+        .map_err(|error| match error {
+            SendError::Store(error) => ApiError::from(error),
+            SendError::NotAllowed(policy) => ApiError::bad_request(format!(
+                "turnPolicy {} is not allowed on this channel",
+                policy.as_str()
+            )),
+        })?;
+    let activity = Arc::new(outcome.activity);
+    if !outcome.duplicate {
+        crate::publish::committed(
+            &state.hub,
+            conversation.channel_id,
+            conversation.id,
+            [Arc::clone(&activity)],
+        );
+    }
+    Ok((activity, outcome.duplicate))
 }

@@ -24,7 +24,7 @@ use tokio::sync::{broadcast, mpsc};
 use super::conversations::authorized_conversation;
 use crate::auth::{bearer, verified_claims};
 use crate::error::ApiError;
-use crate::hub::{EndUserViews, HubEvent, SessionControl, SessionGuard, SessionIdentity};
+use crate::hub::{EndUserViews, HubEvent, SessionControl, SessionGuard};
 use crate::state::AppState;
 use crate::streams::{PackedChunks, StreamChange, StreamEvent, catch_up_frames};
 use crate::tokens::Scope;
@@ -87,21 +87,11 @@ pub(crate) async fn events(
     }
     let (sender, mut receiver) = mpsc::channel::<Event>(QUEUE);
     // Registered like a socket: drained with the node, closed by a force-disconnect.
-    let (control_sender, controls) = mpsc::channel::<SessionControl>(8);
-    let guard = state.hub.register(
-        SessionIdentity {
-            tenant_id: conversation.tenant_id,
-            channel_id: conversation.channel_id,
-            end_user: Some((conversation.id, conversation.user_id.clone())),
-        },
-        control_sender,
-    );
-    let presence = crate::presence::Presence {
-        channel_id: conversation.channel_id,
-        conversation_id: conversation.id,
-        user_id: conversation.user_id.clone(),
-        connection_id: guard.connection_id(),
-    };
+    let crate::presence::EndUserSession {
+        guard,
+        controls,
+        presence,
+    } = crate::presence::EndUserSession::register(&state, &conversation);
     let follow = Follow {
         state: state.clone(),
         conversation_id: conversation.id,

@@ -6,6 +6,7 @@ mod channels;
 mod conversations;
 mod demo;
 mod events;
+mod frontends;
 mod health;
 mod lifecycle;
 pub mod status;
@@ -62,6 +63,7 @@ pub(crate) fn router(state: AppState) -> Router {
             "/api/v1/converger/conversations/{id}/stop",
             post(stops::stop),
         )
+        .merge(frontends::router(state.clone()))
         .route("/demo", get(demo::page))
         .route("/demo/api/conversation", post(demo::conversation))
         .route("/demo/api/agent-token", post(demo::agent_token))

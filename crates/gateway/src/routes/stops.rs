@@ -41,8 +41,17 @@ pub(crate) async fn stop(
         TenantOrToken::Tenant(tenant) => tenant_conversation(&state, tenant, &id).await?,
         TenantOrToken::Token(claims) => authorized_conversation(&state, claims, &id).await?,
     };
-    let outcome =
-        crate::stops::stop(&state, conversation.id, request.seq, StopReason::Stopped).await?;
+    stop_turns(&state, conversation.id, request.seq).await
+}
+
+/// Stops the conversation's turn at `seq`, or every unanswered one, as the REST answer
+/// `{stopped, seq}` (shared with the chat frontends' stop routes).
+pub(crate) async fn stop_turns(
+    state: &AppState,
+    conversation_id: uuid::Uuid,
+    seq: Option<i64>,
+) -> Result<Json<Value>, ApiError> {
+    let outcome = crate::stops::stop(state, conversation_id, seq, StopReason::Stopped).await?;
     let (stopped, turn) = outcome
         .answer()
         .ok_or_else(|| ApiError::bad_request("no such turn"))?;

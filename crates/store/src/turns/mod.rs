@@ -5,6 +5,7 @@
 //! - `pending.rs`: unanswered turns read back (takeovers, a node's first agent, status);
 //! - `leases.rs`: claims, renewals and releases (lease mode);
 //! - `policies.rs`: a send under a turn policy (reject, interrupt, rollback);
+//! - `progress.rs`: where a turn stands, for clients following its answer;
 //! - `revisions.rs`: edits and regenerates;
 //! - `stops.rs`: stops, and their settlement after the grace period.
 
@@ -12,6 +13,7 @@ mod answers;
 mod leases;
 mod pending;
 mod policies;
+mod progress;
 mod revisions;
 mod stops;
 
@@ -20,6 +22,7 @@ pub(crate) use answers::{AnswerRow, answer_outcome};
 pub use leases::{Claim, StreamableTurn};
 pub use pending::{ChannelPendingTurn, PendingTurn};
 pub use policies::{PolicyCommit, PolicyVerdict};
+pub use progress::{RunningTurn, TurnProgress};
 pub use revisions::{Revision, RevisionRecord};
 pub use stops::{OverdueStop, Settlement, StopOutcome, StoppedAnswer, StoppedTurn};
 

@@ -14,7 +14,6 @@ use converger_store::{CommitOutcome, NewActivity, Sender, SenderRole, StopOutcom
 use serde_json::Value;
 
 use super::Session;
-use crate::hub::HubEvent;
 use crate::policies::SendError;
 use crate::publish;
 use crate::ws::session::Ending;
@@ -263,27 +262,13 @@ impl<'a> Session<'a> {
             }
             None if revision.duplicate => {}
             None => {
-                let event = HubEvent::Regenerated {
-                    turn: Arc::new(turn),
-                    revision: revision.revision,
-                };
-                self.state
-                    .hub
-                    .publish_to_agents(self.channel_id, self.conversation_id, event);
-                if let Err(error) = self
-                    .state
-                    .store
-                    .publish_regenerated(
-                        self.state.hub.node_id(),
-                        self.channel_id,
-                        self.conversation_id,
-                        revision.turn_seq,
-                        revision.revision,
-                    )
-                    .await
-                {
-                    tracing::warn!(%error, "regenerated turn not published to other nodes");
-                }
+                publish::regenerated(
+                    self.state,
+                    self.channel_id,
+                    Arc::new(turn),
+                    revision.revision,
+                )
+                .await;
             }
         }
         if client_id.is_none() || !self.is_converger() {

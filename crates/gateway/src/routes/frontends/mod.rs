@@ -1,0 +1,180 @@
+//! The chat frontends people already use, served unchanged (docs/frontends.md, ADR 0030): the
+//! Vercel AI SDK's UI message stream (`useChat`) and AG-UI over Server-Sent Events.
+//!
+//! - `follow.rs`: follows one turn's answer (streams, then the committed result) for a sink;
+//! - `ai_sdk.rs`: the AI SDK routes and their chunk sink;
+//! - `ag_ui.rs`: the AG-UI routes and their event sink;
+//! - `cors.rs`: the origin allowlist these browser-facing routes answer.
+
+mod ag_ui;
+mod ai_sdk;
+mod cors;
+mod follow;
+
+use std::convert::Infallible;
+use std::time::Duration;
+
+use axum::Router;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use converger_protocol::ErrorCode;
+use converger_store::{Activity, Conversation};
+use tokio::sync::mpsc;
+
+use super::conversations::authorized_conversation;
+use crate::auth::{bearer, verified_claims};
+use crate::error::ApiError;
+use crate::state::AppState;
+use crate::tokens::{Claims, Scope};
+
+/// Events queued for one response before the follower waits for the client.
+const QUEUE: usize = 256;
+
+/// The frontends' routes, behind their CORS allowlist.
+pub(super) fn router(state: AppState) -> Router<AppState> {
+    // Each route also takes OPTIONS, so that a browser's preflight reaches the CORS layer.
+    let preflight = || async { StatusCode::NO_CONTENT };
+    Router::new()
+        .route("/api/v1/ai-sdk/chat", post(ai_sdk::chat).options(preflight))
+        .route(
+            "/api/v1/ai-sdk/chat/{id}/stream",
+            get(ai_sdk::resume).options(preflight),
+        )
+        .route(
+            "/api/v1/ai-sdk/chat/{id}/stop",
+            post(ai_sdk::stop).options(preflight),
+        )
+        .route(
+            "/api/v1/ai-sdk/chat/{id}/messages",
+            get(ai_sdk::messages).options(preflight),
+        )
+        .route("/api/v1/ag-ui/run", post(ag_ui::run).options(preflight))
+        .route(
+            "/api/v1/ag-ui/connect",
+            post(ag_ui::connect).options(preflight),
+        )
+        .route("/api/v1/ag-ui/stop", post(ag_ui::stop).options(preflight))
+        .layer(axum::middleware::from_fn_with_state(state, cors::allow))
+}
+
+/// An end user and the conversation they may use.
+struct EndUser {
+    claims: Claims,
+    conversation: Conversation,
+}
+
+/// The bearer token's end user, for conversation `raw_id`: 401 without a valid token, 403 for a
+/// token that is not an end user's, 404 for a conversation the token may not use.
+async fn end_user(
+    state: &AppState,
+    headers: &HeaderMap,
+    raw_id: &str,
+) -> Result<EndUser, ApiError> {
+    let token = bearer(headers)
+        .filter(|token| !token.is_empty())
+        .ok_or_else(|| ApiError::unauthorized("a bearer token is required"))?;
+    let claims = verified_claims(state, token).await?;
+    if !matches!(claims.scope(), Scope::Conversation) {
+        return Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            ErrorCode::Forbidden,
+            "chat frontends are for end users: use a conversation-scope token",
+        ));
+    }
+    let conversation = authorized_conversation(state, &claims, raw_id).await?;
+    Ok(EndUser {
+        claims,
+        conversation,
+    })
+}
+
+/// The conversation's latest `frontends.max_history_frames` frames as the chat view shows
+/// them (ADR 0018: superseded questions and answers left out, an edit under its turn's id).
+async fn chat_view_frames(
+    state: &AppState,
+    conversation: &Conversation,
+) -> Result<Vec<Activity>, ApiError> {
+    let store = &state.store;
+    let head = store
+        .conversation(conversation.id)
+        .await?
+        .map_or(0, |conversation| conversation.last_seq);
+    let limit = state.config.frontends.max_history_frames.max(1);
+    let view = crate::wire::chat_view(store.revised_turns(conversation.id).await?);
+    let mut after = head.saturating_sub(limit).max(0);
+    let mut frames = Vec::new();
+    while after < head {
+        let page = store
+            .list_activities(conversation.id, after, super::conversations::MAX_PAGE)
+            .await?;
+        let Some(last) = page.last().map(|frame| frame.seq) else {
+            break;
+        };
+        after = last;
+        for frame in page {
+            if view.hides(frame.seq) {
+                continue;
+            }
+            let shown_as = view.shown_as(frame.seq).map(str::to_owned);
+            frames.push(Activity {
+                id: shown_as.unwrap_or(frame.id.clone()),
+                ..frame
+            });
+        }
+    }
+    Ok(frames)
+}
+
+/// The id a client knows one of its user's frames by: the id its client gave (the commit's
+/// idempotency key), else the frame's.
+fn client_message_id(frame: &Activity) -> &str {
+    match (&frame.client_id, frame.sender_role.as_str()) {
+        (Some(client_id), converger_protocol::USER_ROLE) => client_id,
+        _ => &frame.id,
+    }
+}
+
+/// An SSE response of the events `receiver` yields, with heartbeat comments.
+fn sse_body(state: &AppState, mut receiver: mpsc::Receiver<Event>) -> Response {
+    let stream = futures_util::stream::poll_fn(move |context| {
+        receiver
+            .poll_recv(context)
+            .map(|event| event.map(Ok::<Event, Infallible>))
+    });
+    let heartbeat = Duration::from_millis(state.config.limits.heartbeat_interval_ms);
+    Sse::new(stream)
+        .keep_alive(KeepAlive::new().interval(heartbeat).text("heartbeat"))
+        .into_response()
+}
+
+/// Numbers one response's events (`id:`), and knows when its client went away.
+struct EventSender {
+    sender: mpsc::Sender<Event>,
+    next_id: u64,
+}
+
+impl EventSender {
+    fn new(sender: mpsc::Sender<Event>) -> EventSender {
+        EventSender { sender, next_id: 0 }
+    }
+
+    /// Sends `data` as the next event.
+    async fn send_data(&mut self, data: String) -> Result<(), follow::Gone> {
+        self.next_id += 1;
+        let event = Event::default().id(self.next_id.to_string()).data(data);
+        self.sender.send(event).await.map_err(|_| follow::Gone)
+    }
+
+    /// Sends a JSON value as the next event.
+    async fn send_json<T: serde::Serialize>(&mut self, value: &T) -> Result<(), follow::Gone> {
+        // The wire types are plain structs and JSON values: they always serialize.
+        let text = serde_json::to_string(value).unwrap_or_default();
+        self.send_data(text).await
+    }
+
+    async fn closed(&self) {
+        self.sender.closed().await;
+    }
+}
