@@ -283,6 +283,61 @@ async fn ai_sdk_5_6_and_7_parse_a_whole_answer_and_a_stopped_one() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_regenerate_ends_the_replaced_answer_and_a_retry_shows_the_new_one() {
+    let node = TestNode::start_with(quick).await;
+    let (acme, conversation_id, token) = setup(&node).await;
+    let mut agent = bot(&node, &acme).await;
+    let base = node.url("");
+    let send = ["ai-sdk.mjs", "7", "send", "r-1", "tell me"];
+    let first = script(&base, &token, conversation_id, &send)
+        .spawn()
+        .unwrap();
+    let (conversation, seq, _) = next_turn(&mut agent).await;
+    let streamed = stream_words(&mut agent, &conversation, "s-r0", seq, 0..2).await;
+    let regenerate = ["ai-sdk.mjs", "7", "regenerate", "r-1", "tell me"];
+    let again = script(&base, &token, conversation_id, &regenerate)
+        .spawn()
+        .unwrap();
+    let revision = loop {
+        let delivered = agent.recv().await;
+        let turn = &delivered["frame"]["meta"]["turn"];
+        if turn["seq"] == seq && turn["revision"] == 1 {
+            break 1;
+        }
+    };
+    let answer = json!({"conversationId": conversation, "frame": {"type": "turnResult",
+        "clientId": "r-again", "turn": {"seq": seq, "revision": revision},
+        "frames": [{"type": "text", "data": {"text": "A second answer."}}]}});
+    agent.send(answer).await;
+    let replaced = finished(first).await;
+    assert_eq!(
+        chunk_types(&replaced["chunks"]).last().map(String::as_str),
+        Some("abort"),
+        "the replaced answer's stream ends: {replaced}"
+    );
+    assert_eq!(message_text(&replaced["message"]), streamed);
+    let new = finished(again).await;
+    assert_eq!(new["chunks"][0]["messageId"], format!("answer-{seq}-1"));
+    assert_eq!(message_text(&new["message"]), "A second answer.");
+    // A retry of the first send stores nothing and shows the answer that counts.
+    let retry = finished(
+        script(&base, &token, conversation_id, &send)
+            .spawn()
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(message_text(&retry["message"]), "A second answer.");
+    let history = chat_history(&node, conversation_id, &token).await;
+    let texts: Vec<String> = history
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(message_text)
+        .collect();
+    assert_eq!(texts, vec!["tell me", "A second answer."], "{history}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ag_ui_http_agent_runs_connects_mid_run_stops_and_resumes_an_interrupt() {
     let node = TestNode::start_with(quick).await;
     let (acme, conversation_id, token) = setup(&node).await;
@@ -771,9 +826,15 @@ async fn use_chat_in_a_browser_streams_resumes_after_a_reload_and_stops() {
         .wait_for(&format!("{} === '{first}'", page_answer(&answer)))
         .await;
 
-    // A reload mid-stream: the history, then the answer in progress from its start, live.
+    // A reload mid-stream: the history, then the answer in progress from its start, live; and
+    // a second tab opened now follows it too.
     browser.navigate(&page).await;
     browser
+        .wait_for(&format!("{} === '{first}'", page_answer(&answer)))
+        .await;
+    let mut second_tab = Browser::launch().await;
+    second_tab.navigate(&page).await;
+    second_tab
         .wait_for(&format!("{} === '{first}'", page_answer(&answer)))
         .await;
     let rest = stream_words(&mut agent, &conversation, "s-page", seq, 3..6).await;
@@ -792,6 +853,13 @@ async fn use_chat_in_a_browser_streams_resumes_after_a_reload_and_stops() {
             page_answer(&answer)
         ))
         .await;
+    second_tab
+        .wait_for(&format!(
+            "{} === '{text}' && window.chatState.status === 'ready'",
+            page_answer(&answer)
+        ))
+        .await;
+    drop(second_tab);
     browser.keep_screenshot("ai-sdk-use-chat.png").await;
 
     // Stop: the agent is told, the page keeps what streamed, and so does a reload.

@@ -149,7 +149,9 @@ async fn dispatch(store: &Store, hub: &Hub, channels: &mut ChannelsOf, event: Bu
             seq,
             revision,
         } => {
-            if node == hub.node_id() || !hub.has_agents(channel_id) {
+            // Agents take the new revision; frontends following the old one end it (ADR 0030).
+            let wanted = hub.has_agents(channel_id) || hub.has_followers(conversation_id);
+            if node == hub.node_id() || !wanted {
                 return;
             }
             let turn = match store.list_activities(conversation_id, seq - 1, 1).await {
@@ -164,7 +166,7 @@ async fn dispatch(store: &Store, hub: &Hub, channels: &mut ChannelsOf, event: Bu
                 turn: Arc::new(turn),
                 revision,
             };
-            hub.publish_to_agents(channel_id, conversation_id, event);
+            hub.publish_to_all(channel_id, conversation_id, event);
         }
         BusEvent::ChannelStatus {
             channel_id, status, ..

@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use axum::extract::ws::Utf8Bytes;
-use converger_protocol::{ErrorFrame, Profile, Viewer};
+use converger_protocol::{ErrorCode, ErrorFrame, Profile, Viewer};
 use converger_store::Activity;
 use converger_store::bus::{DisconnectOrder, Origin};
 use serde_json::Value;
@@ -134,6 +134,22 @@ pub enum SessionControl {
     },
 }
 
+impl SessionControl {
+    /// The error a session that is not a WebSocket (no close frame) ends with.
+    pub fn error_frame(self) -> ErrorFrame {
+        match self {
+            SessionControl::Drain { retry_after_ms } => ErrorFrame {
+                retry_after_ms: Some(retry_after_ms),
+                ..ErrorFrame::new(ErrorCode::Unavailable, "the node is draining; reconnect")
+            },
+            SessionControl::Close { error, reason, .. } => match error {
+                Some(error) => *error,
+                None => ErrorFrame::new(ErrorCode::Forbidden, &reason),
+            },
+        }
+    }
+}
+
 /// Who a session is, for the orders that pick sessions (deactivation, force-disconnect).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SessionIdentity {
@@ -252,6 +268,13 @@ impl Hub {
         lock(&self.conversations)
             .get(&conversation_id)
             .is_some_and(|topic| topic.sender.receiver_count() > 0 && seq > topic.last_committed)
+    }
+
+    /// True when a session of this node follows the conversation.
+    pub fn has_followers(&self, conversation_id: Uuid) -> bool {
+        lock(&self.conversations)
+            .get(&conversation_id)
+            .is_some_and(|topic| topic.sender.receiver_count() > 0)
     }
 
     /// Hands an event to the conversation's sessions on this node.

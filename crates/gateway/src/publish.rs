@@ -51,7 +51,8 @@ pub(crate) async fn commit_frame(
 }
 
 /// A regenerate opened `revision` of `turn` (nothing stored but the registry row): this node's
-/// agents are handed it, and the other nodes' through the bus.
+/// agents take it and its sessions see it (a frontend following the old revision ends it), and
+/// the other nodes hear it through the bus.
 pub(crate) async fn regenerated(
     state: &AppState,
     channel_id: Uuid,
@@ -60,9 +61,7 @@ pub(crate) async fn regenerated(
 ) {
     let (conversation_id, seq) = (turn.conversation_id, turn.seq);
     let event = HubEvent::Regenerated { turn, revision };
-    state
-        .hub
-        .publish_to_agents(channel_id, conversation_id, event);
+    state.hub.publish_to_all(channel_id, conversation_id, event);
     if let Err(error) = state
         .store
         .publish_regenerated(

@@ -171,24 +171,44 @@ pub enum UiPart {
         /// The text.
         text: String,
     },
-    /// A tool call, with its output when one came (`dynamic-tool`: the tool's name is data,
-    /// not a type the app declared).
-    DynamicTool {
-        /// The tool.
-        tool_name: String,
-        /// The call's id.
-        tool_call_id: String,
-        /// `input-available` or `output-available`.
-        state: &'static str,
-        /// Its input.
-        input: Value,
-        /// Its output, once available.
-        #[serde(skip_serializing_if = "Option::is_none")]
-        output: Option<Value>,
-    },
+    /// A tool call, with its output when one came; serialized flat.
+    #[serde(untagged)]
+    Tool(ToolPart),
     /// A data part, see [`DataChunk`]; serialized flat.
     #[serde(untagged)]
     Data(DataChunk),
+}
+
+/// A tool call part, `tool-<name>`: what the client builds from the live stream's
+/// `tool-input-available` and `tool-output-available`, so a reload shows the same part.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ToolPart {
+    /// `tool-<name>`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The call's id.
+    pub tool_call_id: String,
+    /// `input-available` or `output-available`.
+    pub state: &'static str,
+    /// Its input.
+    pub input: Value,
+    /// Its output, once available.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub output: Option<Value>,
+}
+
+impl ToolPart {
+    /// A call of tool `name` waiting for its output.
+    pub fn called(name: &str, call_id: &str, input: Value) -> ToolPart {
+        ToolPart {
+            kind: format!("tool-{name}"),
+            tool_call_id: call_id.to_owned(),
+            state: "input-available",
+            input,
+            output: None,
+        }
+    }
 }
 
 #[cfg(test)]

@@ -94,11 +94,16 @@ impl ToolCalls {
         self.calls.push((call_id.to_owned(), name.to_owned()));
     }
 
-    /// The call a result answers; `None` when the answer made no call (the result is then
-    /// shown as data).
+    /// The call a result answers; `None` when it names a call this answer did not make, or
+    /// the answer made none (the result is then shown as data: a client refuses the output of
+    /// a call it never saw).
     pub fn answered(&self, call_id: Option<&str>, name: Option<&str>) -> Option<String> {
         if let Some(call_id) = call_id {
-            return Some(call_id.to_owned());
+            return self
+                .calls
+                .iter()
+                .any(|(id, _)| id == call_id)
+                .then(|| call_id.to_owned());
         }
         let by_name = name.and_then(|name| {
             self.calls
@@ -147,6 +152,14 @@ mod tests {
     #[test]
     fn a_result_without_a_call_is_unpaired_and_other_types_are_data() {
         assert_eq!(ToolCalls::default().answered(None, Some("x")), None);
+        let mut calls = ToolCalls::default();
+        calls.called("c-1", "find");
+        assert_eq!(
+            calls.answered(Some("c-9"), None),
+            None,
+            "a call it never made"
+        );
+        assert_eq!(calls.answered(Some("c-1"), None).as_deref(), Some("c-1"));
         let data = json!({"component": "card"});
         assert_eq!(
             answer_part("genui", "g", &data),

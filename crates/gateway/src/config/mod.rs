@@ -278,6 +278,23 @@ impl Config {
         if self.http.max_concurrent_streams == 0 {
             return Err("http.max_concurrent_streams must be greater than 0".into());
         }
+        // An origin is `scheme://host[:port]`: a wildcard (or a path) would never match, and a
+        // wildcard is what CORS must never pair with credentials.
+        if let Some(origin) =
+            self.frontends.allow_origins.iter().find(|origin| {
+                !origin.contains("://") || origin.contains('*') || origin.ends_with('/')
+            })
+        {
+            return Err(format!(
+                "frontends.allow_origins: {origin:?} is not an origin (scheme://host[:port], no wildcard, no path)"
+            ));
+        }
+        if self.frontends.max_history_frames < 1 || self.frontends.max_request_bytes == 0 {
+            return Err(
+                "frontends.max_history_frames and frontends.max_request_bytes must be greater than 0"
+                    .into(),
+            );
+        }
         if self.admin.failures_burst == 0 || self.admin.failures_per_minute == 0 {
             return Err(
                 "admin.failures_burst and admin.failures_per_minute must be greater than 0".into(),

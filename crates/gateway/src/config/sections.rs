@@ -276,6 +276,10 @@ pub struct FrontendsConfig {
     /// A chat's history (`…/messages`, AG-UI's `MESSAGES_SNAPSHOT`) holds at most this many of
     /// the conversation's latest frames.
     pub max_history_frames: i64,
+    /// The largest request body these routes read, in bytes: both clients post the whole chat
+    /// history with every message, so it is larger than `limits.max_frame_bytes` (each message
+    /// committed is still held to the frame limits).
+    pub max_request_bytes: usize,
 }
 
 impl Default for FrontendsConfig {
@@ -283,6 +287,7 @@ impl Default for FrontendsConfig {
         FrontendsConfig {
             allow_origins: Vec::new(),
             max_history_frames: 1_000,
+            max_request_bytes: 1_048_576,
         }
     }
 }

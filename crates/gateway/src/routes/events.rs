@@ -347,16 +347,7 @@ impl Follow {
 
     /// The node drains, or an operator disconnects the user: an `error` event, then the end.
     async fn on_control(&self, control: SessionControl) -> Result<(), Stop> {
-        let error = match control {
-            SessionControl::Drain { retry_after_ms } => ErrorFrame {
-                retry_after_ms: Some(retry_after_ms),
-                ..ErrorFrame::new(ErrorCode::Unavailable, "the node is draining; reconnect")
-            },
-            SessionControl::Close { error, reason, .. } => match error {
-                Some(error) => *error,
-                None => ErrorFrame::new(ErrorCode::Forbidden, &reason),
-            },
-        };
+        let error = control.error_frame();
         self.send(Event::default().event("error").data(error.encode()))
             .await?;
         Err(Stop)

@@ -14,16 +14,19 @@ use converger_protocol::ag_ui::{
 use converger_protocol::{
     AnswerPart, MessageFrame, ToolCalls, answer_part, is_valid_client_id, validate_message_frame,
 };
+use converger_store::RunningTurn;
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 use tokio::sync::mpsc;
 
 use super::follow::{AnswerSink, Follower, Gone, RunEnd, TurnKey};
-use super::{EndUser, EventSender, QUEUE, chat_view_frames, client_message_id, end_user, sse_body};
+use super::{
+    EndUser, EventSender, QUEUE, chat_view_frames, client_message_id, end_user, send_turn, sse_body,
+};
 use crate::error::ApiError;
 use crate::hub::HubEvent;
 use crate::routes::body::parse_json;
-use crate::routes::conversations::{commit_user_message, frame_error};
+use crate::routes::conversations::frame_error;
 use crate::state::AppState;
 
 /// The frame type a run's `resume[]` is committed as: a user turn its agent answers.
@@ -45,13 +48,8 @@ pub(crate) async fn run(
     let mut followed = None;
     let mut refusal = None;
     for (message, key) in sends {
-        match commit_user_message(&state, &user.conversation, message, Some(key)).await {
-            Ok((frame, _)) => {
-                followed = Some(TurnKey {
-                    seq: frame.seq,
-                    revision: 0,
-                })
-            }
+        match send_turn(&state, &user.conversation, message, &key).await {
+            Ok(turn) => followed = Some(turn),
             Err(error) => {
                 refusal = Some(error);
                 break;
@@ -73,7 +71,7 @@ pub(crate) async fn run(
     tokio::spawn(async move {
         let _ = match refusal {
             Some(refusal) => sink.refused(&refusal).await,
-            None => sink.run(&mut follower, followed).await,
+            None => sink.run(&mut follower, followed).await.map(|_| ()),
         };
     });
     Ok(sse_body(&state, receiver))
@@ -90,6 +88,9 @@ pub(crate) async fn connect(
     let input: RunAgentInput = parse_json(body, false)?;
     let user = end_user(&state, &headers, &input.thread_id).await?;
     let mut follower = Follower::open(&state, &user.conversation, user.claims.exp);
+    // The latest turn is read before the snapshot, so a turn that commits in between is shown
+    // as a run (perhaps also in the snapshot), never in neither.
+    let latest = state.store.latest_turn(user.conversation.id).await?;
     let snapshot = snapshot_messages(&chat_view_frames(&state, &user.conversation).await?);
     let running = state.store.running_turn(user.conversation.id).await?;
     let (sender, receiver) = mpsc::channel(QUEUE);
@@ -99,7 +100,19 @@ pub(crate) async fn connect(
             seq: running.seq,
             revision: running.revision,
         });
-        let _ = sink.follow_thread(&mut follower, snapshot, first).await;
+        let after_snapshot = latest.map_or(
+            TurnKey {
+                seq: 0,
+                revision: 0,
+            },
+            |latest| TurnKey {
+                seq: latest.seq,
+                revision: latest.revision,
+            },
+        );
+        let _ = sink
+            .follow_thread(&mut follower, snapshot, first, after_snapshot)
+            .await;
     });
     Ok(sse_body(&state, receiver))
 }
@@ -147,13 +160,24 @@ async fn new_sends(
     let ids: Vec<String> = users.iter().map(|message| message.id.clone()).collect();
     let known = state
         .store
-        .known_client_ids(user.conversation.id, &user.conversation.user_id, &ids)
+        .known_message_ids(user.conversation.id, &user.conversation.user_id, &ids)
         .await?;
     let new: Vec<_> = users
         .into_iter()
         .filter(|message| !known.contains(&message.id))
         .collect();
     let limits = &state.config.limits;
+    // A frame is held to the size a socket's frame may have, `agUi` included.
+    let checked = |frame: &Value| -> Result<MessageFrame, ApiError> {
+        if frame.to_string().len() > limits.max_frame_bytes {
+            return Err(ApiError::new(
+                axum::http::StatusCode::PAYLOAD_TOO_LARGE,
+                converger_protocol::ErrorCode::PayloadTooLarge,
+                "a committed message (with state, tools, context and forwardedProps) is larger than maxFrameBytes",
+            ));
+        }
+        validate_message_frame(frame, limits).map_err(frame_error)
+    };
     let mut sends = Vec::new();
     let resume = input.resume.as_ref().filter(|resume| !resume.is_empty());
     for (position, message) in new.iter().enumerate() {
@@ -161,14 +185,13 @@ async fn new_sends(
         if position + 1 == new.len() && resume.is_none() {
             frame["agUi"] = forwarded(input);
         }
-        let message_frame = validate_message_frame(&frame, limits).map_err(frame_error)?;
-        sends.push((message_frame, message.id.clone()));
+        sends.push((checked(&frame)?, message.id.clone()));
     }
     if let Some(resume) = resume {
         let key = format!("resume:{}", input.run_id);
-        if !is_valid_client_id(&key) {
+        if input.run_id.is_empty() || !is_valid_client_id(&key) {
             return Err(ApiError::bad_request(
-                "runId must be 1-120 characters of A-Za-z0-9._:~- to resume",
+                "to resume, runId must be 1-121 characters of A-Za-z0-9._:~-",
             ));
         }
         let frame =
@@ -213,6 +236,10 @@ fn snapshot_messages(frames: &[converger_store::Activity]) -> Vec<Message> {
             tool_call_id: None,
         };
         let user = frame.sender_role == converger_protocol::USER_ROLE;
+        if user {
+            // A result pairs with a call of the same answer, as live.
+            calls = ToolCalls::default();
+        }
         match answer_part(&frame.kind, &frame.id, &frame.data) {
             AnswerPart::Text(text) if user => messages.push(message("user", Some(text.into()))),
             AnswerPart::Text(text) => messages.push(message("assistant", Some(text.into()))),
@@ -293,14 +320,20 @@ impl RunStream {
         }
     }
 
-    /// One run: `RUN_STARTED`, the answer of `turn` (nothing when there is none), its end.
-    async fn run(&mut self, follower: &mut Follower, turn: Option<TurnKey>) -> Result<(), Gone> {
+    /// One run: `RUN_STARTED`, the answer of `turn` (nothing when there is none), its end;
+    /// false when the session ended meanwhile (expiry, drain, force-disconnect).
+    async fn run(&mut self, follower: &mut Follower, turn: Option<TurnKey>) -> Result<bool, Gone> {
         self.send(self.started()).await?;
         self.answer(follower, turn).await
     }
 
-    /// The answer of `turn` within the open run, then `RUN_FINISHED` or `RUN_ERROR`.
-    async fn answer(&mut self, follower: &mut Follower, turn: Option<TurnKey>) -> Result<(), Gone> {
+    /// The answer of `turn` within the open run, then `RUN_FINISHED` or `RUN_ERROR`; false when
+    /// the session ended meanwhile.
+    async fn answer(
+        &mut self,
+        follower: &mut Follower,
+        turn: Option<TurnKey>,
+    ) -> Result<bool, Gone> {
         let end = match turn {
             Some(turn) => {
                 self.answer_id = turn.answer_id();
@@ -312,39 +345,44 @@ impl RunStream {
         };
         self.close_text().await?;
         let outcome = match end {
-            RunEnd::Failed(error) => {
-                return self
-                    .send(Event::RunError {
-                        message: error.message,
-                        code: Some(error.code.as_str().to_owned()),
-                    })
-                    .await;
-            }
+            RunEnd::Failed(error) => return self.run_error(error, true).await,
+            RunEnd::Ended(error) => return self.run_error(error, false).await,
             RunEnd::Stopped => Some(RunOutcome::Cancelled),
             RunEnd::Answered if !self.interrupts.is_empty() => Some(RunOutcome::Interrupt {
                 interrupts: std::mem::take(&mut self.interrupts),
             }),
             RunEnd::Answered => None,
         };
-        if turn.is_some() {
-            match follower
-                .state()
-                .store
-                .runtime(follower.conversation_id())
-                .await
-            {
-                Ok((_, state)) => self.send(Event::StateSnapshot { snapshot: state }).await?,
-                Err(error) => {
-                    tracing::warn!(%error, "ag-ui: runtime unreadable; no state snapshot")
-                }
-            }
+        match follower
+            .state()
+            .store
+            .runtime(follower.conversation_id())
+            .await
+        {
+            Ok((_, state)) => self.send(Event::StateSnapshot { snapshot: state }).await?,
+            Err(error) => tracing::warn!(%error, "ag-ui: runtime unreadable; no state snapshot"),
         }
         self.send(Event::RunFinished {
             thread_id: self.thread_id.clone(),
             run_id: self.run_id.clone(),
             outcome,
         })
-        .await
+        .await?;
+        Ok(true)
+    }
+
+    /// `RUN_ERROR`; `goes_on` is what [`Self::answer`] answers (false when the session ended).
+    async fn run_error(
+        &mut self,
+        error: converger_protocol::ErrorFrame,
+        goes_on: bool,
+    ) -> Result<bool, Gone> {
+        self.send(Event::RunError {
+            message: error.message,
+            code: Some(error.code.as_str().to_owned()),
+        })
+        .await?;
+        Ok(goes_on)
     }
 
     /// A send the conversation refused: `RUN_STARTED`, `RUN_ERROR`.
@@ -358,45 +396,65 @@ impl RunStream {
     }
 
     /// `connect`: the snapshot (and the running turn) in a first run, then each later turn as
-    /// a run of its own (`turn-<seq>-<revision>`).
+    /// a run of its own (`turn-<seq>-<revision>`); `after_snapshot` is the latest turn the
+    /// snapshot holds.
     async fn follow_thread(
         &mut self,
         follower: &mut Follower,
         snapshot: Vec<Message>,
         first: Option<TurnKey>,
+        after_snapshot: TurnKey,
     ) -> Result<(), Gone> {
         self.send(self.started()).await?;
         self.send(Event::MessagesSnapshot { messages: snapshot })
             .await?;
-        self.answer(follower, first).await?;
-        let mut last = first;
+        if !self.answer(follower, first).await? {
+            return Ok(());
+        }
+        let mut shown = first.unwrap_or(after_snapshot);
+        while let Some(turn) = self.next_turn(follower, shown).await? {
+            self.run_id = format!("turn-{}-{}", turn.seq, turn.revision);
+            if !self.run(follower, Some(turn)).await? {
+                return Ok(());
+            }
+            shown = turn;
+        }
+        Ok(())
+    }
+
+    /// The next turn after `shown` to show as a run, from the registry (a turn that began and
+    /// was answered while another run was followed is shown too); waits for a user's frame, a
+    /// regenerate or another node's commit when there is none yet. `None` when the session
+    /// ends.
+    async fn next_turn(
+        &self,
+        follower: &mut Follower,
+        shown: TurnKey,
+    ) -> Result<Option<TurnKey>, Gone> {
+        let after = RunningTurn {
+            seq: shown.seq,
+            revision: shown.revision,
+        };
         loop {
-            let next = match follower
+            let conversation_id = follower.conversation_id();
+            match follower
                 .state()
                 .store
-                .running_turn(follower.conversation_id())
+                .next_turn_after(conversation_id, after)
                 .await
             {
-                Ok(running) => running.map(|running| TurnKey {
-                    seq: running.seq,
-                    revision: running.revision,
-                }),
-                Err(error) => {
-                    tracing::warn!(%error, "ag-ui: running turn unreadable");
-                    None
+                Ok(Some(next)) => {
+                    return Ok(Some(TurnKey {
+                        seq: next.seq,
+                        revision: next.revision,
+                    }));
                 }
-            };
-            if let Some(turn) = next.filter(|turn| Some(*turn) != last) {
-                self.run_id = format!("turn-{}-{}", turn.seq, turn.revision);
-                self.run(follower, Some(turn)).await?;
-                last = Some(turn);
-                continue;
+                Ok(None) => {}
+                Err(error) => tracing::warn!(%error, "ag-ui: turns unreadable"),
             }
-            // Nothing runs: wait for a user turn, a regenerate, or any commit heard without
-            // its frame (another node's), then look again.
             loop {
                 let Some(event) = follower.next_event(self).await? else {
-                    return Ok(());
+                    return Ok(None);
                 };
                 let wakes = match event {
                     HubEvent::Committed { activity, .. } => activity

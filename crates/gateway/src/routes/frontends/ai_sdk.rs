@@ -10,7 +10,7 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use converger_protocol::ai_sdk::{ChatRequest, DataChunk, UiChunk, UiMessage, UiPart};
+use converger_protocol::ai_sdk::{ChatRequest, DataChunk, ToolPart, UiChunk, UiMessage, UiPart};
 use converger_protocol::{
     AnswerPart, ToolCalls, answer_part, is_valid_client_id, validate_message_frame,
 };
@@ -19,10 +19,12 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use super::follow::{AnswerSink, Follower, Gone, RunEnd, TurnKey, answer_id};
-use super::{EndUser, EventSender, QUEUE, chat_view_frames, client_message_id, end_user, sse_body};
+use super::{
+    EndUser, EventSender, QUEUE, chat_view_frames, client_message_id, end_user, send_turn, sse_body,
+};
 use crate::error::ApiError;
 use crate::routes::body::parse_json;
-use crate::routes::conversations::{commit_user_message, frame_error};
+use crate::routes::conversations::frame_error;
 use crate::state::AppState;
 
 /// The header that tells the AI SDK which stream protocol this is.
@@ -69,18 +71,8 @@ pub(crate) async fn chat(
     };
     let mut follower = Follower::open(&state, &user.conversation, user.claims.exp);
     let turn = match send {
-        Some(message) => {
-            commit_user_message(&state, &user.conversation, message, Some(last.id.clone()))
-                .await
-                .map(|(frame, _)| TurnKey {
-                    seq: frame.seq,
-                    revision: 0,
-                })
-        }
-        None => {
-            let key = request.message_id.as_deref().unwrap_or(&last.id);
-            regenerate_turn(&state, &user, &last.id, key).await
-        }
+        Some(message) => send_turn(&state, &user.conversation, message, &last.id).await,
+        None => regenerate_turn(&state, &user, &last.id, request.message_id.as_deref()).await,
     };
     let (sender, receiver) = mpsc::channel(QUEUE);
     tokio::spawn(async move {
@@ -101,10 +93,12 @@ pub(crate) async fn resume(
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
     let user = end_user(&state, &headers, &id).await?;
-    let mut follower = Follower::open(&state, &user.conversation, user.claims.exp);
+    // An idle check is no session (no presence): the follower reads the turn's result again
+    // after it subscribed, so an answer committed meanwhile is still shown.
     let Some(running) = state.store.running_turn(user.conversation.id).await? else {
         return Ok(StatusCode::NO_CONTENT.into_response());
     };
+    let mut follower = Follower::open(&state, &user.conversation, user.claims.exp);
     let turn = TurnKey {
         seq: running.seq,
         revision: running.revision,
@@ -138,14 +132,15 @@ pub(crate) async fn messages(
     Ok(Json(ui_messages(&frames)))
 }
 
-/// A new revision of the user's latest turn (or the one `message_id` names), published to the
-/// agents. `key` makes a retry of the same regenerate idempotent: the AI SDK sends the id of
-/// the answer being replaced, which differs for every later regenerate.
+/// A new revision of the user's turn `message_id` (else the latest), published to the agents.
+/// Its idempotency key is the answer it replaces: `answer_id` when the client names it (the AI
+/// SDK sends it for `regenerate({messageId})`), else the turn's latest revision's, so a retry
+/// of the same regenerate opens nothing new while a later regenerate does.
 async fn regenerate_turn(
     state: &AppState,
     user: &EndUser,
     message_id: &str,
-    key: &str,
+    answer_id: Option<&str>,
 ) -> Result<TurnKey, ApiError> {
     let conversation: &Conversation = &user.conversation;
     let turn = state
@@ -158,21 +153,44 @@ async fn regenerate_turn(
         )
         .await?
         .ok_or_else(|| ApiError::bad_request("no turn of yours to regenerate"))?;
-    let key = format!("regenerate:{key}");
-    let key = is_valid_client_id(&key).then_some(key);
-    let revision = state
-        .store
-        .open_revision(&turn, None, key.as_deref())
-        .await?;
-    if !revision.duplicate {
-        crate::publish::regenerated(
-            state,
-            conversation.channel_id,
-            Arc::new(turn),
-            revision.revision,
-        )
-        .await;
+    let replaced = match answer_id {
+        Some(answer_id) => answer_id.to_owned(),
+        None => {
+            let latest = state
+                .store
+                .latest_revision(conversation.id, turn.seq)
+                .await?
+                .unwrap_or(0);
+            super::follow::answer_id(turn.seq, latest)
+        }
+    };
+    // Per turn: a foreign or stale answer id names no other turn's revision.
+    let key = format!("regenerate:{}:{replaced}", turn.seq);
+    if !is_valid_client_id(&key) {
+        return Err(ApiError::bad_request(
+            "messageId must be an answer's id (A-Za-z0-9._:~-, at most 100 characters)",
+        ));
     }
+    let revision = state.store.open_revision(&turn, None, Some(&key)).await?;
+    if revision.duplicate {
+        // A retry: the answer that counts now (a later regenerate may have replaced it).
+        let latest = state
+            .store
+            .latest_revision(conversation.id, revision.turn_seq)
+            .await?
+            .unwrap_or(revision.revision);
+        return Ok(TurnKey {
+            seq: revision.turn_seq,
+            revision: latest,
+        });
+    }
+    crate::publish::regenerated(
+        state,
+        conversation.channel_id,
+        Arc::new(turn),
+        revision.revision,
+    )
+    .await;
     Ok(TurnKey {
         seq: revision.turn_seq,
         revision: revision.revision,
@@ -224,11 +242,14 @@ impl UiStream {
         .await?;
         self.send(UiChunk::StartStep).await?;
         let end = follower.follow_turn(turn, self).await?;
+        for part_id in std::mem::take(&mut self.open_texts) {
+            self.send(UiChunk::TextEnd { id: part_id }).await?;
+        }
         self.send(UiChunk::FinishStep).await?;
         match end {
             RunEnd::Answered => self.send(UiChunk::Finish).await?,
             RunEnd::Stopped => self.send(UiChunk::Abort).await?,
-            RunEnd::Failed(error) => {
+            RunEnd::Failed(error) | RunEnd::Ended(error) => {
                 self.send(UiChunk::Error {
                     error_text: format!("{}: {}", error.code.as_str(), error.message),
                 })
@@ -378,13 +399,7 @@ fn add_part(parts: &mut Vec<UiPart>, calls: &mut ToolCalls, frame: &Activity) {
             input,
         } => {
             calls.called(call_id, name);
-            parts.push(UiPart::DynamicTool {
-                tool_name: name.into(),
-                tool_call_id: call_id.into(),
-                state: "input-available",
-                input: input.clone(),
-                output: None,
-            });
+            parts.push(UiPart::Tool(ToolPart::called(name, call_id, input.clone())));
         }
         AnswerPart::ToolResult {
             call_id,
@@ -392,19 +407,16 @@ fn add_part(parts: &mut Vec<UiPart>, calls: &mut ToolCalls, frame: &Activity) {
             output,
         } => {
             let answered = calls.answered(call_id, name);
-            let call = parts.iter_mut().find(|part| {
-                matches!(part, UiPart::DynamicTool { tool_call_id, .. } if Some(tool_call_id) == answered.as_ref())
+            let call = parts.iter_mut().find_map(|part| match part {
+                UiPart::Tool(tool) if Some(&tool.tool_call_id) == answered.as_ref() => Some(tool),
+                _ => None,
             });
             match call {
-                Some(UiPart::DynamicTool {
-                    state,
-                    output: slot,
-                    ..
-                }) => {
-                    *state = "output-available";
-                    *slot = Some(output.clone());
+                Some(tool) => {
+                    tool.state = "output-available";
+                    tool.output = Some(output.clone());
                 }
-                _ => parts.push(UiPart::Data(DataChunk::new(
+                None => parts.push(UiPart::Data(DataChunk::new(
                     "tool_result",
                     &frame.id,
                     frame.data.clone(),

@@ -57,8 +57,10 @@ pub(crate) enum RunEnd {
     Answered,
     /// The turn was stopped (by a user, a newer turn, a regenerate); what streamed is kept.
     Stopped,
-    /// No answer will come, or the session was ended (expiry, drain, force-disconnect).
+    /// No answer will come (it was refused, or the turn failed).
     Failed(ErrorFrame),
+    /// The session ended (token expiry, drain, force-disconnect): nothing more is followed.
+    Ended(ErrorFrame),
 }
 
 /// What renders an answer.
@@ -156,9 +158,9 @@ impl Follower {
             let event = tokio::select! {
                 () = sink.closed() => return Err(Gone),
                 () = &mut expiry => {
-                    return Ok(RunEnd::Failed(ErrorFrame::new(ErrorCode::TokenExpired, "token expired")));
+                    return Ok(RunEnd::Ended(ErrorFrame::new(ErrorCode::TokenExpired, "token expired")));
                 }
-                Some(control) = self.controls.recv() => return Ok(RunEnd::Failed(control_error(control))),
+                Some(control) = self.controls.recv() => return Ok(RunEnd::Ended(control.error_frame())),
                 _ = recheck.tick() => {
                     if let Some(end) = self.settled(turn, &mut shown, sink).await? {
                         return Ok(end);
@@ -172,12 +174,11 @@ impl Follower {
                     self.on_stream(turn, &event, &mut shown, sink).await?;
                     false
                 }
-                Ok(HubEvent::Committed { activity, .. }) => {
-                    activity.as_deref().is_none_or(|frame| {
-                        frame.turn_seq == Some(turn.seq)
-                            && frame.turn_revision == Some(turn.revision)
-                    })
-                }
+                // The answer's frames, an edit of the turn (a newer revision), or a commit heard
+                // without its frame: the registry says whether the followed revision is done.
+                Ok(HubEvent::Committed { activity, .. }) => activity
+                    .as_deref()
+                    .is_none_or(|frame| frame.turn_seq == Some(turn.seq)),
                 Ok(HubEvent::Transient { frame, .. }) => {
                     if refuses_answer(&frame, turn) {
                         return Ok(RunEnd::Failed(ErrorFrame::new(
@@ -302,6 +303,10 @@ impl Follower {
             }
         };
         if !progress.is_settled() {
+            // An edit or a regenerate replaced the revision followed: it gets no answer.
+            if progress.latest_revision > turn.revision {
+                return Ok(Some(RunEnd::Stopped));
+            }
             return Ok(None);
         }
         let frames = match self.answer_frames(&progress.result_seqs).await {
@@ -318,12 +323,14 @@ impl Follower {
             sink.text_end(part_id).await?;
         }
         shown.texts.clear();
+        // Settled without an answer of its agent (stopped, or its conversation closed) is a
+        // stop to the user: what streamed stays.
         Ok(Some(match progress.status.as_str() {
-            "stopped" => RunEnd::Stopped,
+            "completed" => RunEnd::Answered,
             "failed" => {
                 RunEnd::Failed(ErrorFrame::new(ErrorCode::AnswerRefused, "the turn failed"))
             }
-            _ => RunEnd::Answered,
+            _ => RunEnd::Stopped,
         }))
     }
 
@@ -435,8 +442,14 @@ async fn show_committed<S: AnswerSink>(
             .push_str(&rest);
         return sink.text(stream_id, &rest).await;
     }
-    sink.text(&frame.id, text).await?;
-    sink.text_end(&frame.id).await
+    // Not streamed, or committed with other text than streamed: a part of its own (the live
+    // view then shows both; the history, the committed text only).
+    let part_id = match shown.texts.contains_key(&frame.id) {
+        true => format!("{}-committed", frame.id),
+        false => frame.id.clone(),
+    };
+    sink.text(&part_id, text).await?;
+    sink.text_end(&part_id).await
 }
 
 /// True for an `answer_refused` error about `turn`.
@@ -445,18 +458,4 @@ fn refuses_answer(frame: &Value, turn: TurnKey) -> bool {
     data["code"] == "answer_refused"
         && data["details"]["turn"]["seq"] == turn.seq
         && data["details"]["turn"]["revision"] == turn.revision
-}
-
-/// The error a drain or a force-disconnect ends a session with.
-fn control_error(control: SessionControl) -> ErrorFrame {
-    match control {
-        SessionControl::Drain { retry_after_ms } => ErrorFrame {
-            retry_after_ms: Some(retry_after_ms),
-            ..ErrorFrame::new(ErrorCode::Unavailable, "the node is draining; reconnect")
-        },
-        SessionControl::Close { error, reason, .. } => match error {
-            Some(error) => *error,
-            None => ErrorFrame::new(ErrorCode::Forbidden, &reason),
-        },
-    }
 }

@@ -15,6 +15,7 @@ use std::convert::Infallible;
 use std::time::Duration;
 
 use axum::Router;
+use axum::extract::DefaultBodyLimit;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -56,6 +57,9 @@ pub(super) fn router(state: AppState) -> Router<AppState> {
             post(ag_ui::connect).options(preflight),
         )
         .route("/api/v1/ag-ui/stop", post(ag_ui::stop).options(preflight))
+        .layer(DefaultBodyLimit::max(
+            state.config.frontends.max_request_bytes,
+        ))
         .layer(axum::middleware::from_fn_with_state(state, cors::allow))
 }
 
@@ -90,6 +94,36 @@ async fn end_user(
     })
 }
 
+/// Commits an end user's message (`message_id` its idempotency key) and names the turn to
+/// follow: a new turn's revision 0, or for a retry (the id already stored) the turn's latest
+/// revision, so a retry after a regenerate or an edit shows the answer that counts.
+async fn send_turn(
+    state: &AppState,
+    conversation: &Conversation,
+    message: converger_protocol::MessageFrame,
+    message_id: &str,
+) -> Result<follow::TurnKey, ApiError> {
+    let (frame, duplicate) = super::conversations::commit_user_message(
+        state,
+        conversation,
+        message,
+        Some(message_id.to_owned()),
+    )
+    .await?;
+    let revision = match duplicate {
+        false => 0,
+        true => state
+            .store
+            .latest_revision(conversation.id, frame.seq)
+            .await?
+            .unwrap_or(0),
+    };
+    Ok(follow::TurnKey {
+        seq: frame.seq,
+        revision,
+    })
+}
+
 /// The conversation's latest `frontends.max_history_frames` frames as the chat view shows
 /// them (ADR 0018: superseded questions and answers left out, an edit under its turn's id).
 async fn chat_view_frames(
@@ -101,7 +135,7 @@ async fn chat_view_frames(
         .conversation(conversation.id)
         .await?
         .map_or(0, |conversation| conversation.last_seq);
-    let limit = state.config.frontends.max_history_frames.max(1);
+    let limit = state.config.frontends.max_history_frames;
     let view = crate::wire::chat_view(store.revised_turns(conversation.id).await?);
     let mut after = head.saturating_sub(limit).max(0);
     let mut frames = Vec::new();

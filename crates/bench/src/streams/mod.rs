@@ -8,6 +8,12 @@
 //! tab receive) p50/p99, same node and cross node. The peers relay the same chunks publisher →
 //! server → one subscriber connection per tab. Chunks carry their send time, so every latency
 //! is read off one clock. The last stdout line is one JSON object.
+//!
+//! `--clients ws,ai-sdk,ag-ui` measures converger once per client the tabs speak (`tabs.rs`),
+//! in the same run, each against fresh nodes and database: the chat frontends' SSE routes
+//! against the WebSocket path.
+
+mod tabs;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -58,9 +64,15 @@ pub struct StreamsArgs {
     /// NATS server.
     #[arg(long, default_value = "nats://127.0.0.1:4222")]
     nats_url: String,
+    /// The clients converger's tabs speak, each measured in turn (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "ws")]
+    clients: Vec<tabs::Client>,
+    /// Measure converger only (no Redis or NATS peers).
+    #[arg(long)]
+    skip_peers: bool,
 }
 
-type Socket =
+pub(crate) type Socket =
     tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
 
 /// What one tab (or subscriber) saw: chunks per phase, and phase 2's latencies.
@@ -72,7 +84,7 @@ struct Seen {
 
 /// Where a tab sits relative to the publisher.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Place {
+pub(crate) enum Place {
     SameNode,
     CrossNode,
 }
@@ -97,7 +109,7 @@ fn read_chunk(text: &str) -> Option<(usize, u64)> {
 /// tally must cost the receivers as little as it can, since they share the machine with the
 /// systems measured).
 #[derive(Default)]
-struct Tally {
+pub(crate) struct Tally {
     same: Mutex<Seen>,
     cross: Mutex<Seen>,
 }
@@ -109,7 +121,7 @@ fn seen(place: &Mutex<Seen>) -> MutexGuard<'_, Seen> {
 }
 
 impl Tally {
-    fn take(&self, place: Place, text: &str, clock: &Clock) {
+    pub(crate) fn take(&self, place: Place, text: &str, clock: &Clock) {
         let Some((phase, sent)) = read_chunk(text) else {
             return;
         };
@@ -273,30 +285,44 @@ pub async fn run(args: StreamsArgs) -> anyhow::Result<()> {
     if args.nodes == 0 || args.nodes > 2 {
         bail!("--nodes must be 1 or 2");
     }
-    let converger = measure_converger(&args).await?;
+    let Some(&first_client) = args.clients.first() else {
+        bail!("--clients names no client");
+    };
+    let mut by_client = Vec::new();
+    for &client in &args.clients {
+        by_client.push((client, measure_converger(&args, client).await?));
+    }
+    let converger = by_client[0].1.clone();
     let half = converger["chunks_per_sec"].as_f64().unwrap_or(0.0) / 2.0;
     let rate = if args.rate > 0.0 { args.rate } else { half };
-    let redis = match measure_redis(&args, rate).await {
-        Ok(figures) => figures,
-        Err(error) => json!({"failed": format!("{error:#}")}),
+    let skipped = || json!({"failed": "skipped (--skip-peers)"});
+    let redis = match args.skip_peers {
+        true => skipped(),
+        false => measure_redis(&args, rate)
+            .await
+            .unwrap_or_else(|error| json!({"failed": format!("{error:#}")})),
     };
-    let nats = match measure_nats(&args, rate).await {
-        Ok(figures) => figures,
-        Err(error) => json!({"failed": format!("{error:#}")}),
+    let nats = match args.skip_peers {
+        true => skipped(),
+        false => measure_nats(&args, rate)
+            .await
+            .unwrap_or_else(|error| json!({"failed": format!("{error:#}")})),
     };
     let faster_peer = [&redis, &nats]
         .iter()
         .filter_map(|figures| figures["chunks_per_sec"].as_f64())
         .fold(0.0, f64::max);
     let ratio = converger["chunks_per_sec"].as_f64().unwrap_or(0.0) / faster_peer.max(1e-9);
-    println!("system     chunks/s   paced/s   same p50/p99 ms   cross p50/p99 ms");
-    for (name, figures) in [
-        ("converger", &converger),
-        ("redis", &redis),
-        ("nats", &nats),
-    ] {
+    let mut rows: Vec<(String, &Value)> = by_client
+        .iter()
+        .map(|(client, figures)| (format!("converger/{}", client.name()), figures))
+        .collect();
+    rows.push(("redis".into(), &redis));
+    rows.push(("nats".into(), &nats));
+    println!("system              chunks/s   paced/s   same p50/p99 ms   cross p50/p99 ms");
+    for (name, figures) in &rows {
         println!(
-            "{name:<10} {:>9.0} {:>9.0}   {:>6.2} / {:>6.2}   {:>6.2} / {:>6.2}",
+            "{name:<19} {:>9.0} {:>9.0}   {:>6.2} / {:>6.2}   {:>6.2} / {:>6.2}",
             figures["chunks_per_sec"].as_f64().unwrap_or(0.0),
             figures["paced_chunks_per_sec"].as_f64().unwrap_or(0.0),
             figures["same_node_ms"]["p50"].as_f64().unwrap_or(0.0),
@@ -306,18 +332,31 @@ pub async fn run(args: StreamsArgs) -> anyhow::Result<()> {
         );
     }
     println!("CPU µs per chunk delivered at full speed, by process:");
-    for (name, figures) in [
-        ("converger", &converger),
-        ("redis", &redis),
-        ("nats", &nats),
-    ] {
+    for (name, figures) in &rows {
         let parts: Vec<String> = figures["cpu_us_per_chunk_at_full_speed"]
             .as_object()
             .into_iter()
             .flatten()
             .map(|(process, micros)| format!("{process} {:.1}", micros.as_f64().unwrap_or(0.0)))
             .collect();
-        println!("  {name:<10} {}", parts.join(", "));
+        println!("  {name:<19} {}", parts.join(", "));
+    }
+    // Each client against the first (the WebSocket path by default), in this run.
+    let mut clients = serde_json::Map::new();
+    let mut ratios = serde_json::Map::new();
+    let of = |figures: &Value, pointer: &str| figures.pointer(pointer).and_then(Value::as_f64);
+    for (client, figures) in &by_client {
+        clients.insert(client.name().into(), figures.clone());
+        let ratio = |pointer: &str| match (of(figures, pointer), of(&converger, pointer)) {
+            (Some(value), Some(base)) if base > 0.0 => json!(value / base),
+            _ => Value::Null,
+        };
+        ratios.insert(
+            client.name().into(),
+            json!({"chunks_per_sec": ratio("/chunks_per_sec"),
+                   "same_node_p99": ratio("/same_node_ms/p99"),
+                   "cross_node_p99": ratio("/cross_node_ms/p99")}),
+        );
     }
     let mut line = converger.clone();
     line["bench"] = json!("streams");
@@ -325,18 +364,22 @@ pub async fn run(args: StreamsArgs) -> anyhow::Result<()> {
     line["settings"] = json!({
         "streams": args.streams, "chunk_bytes": args.chunk_bytes, "paced_rate": rate,
         "nodes": args.nodes, "second_tabs": args.second_tabs, "duration_secs": args.duration,
+        "clients": args.clients.iter().map(|client| client.name()).collect::<Vec<_>>(),
     });
     line["durability"] = json!(
         "all three relay transient chunks in memory: converger writes no chunk to Postgres; \
          Redis pub/sub and NATS core keep nothing"
     );
     line["ratio_to_faster_peer"] = json!(ratio);
+    line["client"] = json!(first_client.name());
+    line["clients"] = Value::Object(clients);
+    line["ratio_to_first_client"] = Value::Object(ratios);
     line["peers"] = json!({"redis": redis, "nats": nats});
     println!("{line}");
     Ok(())
 }
 
-async fn measure_converger(args: &StreamsArgs) -> anyhow::Result<Value> {
+async fn measure_converger(args: &StreamsArgs, client: tabs::Client) -> anyhow::Result<Value> {
     let binary = args.binary.clone().unwrap_or_else(default_binary);
     let env = [
         ("CONVERGER_LIMITS__MAX_FRAMES_PER_SEC", "1000000".to_owned()),
@@ -350,6 +393,11 @@ async fn measure_converger(args: &StreamsArgs) -> anyhow::Result<Value> {
         ),
         ("CONVERGER_LIMITS__OUTBOUND_QUEUE_FRAMES", "8192".to_owned()),
         ("CONVERGER_GROUP_SETTLE_MS", "100".to_owned()),
+        // Every tab is a connection from 127.0.0.1.
+        (
+            "CONVERGER_HTTP__MAX_CONNECTIONS_PER_ADDRESS",
+            "1000000".to_owned(),
+        ),
     ];
     let first = Gateway::start(&binary, &args.database_url, &env).await?;
     let mut second = None;
@@ -362,7 +410,7 @@ async fn measure_converger(args: &StreamsArgs) -> anyhow::Result<Value> {
         let database = first.database_name().to_owned();
         second = Some(Gateway::start_on(&binary, &args.database_url, &database, &with_seed).await?);
     }
-    let outcome = converger_phases(args, &first, second.as_ref()).await;
+    let outcome = converger_phases(args, client, &first, second.as_ref()).await;
     if let Some(second) = second {
         second.kill().await;
     }
@@ -370,7 +418,7 @@ async fn measure_converger(args: &StreamsArgs) -> anyhow::Result<Value> {
     outcome
 }
 
-async fn connect(url: &str) -> anyhow::Result<Socket> {
+pub(crate) async fn connect(url: &str) -> anyhow::Result<Socket> {
     let (socket, _) = tokio::time::timeout(
         Duration::from_secs(10),
         tokio_tungstenite::connect_async(url),
@@ -380,7 +428,7 @@ async fn connect(url: &str) -> anyhow::Result<Socket> {
     Ok(socket)
 }
 
-async fn hello(socket: &mut Socket, hello: Value) -> anyhow::Result<Value> {
+pub(crate) async fn hello(socket: &mut Socket, hello: Value) -> anyhow::Result<Value> {
     socket.send(Message::text(hello.to_string())).await?;
     loop {
         let Some(message) = socket.next().await else {
@@ -398,34 +446,9 @@ async fn hello(socket: &mut Socket, hello: Value) -> anyhow::Result<Value> {
     }
 }
 
-/// The two fields of an end user's frame a tab reads (the rest is skipped, not built).
-#[derive(serde::Deserialize)]
-struct ChunkView<'a> {
-    #[serde(rename = "type", borrow)]
-    kind: &'a str,
-    #[serde(default, borrow)]
-    text: Option<&'a str>,
-}
-
-/// One tab: reads frames until the socket closes, tallying stream chunks.
-async fn tab(mut socket: Socket, place: Place, tally: Arc<Tally>, clock: Clock) {
-    while let Some(Ok(message)) = socket.next().await {
-        let Message::Text(text) = message else {
-            continue;
-        };
-        let Ok(frame) = serde_json::from_str::<ChunkView<'_>>(text.as_str()) else {
-            continue;
-        };
-        if frame.kind == "streamChunk"
-            && let Some(text) = frame.text
-        {
-            tally.take(place, text, &clock);
-        }
-    }
-}
-
 async fn converger_phases(
     args: &StreamsArgs,
+    client: tabs::Client,
     first: &Gateway,
     second: Option<&Gateway>,
 ) -> anyhow::Result<Value> {
@@ -451,38 +474,21 @@ async fn converger_phases(
     } else {
         usize::MAX
     };
-    let mut firsts = Vec::with_capacity(args.streams);
+    let http = reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .build()?;
+    let mut seconds = Vec::new();
     for n in 0..args.streams {
         let user = rest
             .generate_token(&channel.secret, &TokenRequest::for_user(&format!("u{n}")))
             .await?;
         let created = rest.create_conversation(&user.token).await?;
-        let mut socket = connect(&first.ws_url).await?;
-        hello(
-            &mut socket,
-            json!({"type": "hello", "protocol": "converger/1", "token": created.token}),
-        )
-        .await?;
-        socket
-            .send(Message::text(
-                json!({"type": "text", "clientId": "q", "data": {"text": "go"}}).to_string(),
-            ))
-            .await?;
-        firsts.push(socket);
-        if let Some(second) = second
-            && n % second_every == 0
-        {
-            let mut other = connect(&second.ws_url).await?;
-            hello(
-                &mut other,
-                json!({"type": "hello", "protocol": "converger/1", "token": created.token}),
-            )
-            .await?;
-            tabs.spawn(tab(other, Place::CrossNode, Arc::clone(&tally), clock));
+        let conversation = created.conversation_id.to_string();
+        let tab = tabs::open_first(client, first, &http, &conversation, &created.token).await?;
+        tabs.spawn(tabs::read(tab, Place::SameNode, Arc::clone(&tally), clock));
+        if second.is_some() && n % second_every == 0 {
+            seconds.push((conversation, created.token));
         }
-    }
-    for socket in firsts {
-        tabs.spawn(tab(socket, Place::SameNode, Arc::clone(&tally), clock));
     }
     // The agent's turns: one per conversation.
     let mut turns: Vec<(String, i64)> = Vec::with_capacity(args.streams);
@@ -504,6 +510,13 @@ async fn converger_phases(
     tokio::time::timeout(Duration::from_secs(120), collect)
         .await
         .context("the agent did not get every turn")??;
+    // Second tabs once every turn exists (an SSE resume or connect follows a running turn).
+    if let Some(second) = second {
+        for (conversation, token) in &seconds {
+            let tab = tabs::open_second(client, second, &http, conversation, token).await?;
+            tabs.spawn(tabs::read(tab, Place::CrossNode, Arc::clone(&tally), clock));
+        }
+    }
     let (mut writer, mut reader) = agent.split();
     // Refusals would show up here; the reader keeps the socket drained.
     let refused = Arc::new(AtomicU64::new(0));
