@@ -72,6 +72,9 @@ pub struct StreamsArgs {
     skip_peers: bool,
 }
 
+/// The nodes' stream budgets (per channel, per node): 4 GiB.
+const STREAM_BUDGET_BYTES: u64 = 4 << 30;
+
 pub(crate) type Socket =
     tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
 
@@ -288,9 +291,14 @@ pub async fn run(args: StreamsArgs) -> anyhow::Result<()> {
     let Some(&first_client) = args.clients.first() else {
         bail!("--clients names no client");
     };
-    let mut by_client = Vec::new();
+    // Phase 2 paces every client at the first one's rate (half its phase 1, unless --rate), so
+    // their latencies are read under the same load.
+    let mut by_client: Vec<(tabs::Client, Value)> = Vec::new();
     for &client in &args.clients {
-        by_client.push((client, measure_converger(&args, client).await?));
+        let paced = by_client
+            .first()
+            .and_then(|(_, first)| first["settings_paced_rate"].as_f64());
+        by_client.push((client, measure_converger(&args, client, paced).await?));
     }
     let converger = by_client[0].1.clone();
     let half = converger["chunks_per_sec"].as_f64().unwrap_or(0.0) / 2.0;
@@ -312,7 +320,10 @@ pub async fn run(args: StreamsArgs) -> anyhow::Result<()> {
         .iter()
         .filter_map(|figures| figures["chunks_per_sec"].as_f64())
         .fold(0.0, f64::max);
-    let ratio = converger["chunks_per_sec"].as_f64().unwrap_or(0.0) / faster_peer.max(1e-9);
+    let ratio = match faster_peer > 0.0 {
+        true => json!(converger["chunks_per_sec"].as_f64().unwrap_or(0.0) / faster_peer),
+        false => Value::Null,
+    };
     let mut rows: Vec<(String, &Value)> = by_client
         .iter()
         .map(|(client, figures)| (format!("converger/{}", client.name()), figures))
@@ -370,7 +381,7 @@ pub async fn run(args: StreamsArgs) -> anyhow::Result<()> {
         "all three relay transient chunks in memory: converger writes no chunk to Postgres; \
          Redis pub/sub and NATS core keep nothing"
     );
-    line["ratio_to_faster_peer"] = json!(ratio);
+    line["ratio_to_faster_peer"] = ratio;
     line["client"] = json!(first_client.name());
     line["clients"] = Value::Object(clients);
     line["ratio_to_first_client"] = Value::Object(ratios);
@@ -379,7 +390,11 @@ pub async fn run(args: StreamsArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn measure_converger(args: &StreamsArgs, client: tabs::Client) -> anyhow::Result<Value> {
+async fn measure_converger(
+    args: &StreamsArgs,
+    client: tabs::Client,
+    paced: Option<f64>,
+) -> anyhow::Result<Value> {
     let binary = args.binary.clone().unwrap_or_else(default_binary);
     let env = [
         ("CONVERGER_LIMITS__MAX_FRAMES_PER_SEC", "1000000".to_owned()),
@@ -391,13 +406,18 @@ async fn measure_converger(args: &StreamsArgs, client: tabs::Client) -> anyhow::
             "CONVERGER_LIMITS__MAX_STREAM_BYTES",
             converger_protocol::MAX_STREAM_BYTES_CEILING.to_string(),
         ),
+        // The streams' budgets must hold every chunk of the run (they stay open throughout),
+        // and the node refuses a per-stream limit above them.
+        (
+            "CONVERGER_LIMITS__MAX_STREAM_BYTES_PER_CHANNEL",
+            STREAM_BUDGET_BYTES.to_string(),
+        ),
+        (
+            "CONVERGER_LIMITS__MAX_STREAM_BYTES_PER_NODE",
+            STREAM_BUDGET_BYTES.to_string(),
+        ),
         ("CONVERGER_LIMITS__OUTBOUND_QUEUE_FRAMES", "8192".to_owned()),
         ("CONVERGER_GROUP_SETTLE_MS", "100".to_owned()),
-        // Every tab is a connection from 127.0.0.1.
-        (
-            "CONVERGER_HTTP__MAX_CONNECTIONS_PER_ADDRESS",
-            "1000000".to_owned(),
-        ),
     ];
     let first = Gateway::start(&binary, &args.database_url, &env).await?;
     let mut second = None;
@@ -410,7 +430,7 @@ async fn measure_converger(args: &StreamsArgs, client: tabs::Client) -> anyhow::
         let database = first.database_name().to_owned();
         second = Some(Gateway::start_on(&binary, &args.database_url, &database, &with_seed).await?);
     }
-    let outcome = converger_phases(args, client, &first, second.as_ref()).await;
+    let outcome = converger_phases(args, client, paced, &first, second.as_ref()).await;
     if let Some(second) = second {
         second.kill().await;
     }
@@ -449,6 +469,7 @@ pub(crate) async fn hello(socket: &mut Socket, hello: Value) -> anyhow::Result<V
 async fn converger_phases(
     args: &StreamsArgs,
     client: tabs::Client,
+    paced: Option<f64>,
     first: &Gateway,
     second: Option<&Gateway>,
 ) -> anyhow::Result<Value> {
@@ -545,15 +566,18 @@ async fn converger_phases(
         processes.push(("node_2".to_owned(), second.pid()));
     }
     let mut cpu = Value::Null;
+    let mut paced_rate = 0.0;
     for phase in 0..2u8 {
         let meter = CpuMeter::start(processes.clone());
-        let rate = if phase == 0 {
-            0.0
-        } else if args.rate > 0.0 {
-            args.rate
-        } else {
-            phase_rate / 2.0
+        let rate = match (phase, paced) {
+            (0, _) => 0.0,
+            (_, Some(paced)) => paced,
+            _ if args.rate > 0.0 => args.rate,
+            _ => phase_rate / 2.0,
         };
+        if phase == 1 {
+            paced_rate = rate;
+        }
         let mut pacer = Pacer::new(rate, Duration::from_secs(args.duration));
         while let Some(stream) = pacer.next(args.streams).await {
             let (conversation, seq) = &turns[stream];
@@ -593,6 +617,7 @@ async fn converger_phases(
     tabs.abort_all();
     let mut figures = tally.figures(phase_secs);
     figures["refused"] = json!(refused.load(Ordering::Relaxed));
+    figures["settings_paced_rate"] = json!(paced_rate);
     figures["cpu_us_per_chunk_at_full_speed"] = cpu;
     figures["rss_kib"] = json!({"before": rss_before, "streams_open": rss_open,
         "right_after_the_burst": rss_after_burst});
