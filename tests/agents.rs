@@ -1289,3 +1289,60 @@ async fn the_rust_agent_client_answers_in_lease_mode_with_the_fence() {
         .unwrap();
     assert_eq!(ack.seqs.len(), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_users_meta_and_hello_tools_reach_agents_and_are_never_shown_to_users() {
+    let node = TestNode::start_with(|config| config.group_settle_ms = 100).await;
+    let (acme, conversation_id, token) = support::setup(&node).await;
+    let token_for_agents = agent_token(&node, &acme).await;
+    let (mut bot, welcome) = agent(&node, &token_for_agents, Some("bot")).await;
+    support::settle(&welcome).await;
+    let mut tab = WsClient::connect(&node.ws_url("")).await;
+    let hello = json!({"meta": {"locale": "fr", "page": "/a"}, "tools": [{"name": "pick_date"}]});
+    tab.hello(&token, hello).await;
+    let tools = bot.skip_to_enveloped("client_tools").await;
+    assert_eq!(
+        tools["data"]["tools"],
+        json!([{"name": "pick_date"}]),
+        "{tools}"
+    );
+
+    // The send's meta over the hello's, key by key, in the delivered turn's meta.client.
+    tab.send(
+        json!({"type": "text", "clientId": "q-1", "data": {"text": "hi"},
+                    "meta": {"page": "/b"}}),
+    )
+    .await;
+    tab.skip_to("ack").await;
+    let delivered = bot.skip_to_enveloped("text").await;
+    assert_eq!(
+        delivered["meta"]["client"],
+        json!({"locale": "fr", "page": "/b"}),
+        "{delivered}"
+    );
+
+    // Over REST: the body's meta alone.
+    let response = node
+        .http
+        .post(node.url(&format!(
+            "/api/v1/converger/conversations/{conversation_id}/activities"
+        )))
+        .bearer_auth(&token)
+        .json(&json!({"type": "text", "data": {"text": "again"}, "meta": {"via": "rest"}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 201);
+    let delivered = bot.skip_to_enveloped("text").await;
+    assert_eq!(delivered["meta"]["client"], json!({"via": "rest"}));
+
+    // Users never see it: not in the history, not in a replay.
+    let (_, page) = node.activities(conversation_id, &token, "").await;
+    for frame in page["activities"].as_array().unwrap() {
+        assert!(frame.get("meta").is_none(), "{frame}");
+    }
+    let mut other = WsClient::connect(&node.ws_url("")).await;
+    other.hello(&token, json!({})).await;
+    let replayed = other.recv_type("text").await;
+    assert!(replayed.get("meta").is_none(), "{replayed}");
+}

@@ -344,16 +344,26 @@ async fn ag_ui_http_agent_runs_connects_mid_run_stops_and_resumes_an_interrupt()
     let mut agent = bot(&node, &acme).await;
     let base = node.url("");
 
-    // A run: the verifier passes, the answer's parts map to events, the runtime is the state.
-    let child = script(
+    // A run: the verifier passes, the answer's parts map to events, the runtime is the state,
+    // and what the client forwards reaches the agent in the turn's meta.
+    let mut command = script(
         &base,
         &token,
         conversation_id,
         &["ag-ui.mjs", "run", "m-1", "table for 4"],
-    )
-    .spawn()
-    .unwrap();
-    let (conversation, seq, _) = next_turn(&mut agent).await;
+    );
+    command.env("FORWARDED_PROPS", r#"{"page":"booking"}"#);
+    let child = command.spawn().unwrap();
+    let delivered = agent.skip_to_enveloped("text").await;
+    let client = &delivered["meta"]["client"]["agUi"];
+    assert_eq!(
+        client["forwardedProps"],
+        json!({"page": "booking"}),
+        "{delivered}"
+    );
+    assert_eq!(client["tools"], json!([]), "{delivered}");
+    let conversation = conversation_id.to_string();
+    let seq = delivered["meta"]["turn"]["seq"].as_i64().unwrap();
     let streamed = stream_words(&mut agent, &conversation, "s-run", seq, 0..3).await;
     let frames = json!([
         {"type": "tool_call", "data": {"name": "find_table", "arguments": {"party": 4}}},

@@ -9,7 +9,8 @@
 //   node ag-ui.mjs stop
 //
 // Environment: BASE (the node's URL), TOKEN (a conversation-scope token), CONVERSATION (the
-// conversation id, which is the AG-UI threadId).
+// conversation id, which is the AG-UI threadId); `run` sends FORWARDED_PROPS (JSON), if set,
+// as the run's forwardedProps.
 //
 // Output, one JSON line on stdout:
 //   run, resume:          a run report {"events", "messages", "state", "result", "pendingInterrupts"}
@@ -129,7 +130,9 @@ async function main() {
             if (!messageId || text === undefined) usage('run needs <messageId> <text>');
             const agent = newAgent();
             agent.messages = [{ id: messageId, role: 'user', content: text }];
-            const report = await runOnce(agent, { runId: randomUUID() });
+            // FORWARDED_PROPS (JSON) goes with the run, as an app passes its own props.
+            const forwardedProps = process.env.FORWARDED_PROPS ? JSON.parse(process.env.FORWARDED_PROPS) : undefined;
+            const report = await runOnce(agent, { runId: randomUUID(), forwardedProps });
             print(report);
             return erred(report) ? 3 : 0;
         }

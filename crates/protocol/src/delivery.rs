@@ -135,6 +135,10 @@ pub struct TurnMeta<'a> {
     /// The runtime at delivery.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub runtime: Option<RuntimeRef<'a>>,
+    /// The end user's `meta` for this turn (the send's over its connection's hello's), kept
+    /// with the frame and shown to agents only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub client: Option<&'a Value>,
 }
 
 /// `{id}` of a channel.
@@ -181,6 +185,7 @@ mod tests {
         let mut turn = TurnRef::new("conv", 4, 1, Some("edit"));
         turn.fence = Some(2);
         let state = json!({"n": 1});
+        let client = json!({"locale": "fr"});
         let meta = TurnMeta {
             channel: ChannelRef { id: "chan" },
             participant: Participant {
@@ -192,6 +197,7 @@ mod tests {
                 version: 3,
                 state: &state,
             }),
+            client: Some(&client),
         };
         let text = delivered_turn("conv", frame.view(Viewer::Agent), &meta);
         let value: Value = serde_json::from_str(&text).unwrap();
@@ -202,7 +208,7 @@ mod tests {
             value["frame"]["meta"],
             json!({"channel": {"id": "chan"}, "participant": {"id": "alice", "role": "user"},
                    "turn": {"seq": 4, "revision": 1, "key": "conv:4:1", "reason": "edit", "fence": 2},
-                   "runtime": {"version": 3, "state": {"n": 1}}})
+                   "runtime": {"version": 3, "state": {"n": 1}}, "client": {"locale": "fr"}})
         );
     }
 }

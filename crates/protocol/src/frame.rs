@@ -59,6 +59,21 @@ const NOT_STORED_FIELDS: &[&str] = &[
     "turnPolicy",
 ];
 
+/// The `meta` an end user's turn carries to agents: the send's `meta` over its connection's
+/// hello `meta`, key by key (both objects); `None` when neither has one.
+pub fn turn_client_meta(hello: Option<&Value>, send: Option<&Value>) -> Option<Value> {
+    let mut merged = match hello {
+        Some(Value::Object(hello)) => hello.clone(),
+        _ => Map::new(),
+    };
+    if let Some(Value::Object(send)) = send {
+        for (key, value) in send {
+            merged.insert(key.clone(), value.clone());
+        }
+    }
+    (!merged.is_empty()).then_some(Value::Object(merged))
+}
+
 /// Why a frame was refused: the error code and a human message.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FrameError {
@@ -291,6 +306,24 @@ fn serialized_len(value: &Value) -> usize {
     serde_json::to_vec(value)
         .map(|bytes| bytes.len())
         .unwrap_or(usize::MAX)
+}
+
+#[cfg(test)]
+mod meta_tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn a_send_s_meta_overrides_the_hello_s_key_by_key() {
+        let hello = json!({"locale": "fr", "page": "/a"});
+        let send = json!({"page": "/b"});
+        assert_eq!(
+            turn_client_meta(Some(&hello), Some(&send)),
+            Some(json!({"locale": "fr", "page": "/b"}))
+        );
+        assert_eq!(turn_client_meta(None, None), None);
+        assert_eq!(turn_client_meta(Some(&json!({})), None), None);
+    }
 }
 
 #[cfg(test)]

@@ -32,8 +32,8 @@ pub use delivery::{
 };
 pub use error_code::{CloseCode, ErrorCode};
 pub use frame::{
-    CONTROL_TYPES, FrameError, MessageFrame, SERVER_ONLY_TYPES, validate_agent_message_frame,
-    validate_message_frame,
+    CONTROL_TYPES, FrameError, MessageFrame, SERVER_ONLY_TYPES, turn_client_meta,
+    validate_agent_message_frame, validate_message_frame,
 };
 pub use ids::{MAX_USER_ID_BYTES, is_valid_client_id, is_valid_group, is_valid_user_id};
 pub use limits::{Limits, MAX_STREAM_BYTES_CEILING};

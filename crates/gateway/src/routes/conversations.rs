@@ -295,6 +295,11 @@ pub(crate) async fn commit_user_message(
             )
         })?),
     };
+    // The turn's meta for agents is kept with the frame (never shown to end users).
+    let mut extra = message.extra;
+    if let Some(meta) = converger_protocol::turn_client_meta(None, message.meta.as_ref()) {
+        extra.insert("meta".into(), meta);
+    }
     let new = NewActivity {
         conversation_id: conversation.id,
         id: None,
@@ -305,7 +310,7 @@ pub(crate) async fn commit_user_message(
         },
         data: message.data,
         metadata: message.metadata,
-        extra: Some(message.extra),
+        extra: Some(extra),
         client_id,
     };
     let outcome = crate::policies::commit_send(state, conversation.channel_id, &new, asked)

@@ -33,8 +33,8 @@ use crate::state::AppState;
 const RESUME_TYPE: &str = "interrupt_response";
 
 /// `POST /api/v1/ag-ui/run`: commits the user messages of `messages` the conversation has not
-/// seen (each a turn; the last carries `state`, `tools`, `context` and `forwardedProps` under
-/// `agUi`) and, with `resume[]`, one `interrupt_response` turn; then streams the last turn's
+/// seen (each a turn; the last carries `state`, `tools`, `context` and `forwardedProps` to its
+/// agent in the turn's meta, `agUi`) and, with `resume[]`, one `interrupt_response` turn; then streams the last turn's
 /// answer as one run. With nothing new, it follows the running turn, if any.
 pub(crate) async fn run(
     State(state): State<AppState>,
@@ -167,7 +167,7 @@ async fn new_sends(
         .filter(|message| !known.contains(&message.id))
         .collect();
     let limits = &state.config.limits;
-    // A frame is held to the size a socket's frame may have, `agUi` included.
+    // A frame is held to the size a socket's frame may have, its meta included.
     let checked = |frame: &Value| -> Result<MessageFrame, ApiError> {
         if frame.to_string().len() > limits.max_frame_bytes {
             return Err(ApiError::new(
@@ -183,7 +183,7 @@ async fn new_sends(
     for (position, message) in new.iter().enumerate() {
         let mut frame = json!({"type": "text", "data": {"text": message.text()}});
         if position + 1 == new.len() && resume.is_none() {
-            frame["agUi"] = forwarded(input);
+            frame["meta"] = json!({"agUi": forwarded(input)});
         }
         sends.push((checked(&frame)?, message.id.clone()));
     }
@@ -194,8 +194,7 @@ async fn new_sends(
                 "to resume, runId must be 1-121 characters of A-Za-z0-9._:~-",
             ));
         }
-        let frame =
-            json!({"type": RESUME_TYPE, "data": {"resume": resume}, "agUi": forwarded(input)});
+        let frame = json!({"type": RESUME_TYPE, "data": {"resume": resume}, "meta": {"agUi": forwarded(input)}});
         sends.push((
             validate_message_frame(&frame, limits).map_err(frame_error)?,
             key,
@@ -204,7 +203,8 @@ async fn new_sends(
     Ok(sends)
 }
 
-/// What the run hands its agent besides the messages: `state`, `tools`, `context`,
+/// What the run hands its agent besides the messages, in the turn's meta (`meta.client.agUi`
+/// of the delivered turn, docs/protocol.md §4.4): `state`, `tools`, `context`,
 /// `forwardedProps`, as the client sent them.
 fn forwarded(input: &RunAgentInput) -> Value {
     let mut forwarded = Map::new();

@@ -67,6 +67,7 @@ impl AgentSession<'_> {
                             version: *version,
                             state,
                         }),
+                        client: activity.extra.as_ref().and_then(|extra| extra.get("meta")),
                     };
                     let conversation = activity.conversation_id.to_string();
                     let frame = wire::persistent(&activity).view(Viewer::Agent);

@@ -77,6 +77,8 @@ struct Session<'a> {
     last_inbound: Instant,
     last_outbound: Instant,
     typing_relayed: Option<(bool, Instant)>,
+    /// The hello's `meta`, relayed to agents with every turn of this connection.
+    hello_meta: Option<Box<serde_json::Value>>,
     token_expires_at: Instant,
     draining: Option<u64>,
 }
@@ -140,6 +142,7 @@ pub(super) async fn run(
         last_inbound: now,
         last_outbound: now,
         typing_relayed: None,
+        hello_meta: hello.meta.clone().map(Box::new),
         draining: None,
     };
     // Boxed, and the hello and conversation dropped, so the idle session's future and heap keep
@@ -150,6 +153,7 @@ pub(super) async fn run(
         session.finish(&ending, stream, None).await;
         return ending;
     }
+    session.relay_hello_catalogs(&hello).await;
     drop(hello);
     drop(conversation);
     // Off the session's path, and the count out only after the count in.

@@ -76,6 +76,13 @@ impl<'a> Session<'a> {
             Profile::Mekik => frame.id.clone(),
             Profile::Converger => None,
         };
+        // The turn's meta for agents is kept with the frame (never shown to end users).
+        let mut extra = frame.extra;
+        let meta =
+            converger_protocol::turn_client_meta(self.hello_meta.as_deref(), frame.meta.as_ref());
+        if let Some(meta) = meta {
+            extra.insert("meta".into(), meta);
+        }
         let new = NewActivity {
             conversation_id: self.conversation_id,
             id,
@@ -86,7 +93,7 @@ impl<'a> Session<'a> {
             },
             data: frame.data,
             metadata: frame.metadata,
-            extra: Some(frame.extra),
+            extra: Some(extra),
             client_id: client_id.clone(),
         };
         let frame_type = frame.kind;

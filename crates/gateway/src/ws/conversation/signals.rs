@@ -115,6 +115,32 @@ impl Session<'_> {
         })
     }
 
+    /// The hello's `tools` and `skills`, handed to the channel's agents as the `client_tools`
+    /// and `client_skills` frames a client may also send (`{"data": {"tools": …}}`); with no
+    /// agent connected anywhere, nothing (the client asked for no answer).
+    pub(super) async fn relay_hello_catalogs(&mut self, hello: &converger_protocol::Hello) {
+        let catalogs = [
+            ("client_tools", "tools", &hello.tools),
+            ("client_skills", "skills", &hello.skills),
+        ];
+        for (kind, key, value) in catalogs {
+            let Some(value) = value else {
+                continue;
+            };
+            let remote = self.state.actors.has_remote_agents(self.channel_id);
+            if !remote && !self.state.hub.has_agents(self.channel_id) {
+                continue;
+            }
+            let frame = serde_json::json!({"type": kind, "data": {key: value}});
+            let transient = self.transient(frame, Audience::Agents);
+            if remote {
+                transient.publish(self.state).await;
+            } else {
+                transient.publish_here(&self.state.hub);
+            }
+        }
+    }
+
     pub(super) fn on_auth(&mut self, token: &str) -> Result<(), Ending> {
         let accepted = self.state.tokens.verify(token).ok().filter(|claims| {
             claims.tenant_id == self.claims.tenant_id
