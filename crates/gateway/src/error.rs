@@ -107,6 +107,19 @@ impl ApiError {
         ApiError::new(StatusCode::BAD_REQUEST, ErrorCode::BadRequest, message)
     }
 
+    /// 503 `unavailable` from a draining node, with `Retry-After` (`retry_after_ms`, rounded
+    /// up to whole seconds).
+    pub fn draining(retry_after_ms: u64) -> ApiError {
+        ApiError {
+            retry_after_secs: Some(retry_after_ms.div_ceil(1000).max(1)),
+            ..ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                ErrorCode::Unavailable,
+                "node is draining",
+            )
+        }
+    }
+
     /// 401 `unauthorized`.
     pub fn unauthorized(message: impl Into<String>) -> ApiError {
         ApiError::new(StatusCode::UNAUTHORIZED, ErrorCode::Unauthorized, message)

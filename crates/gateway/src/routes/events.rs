@@ -51,6 +51,10 @@ pub(crate) async fn events(
     Query(query): Query<HashMap<String, String>>,
     headers: HeaderMap,
 ) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, ApiError> {
+    // A draining node opens no session (its drain order went to the sessions it had).
+    if state.is_draining() {
+        return Err(ApiError::draining(state.config.drain.retry_after_ms));
+    }
     let token = bearer(&headers)
         .or_else(|| query.get("token").map(String::as_str))
         .filter(|token| !token.is_empty())

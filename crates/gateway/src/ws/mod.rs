@@ -23,7 +23,7 @@ use axum::extract::ws::{WebSocketUpgrade, rejection::WebSocketUpgradeRejection};
 use axum::extract::{Extension, Query, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use converger_protocol::{ErrorCode, SUBPROTOCOL};
+use converger_protocol::SUBPROTOCOL;
 
 use crate::error::ApiError;
 use crate::listener::SessionSlot;
@@ -60,17 +60,7 @@ pub(crate) async fn upgrade(
     upgrade: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
 ) -> Response {
     if state.is_draining() {
-        let mut response = ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            ErrorCode::Unavailable,
-            "node is draining",
-        )
-        .into_response();
-        let retry_secs = state.config.drain.retry_after_ms.div_ceil(1000).max(1);
-        if let Ok(value) = HeaderValue::from_str(&retry_secs.to_string()) {
-            response.headers_mut().insert(header::RETRY_AFTER, value);
-        }
-        return response;
+        return ApiError::draining(state.config.drain.retry_after_ms).into_response();
     }
     let upgrade = match upgrade {
         Ok(upgrade) => upgrade,

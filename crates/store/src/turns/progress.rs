@@ -101,9 +101,9 @@ impl Store {
         .await
     }
 
-    /// The earliest turn of the conversation whose latest revision waits for its answer (or
-    /// for its stop to settle): the one streaming now when turns queue behind each other;
-    /// `None` when every turn is answered.
+    /// The earliest turn of the conversation whose latest revision waits for its answer (the
+    /// one streaming now when turns queue behind each other), else the earliest whose stop is
+    /// settling; `None` when every turn is answered.
     pub async fn running_turn(
         &self,
         conversation_id: Uuid,
@@ -116,7 +116,7 @@ impl Store {
                      ORDER BY seq, revision DESC
                  ) latest
                  WHERE status IN ('pending', 'stopping')
-                 ORDER BY seq LIMIT 1",
+                 ORDER BY status = 'stopping', seq LIMIT 1",
             )
             .bind(conversation_id)
             .fetch_optional(&self.pool)

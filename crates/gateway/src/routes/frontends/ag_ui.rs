@@ -19,7 +19,7 @@ use serde::Deserialize;
 use serde_json::{Map, Value, json};
 use tokio::sync::mpsc;
 
-use super::follow::{AnswerSink, Follower, Gone, RunEnd, TurnKey};
+use super::follow::{AnswerSink, Follower, Gone, RECHECK, RunEnd, TurnKey};
 use super::{
     EndUser, EventSender, QUEUE, chat_view_frames, client_message_id, end_user, send_turn, sse_body,
 };
@@ -88,11 +88,12 @@ pub(crate) async fn connect(
     let input: RunAgentInput = parse_json(body, false)?;
     let user = end_user(&state, &headers, &input.thread_id).await?;
     let mut follower = Follower::open(&state, &user.conversation, user.claims.exp);
-    // The latest turn is read before the snapshot, so a turn that commits in between is shown
-    // as a run (perhaps also in the snapshot), never in neither.
+    // The latest and the running turn are read before the snapshot, so a turn that commits or
+    // is answered in between is shown as a run (perhaps also in the snapshot), never in
+    // neither.
     let latest = state.store.latest_turn(user.conversation.id).await?;
-    let snapshot = snapshot_messages(&chat_view_frames(&state, &user.conversation).await?);
     let running = state.store.running_turn(user.conversation.id).await?;
+    let snapshot = snapshot_messages(&chat_view_frames(&state, &user.conversation).await?);
     let (sender, receiver) = mpsc::channel(QUEUE);
     let mut sink = RunStream::new(sender, input.thread_id, input.run_id);
     tokio::spawn(async move {
@@ -148,15 +149,6 @@ async fn new_sends(
         .iter()
         .filter(|message| message.role == "user")
         .collect();
-    if let Some(bad) = users
-        .iter()
-        .find(|message| !is_valid_client_id(&message.id))
-    {
-        return Err(ApiError::bad_request(format!(
-            "message id {:?} must be 1-128 characters of A-Za-z0-9._:~-",
-            bad.id
-        )));
-    }
     let ids: Vec<String> = users.iter().map(|message| message.id.clone()).collect();
     let known = state
         .store
@@ -166,6 +158,14 @@ async fn new_sends(
         .into_iter()
         .filter(|message| !known.contains(&message.id))
         .collect();
+    // Only a new message's id becomes a key: a history may hold ids of frames stored under
+    // another shape (a mekik client's own ids).
+    if let Some(bad) = new.iter().find(|message| !is_valid_client_id(&message.id)) {
+        return Err(ApiError::bad_request(format!(
+            "message id {:?} must be 1-128 characters of A-Za-z0-9._:~-",
+            bad.id
+        )));
+    }
     let limits = &state.config.limits;
     // A frame is held to the size a socket's frame may have, its meta included.
     let checked = |frame: &Value| -> Result<MessageFrame, ApiError> {
@@ -195,10 +195,7 @@ async fn new_sends(
             ));
         }
         let frame = json!({"type": RESUME_TYPE, "data": {"resume": resume}, "meta": {"agUi": forwarded(input)}});
-        sends.push((
-            validate_message_frame(&frame, limits).map_err(frame_error)?,
-            key,
-        ));
+        sends.push((checked(&frame)?, key));
     }
     Ok(sends)
 }
@@ -453,7 +450,12 @@ impl RunStream {
                 Err(error) => tracing::warn!(%error, "ag-ui: turns unreadable"),
             }
             loop {
-                let Some(event) = follower.next_event(self).await? else {
+                // A lost notification costs at most a recheck's wait, never the turn.
+                let Ok(event) = tokio::time::timeout(RECHECK, follower.next_event(self)).await
+                else {
+                    break;
+                };
+                let Some(event) = event? else {
                     return Ok(None);
                 };
                 let wakes = match event {

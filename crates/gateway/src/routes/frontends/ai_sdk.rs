@@ -63,6 +63,15 @@ pub(crate) async fn chat(
             ));
         }
     };
+    // A regenerate's key (regenerate:<seq>:<messageId>) must be a valid key for any seq.
+    if regenerate
+        && let Some(message_id) = &request.message_id
+        && !is_valid_client_id(&format!("regenerate:{}:{message_id}", i64::MAX))
+    {
+        return Err(ApiError::bad_request(
+            "messageId must be an answer's id (A-Za-z0-9._:~-, at most 97 characters)",
+        ));
+    }
     let send = if regenerate {
         None
     } else {
@@ -168,7 +177,7 @@ async fn regenerate_turn(
     let key = format!("regenerate:{}:{replaced}", turn.seq);
     if !is_valid_client_id(&key) {
         return Err(ApiError::bad_request(
-            "messageId must be an answer's id (A-Za-z0-9._:~-, at most 100 characters)",
+            "messageId must be an answer's id (A-Za-z0-9._:~-, at most 97 characters)",
         ));
     }
     let revision = state.store.open_revision(&turn, None, Some(&key)).await?;

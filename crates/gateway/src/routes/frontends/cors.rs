@@ -29,9 +29,16 @@ const EXPOSED_HEADERS: &str = "x-vercel-ai-ui-message-stream";
 /// The CORS middleware of the frontends' routes.
 pub(super) async fn allow(State(state): State<AppState>, request: Request, next: Next) -> Response {
     let Some(origin) = request.headers().get(ORIGIN).cloned() else {
-        return next.run(request).await;
+        return vary_on_origin(next.run(request).await);
     };
-    let same_origin = same_origin(&origin, request.headers().get(HOST));
+    // HTTP/2 carries the host in the URI's authority, not a Host header.
+    let host = request.headers().get(HOST).cloned().or_else(|| {
+        request
+            .uri()
+            .authority()
+            .and_then(|authority| HeaderValue::from_str(authority.as_str()).ok())
+    });
+    let same_origin = same_origin(&origin, host.as_ref());
     let listed = origin.to_str().is_ok_and(|origin| {
         state
             .config
@@ -41,12 +48,14 @@ pub(super) async fn allow(State(state): State<AppState>, request: Request, next:
             .any(|allowed| allowed == origin)
     });
     if !same_origin && !listed {
-        return ApiError::new(
-            StatusCode::FORBIDDEN,
-            ErrorCode::Forbidden,
-            "this origin is not allowed (frontends.allow_origins)",
-        )
-        .into_response();
+        return vary_on_origin(
+            ApiError::new(
+                StatusCode::FORBIDDEN,
+                ErrorCode::Forbidden,
+                "this origin is not allowed (frontends.allow_origins)",
+            )
+            .into_response(),
+        );
     }
     let preflight = request.method() == Method::OPTIONS
         && request
@@ -77,7 +86,14 @@ pub(super) async fn allow(State(state): State<AppState>, request: Request, next:
         ACCESS_CONTROL_EXPOSE_HEADERS,
         HeaderValue::from_static(EXPOSED_HEADERS),
     );
-    headers.append(VARY, HeaderValue::from_static("origin"));
+    vary_on_origin(response)
+}
+
+/// Every answer depends on `Origin` (a cache must not serve one origin's to another).
+fn vary_on_origin(mut response: Response) -> Response {
+    response
+        .headers_mut()
+        .append(VARY, HeaderValue::from_static("origin"));
     response
 }
 

@@ -25,7 +25,7 @@ use crate::streams::{PackedChunks, StreamChange, StreamEvent};
 
 /// How often a follower reads the turn's status though nothing told it to: an answer that
 /// stored no frame publishes nothing, and a lost notification must cost latency, not the end.
-const RECHECK: Duration = Duration::from_secs(2);
+pub(crate) const RECHECK: Duration = Duration::from_secs(2);
 
 /// The client went away (its response body was dropped).
 #[derive(Debug)]

@@ -32,6 +32,9 @@ use crate::tokens::{Claims, Scope};
 
 /// Events queued for one response before the follower waits for the client.
 const QUEUE: usize = 256;
+/// How long the follower waits for a client that reads nothing before it ends the response
+/// (a slow consumer; the client resumes): meanwhile no drain, disconnect or expiry is seen.
+const SLOW_CLIENT: Duration = Duration::from_secs(10);
 
 /// The frontends' routes, behind their CORS allowlist.
 pub(super) fn router(state: AppState) -> Router<AppState> {
@@ -76,6 +79,10 @@ async fn end_user(
     headers: &HeaderMap,
     raw_id: &str,
 ) -> Result<EndUser, ApiError> {
+    // A draining node opens no session (its drain order went to the sessions it had).
+    if state.is_draining() {
+        return Err(ApiError::draining(state.config.drain.retry_after_ms));
+    }
     let token = bearer(headers)
         .filter(|token| !token.is_empty())
         .ok_or_else(|| ApiError::unauthorized("a bearer token is required"))?;
@@ -110,18 +117,20 @@ async fn send_turn(
         Some(message_id.to_owned()),
     )
     .await?;
-    let revision = match duplicate {
-        false => 0,
-        true => state
-            .store
-            .latest_revision(conversation.id, frame.seq)
-            .await?
-            .unwrap_or(0),
-    };
-    Ok(follow::TurnKey {
-        seq: frame.seq,
-        revision,
-    })
+    if !duplicate {
+        return Ok(follow::TurnKey {
+            seq: frame.seq,
+            revision: 0,
+        });
+    }
+    // The id may be an edit's: its turn is the one it edited.
+    let seq = frame.turn_seq.unwrap_or(frame.seq);
+    let revision = state
+        .store
+        .latest_revision(conversation.id, seq)
+        .await?
+        .unwrap_or(0);
+    Ok(follow::TurnKey { seq, revision })
 }
 
 /// The conversation's latest `frontends.max_history_frames` frames as the chat view shows
@@ -198,7 +207,10 @@ impl EventSender {
     async fn send_data(&mut self, data: String) -> Result<(), follow::Gone> {
         self.next_id += 1;
         let event = Event::default().id(self.next_id.to_string()).data(data);
-        self.sender.send(event).await.map_err(|_| follow::Gone)
+        match tokio::time::timeout(SLOW_CLIENT, self.sender.send(event)).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(_)) | Err(_) => Err(follow::Gone),
+        }
     }
 
     /// Sends a JSON value as the next event.
