@@ -133,6 +133,12 @@ fn turn_result(conversation: &str, seq: i64, frames: Value, runtime: Option<Valu
     json!({"conversationId": conversation, "frame": frame})
 }
 
+/// A `turnResult` for `seq` whose one frame is the text `stream` streamed.
+fn streamed_result(conversation: &str, seq: i64, stream: &str, text: &str) -> Value {
+    let frames = json!([{"type": "text", "streamId": stream, "data": {"text": text}}]);
+    turn_result(conversation, seq, frames, None)
+}
+
 /// A streamed text, a tool call and its result, and a generative-UI frame, committed.
 async fn answer_with_everything(
     agent: &mut WsClient,
@@ -426,7 +432,12 @@ async fn ag_ui_http_agent_runs_connects_mid_run_stops_and_resumes_an_interrupt()
     }
     let rest = stream_words(&mut agent, &conversation, "s-mid", seq, 2..4).await;
     agent
-        .send(turn_result(&conversation, seq, json!([{"type": "text", "streamId": "s-mid", "data": {"text": format!("{first}{rest}")}}]), None))
+        .send(streamed_result(
+            &conversation,
+            seq,
+            "s-mid",
+            &format!("{first}{rest}"),
+        ))
         .await;
     while let Ok(Some(line)) = tokio::time::timeout(SCRIPT_TIMEOUT, lines.next_line())
         .await
@@ -583,12 +594,7 @@ async fn a_post_on_one_node_an_agent_on_another_and_a_resume_on_a_third() {
     let rest = stream_words(&mut agent, &conversation, "s-x", seq, 2..4).await;
     let text = format!("{first}{rest}");
     agent
-        .send(turn_result(
-            &conversation,
-            seq,
-            json!([{"type": "text", "streamId": "s-x", "data": {"text": text}}]),
-            None,
-        ))
+        .send(streamed_result(&conversation, seq, "s-x", &text))
         .await;
     for seen in [finished(post).await, finished(resume).await] {
         assert!(seen["chunks"].is_array(), "{seen}");
@@ -850,12 +856,7 @@ async fn use_chat_in_a_browser_streams_resumes_after_a_reload_and_stops() {
     let rest = stream_words(&mut agent, &conversation, "s-page", seq, 3..6).await;
     let text = format!("{first}{rest}The end.");
     agent
-        .send(turn_result(
-            &conversation,
-            seq,
-            json!([{"type": "text", "streamId": "s-page", "data": {"text": text}}]),
-            None,
-        ))
+        .send(streamed_result(&conversation, seq, "s-page", &text))
         .await;
     browser
         .wait_for(&format!(

@@ -17,18 +17,40 @@ use crate::state::AppState;
 
 /// An end user's session outside a WebSocket (Server-Sent Events, the chat frontends),
 /// registered with the hub like a socket: drained with the node, closed by a force-disconnect
-/// (through `controls`), and counted present while it lasts.
+/// (through `controls`), and counted present while its seat is held.
 pub(crate) struct EndUserSession {
-    /// Unregisters the session when dropped.
-    pub guard: crate::hub::SessionGuard,
     /// Drain and force-disconnect orders.
     pub controls: tokio::sync::mpsc::Receiver<crate::hub::SessionControl>,
-    /// Who it is, for presence.
-    pub presence: Presence,
+    /// Held while the session lasts; dropped, it leaves presence and the hub.
+    pub seat: SessionSeat,
+}
+
+/// A registered end-user session's place in the hub and in presence.
+pub(crate) struct SessionSeat {
+    _guard: crate::hub::SessionGuard,
+    state: AppState,
+    presence: Presence,
+    /// The change that counted the session in (its leave waits for it).
+    joined: Option<JoinHandle<bool>>,
+}
+
+impl Drop for SessionSeat {
+    /// The session leaves presence, once its arrival was counted (off the caller's path).
+    fn drop(&mut self) {
+        let Some(joined) = self.joined.take() else {
+            return;
+        };
+        let (state, presence) = (self.state.clone(), self.presence.clone());
+        tokio::spawn(async move {
+            if joined.await.unwrap_or(false) {
+                change(state, presence, false).await;
+            }
+        });
+    }
 }
 
 impl EndUserSession {
-    /// Registers an end-user session of `conversation` on this node.
+    /// Registers an end-user session of `conversation` on this node and counts it present.
     pub(crate) fn register(
         state: &AppState,
         conversation: &converger_store::Conversation,
@@ -48,10 +70,15 @@ impl EndUserSession {
             user_id: conversation.user_id.clone(),
             connection_id: guard.connection_id(),
         };
+        let joined = tokio::spawn(change(state.clone(), presence.clone(), true));
         EndUserSession {
-            guard,
             controls,
-            presence,
+            seat: SessionSeat {
+                _guard: guard,
+                state: state.clone(),
+                presence,
+                joined: Some(joined),
+            },
         }
     }
 }

@@ -328,6 +328,20 @@ pub fn answer_refused(reason: ErrorCode, frame_type: &str, turn: Option<TurnNumb
     .to_json()
 }
 
+/// The turn an [`answer_refused`] frame names, read back from the frame (a transient that
+/// crossed the hub as JSON); `None` for any other frame.
+pub fn refused_turn(frame: &serde_json::Value) -> Option<TurnNumber> {
+    let data = &frame["data"];
+    if data["code"] != ErrorCode::AnswerRefused.as_str() {
+        return None;
+    }
+    let turn = &data["details"]["turn"];
+    Some(TurnNumber {
+        seq: turn["seq"].as_i64()?,
+        revision: i32::try_from(turn["revision"].as_i64()?).ok()?,
+    })
+}
+
 /// An agent's `error`, relayed to end users with its `data`.
 pub fn relayed_error(data: &Value) -> Value {
     crate::to_value(&Typed {
@@ -392,6 +406,22 @@ impl Catalog {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn an_answer_refused_frame_names_its_turn_back() {
+        let turn = TurnNumber {
+            seq: 7,
+            revision: 2,
+        };
+        let frame = answer_refused(ErrorCode::InvalidMessage, "turnResult", Some(turn));
+        assert_eq!(refused_turn(&frame), Some(turn));
+        assert_eq!(
+            refused_turn(&answer_refused(ErrorCode::InvalidMessage, "x", None)),
+            None
+        );
+        assert_eq!(refused_turn(&serde_json::json!({"type": "typing"})), None);
+    }
+
     use super::*;
 
     fn decode(text: &str) -> Value {

@@ -38,8 +38,8 @@ pub use secrets::{generate_secret, hash_secret};
 pub use tenants::Tenant;
 pub use turns::{
     AnswerFrame, AnswerOutcome, ChannelPendingTurn, Claim, OverdueStop, PendingTurn, PolicyCommit,
-    PolicyVerdict, Revision, RevisionRecord, RunningTurn, RuntimeWrite, Settlement, StopOutcome,
-    StoppedAnswer, StoppedTurn, StreamableTurn, TurnAnswer, TurnProgress, initial_runtime,
+    PolicyVerdict, Revision, RevisionRecord, RuntimeWrite, Settlement, StopOutcome, StoppedAnswer,
+    StoppedTurn, StreamableTurn, TurnAnswer, TurnProgress, TurnRevision, initial_runtime,
 };
 
 /// Postgres channel every commit notifies; payloads are small JSON ids, never bodies.

@@ -73,24 +73,12 @@ pub async fn open_first(
         Client::AiSdk => {
             let body = json!({"id": conversation, "trigger": "submit-message", "messages": [
                 {"id": "q", "role": "user", "parts": [{"type": "text", "text": "go"}]}]});
-            sse(
-                http,
-                &format!("{}/api/v1/ai-sdk/chat", node.base_url),
-                token,
-                Some(body),
-            )
-            .await
+            sse(http, node, "/api/v1/ai-sdk/chat", token, Some(body)).await
         }
         Client::AgUi => {
             let body = json!({"threadId": conversation, "runId": "r",
                               "messages": [{"id": "q", "role": "user", "content": "go"}]});
-            sse(
-                http,
-                &format!("{}/api/v1/ag-ui/run", node.base_url),
-                token,
-                Some(body),
-            )
-            .await
+            sse(http, node, "/api/v1/ag-ui/run", token, Some(body)).await
         }
     }
 }
@@ -107,18 +95,12 @@ pub async fn open_second(
     match client {
         Client::Ws => Ok(Tab::Ws(Box::new(ws_tab(node, token).await?))),
         Client::AiSdk => {
-            let url = format!("{}/api/v1/ai-sdk/chat/{conversation}/stream", node.base_url);
-            sse(http, &url, token, None).await
+            let path = format!("/api/v1/ai-sdk/chat/{conversation}/stream");
+            sse(http, node, &path, token, None).await
         }
         Client::AgUi => {
             let body = json!({"threadId": conversation, "runId": "c", "messages": []});
-            sse(
-                http,
-                &format!("{}/api/v1/ag-ui/connect", node.base_url),
-                token,
-                Some(body),
-            )
-            .await
+            sse(http, node, "/api/v1/ag-ui/connect", token, Some(body)).await
         }
     }
 }
@@ -134,13 +116,15 @@ async fn ws_tab(node: &Gateway, token: &str) -> anyhow::Result<Socket> {
     Ok(socket)
 }
 
-/// A POST (with `body`) or GET whose answer must be a 200 event stream.
+/// A POST (with `body`) or GET of `path` on `node` whose answer must be a 200 event stream.
 async fn sse(
     http: &reqwest::Client,
-    url: &str,
+    node: &Gateway,
+    path: &str,
     token: &str,
     body: Option<serde_json::Value>,
 ) -> anyhow::Result<Tab> {
+    let url = &format!("{}{path}", node.base_url);
     let request = match body {
         Some(body) => http.post(url).json(&body),
         None => http.get(url),

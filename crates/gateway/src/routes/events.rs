@@ -5,26 +5,24 @@
 //! go over REST.
 
 use std::collections::HashMap;
-use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
-use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::sse::Event;
 use converger_core::replay::{LiveDecision, ReplayCursor};
 use converger_core::streams::{OpenStream, ShowChunk, StreamCursor};
 use converger_protocol::{ErrorCode, ErrorFrame, Profile, USER_ROLE, Viewer};
 use converger_store::Activity;
 use converger_store::bus::Origin;
-use futures_util::Stream;
 use serde_json::Value;
 use tokio::sync::{broadcast, mpsc};
 
 use super::conversations::authorized_conversation;
 use crate::auth::{bearer, verified_claims};
 use crate::error::ApiError;
-use crate::hub::{EndUserViews, HubEvent, SessionControl, SessionGuard};
+use crate::hub::{EndUserViews, HubEvent, SessionControl};
 use crate::state::AppState;
 use crate::streams::{PackedChunks, StreamChange, StreamEvent, catch_up_frames};
 use crate::tokens::Scope;
@@ -50,7 +48,7 @@ pub(crate) async fn events(
     Path(id): Path<String>,
     Query(query): Query<HashMap<String, String>>,
     headers: HeaderMap,
-) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, ApiError> {
+) -> Result<axum::response::Response, ApiError> {
     // A draining node opens no session (its drain order went to the sessions it had).
     if state.is_draining() {
         return Err(ApiError::draining(state.config.drain.retry_after_ms));
@@ -89,13 +87,10 @@ pub(crate) async fn events(
     if watermark > head {
         return Err(invalid_watermark());
     }
-    let (sender, mut receiver) = mpsc::channel::<Event>(QUEUE);
+    let (sender, receiver) = mpsc::channel::<Event>(QUEUE);
     // Registered like a socket: drained with the node, closed by a force-disconnect.
-    let crate::presence::EndUserSession {
-        guard,
-        controls,
-        presence,
-    } = crate::presence::EndUserSession::register(&state, &conversation);
+    let crate::presence::EndUserSession { controls, seat } =
+        crate::presence::EndUserSession::register(&state, &conversation);
     let follow = Follow {
         state: state.clone(),
         conversation_id: conversation.id,
@@ -103,23 +98,8 @@ pub(crate) async fn events(
         expires_at: expiry_instant(claims.exp),
         sender,
     };
-    tokio::spawn(async move {
-        let counted = tokio::spawn(crate::presence::change(
-            follow.state.clone(),
-            presence.clone(),
-            true,
-        ));
-        let state = follow.state.clone();
-        follow.run(watermark, head, live, controls, guard).await;
-        if counted.await.unwrap_or(false) {
-            crate::presence::change(state, presence, false).await;
-        }
-    });
-    let stream = futures_util::stream::poll_fn(move |context| {
-        receiver.poll_recv(context).map(|event| event.map(Ok))
-    });
-    let heartbeat = Duration::from_millis(state.config.limits.heartbeat_interval_ms);
-    Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(heartbeat).text("heartbeat")))
+    tokio::spawn(follow.run(watermark, head, live, controls, seat));
+    Ok(super::sse_body(&state, receiver))
 }
 
 /// When a token that expires at `exp` (seconds since the epoch) runs out.
@@ -147,10 +127,10 @@ impl Follow {
         head: u64,
         mut live: broadcast::Receiver<HubEvent>,
         mut controls: mpsc::Receiver<SessionControl>,
-        guard: SessionGuard,
+        seat: crate::presence::SessionSeat,
     ) {
         let _ = self.follow(watermark, head, &mut live, &mut controls).await;
-        drop(guard);
+        drop(seat);
     }
 
     async fn follow(

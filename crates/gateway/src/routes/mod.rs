@@ -16,10 +16,28 @@ pub(crate) mod tokens;
 use axum::Router;
 use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, patch, post};
+use std::convert::Infallible;
 use std::time::Duration;
+
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use tokio::sync::mpsc;
 use tower_http::timeout::RequestBodyTimeoutLayer;
 
 use crate::state::AppState;
+
+/// An SSE response of the events `receiver` yields, with heartbeat comments.
+pub(crate) fn sse_body(state: &AppState, mut receiver: mpsc::Receiver<Event>) -> Response {
+    let stream = futures_util::stream::poll_fn(move |context| {
+        receiver
+            .poll_recv(context)
+            .map(|event| event.map(Ok::<Event, Infallible>))
+    });
+    let heartbeat = Duration::from_millis(state.config.limits.heartbeat_interval_ms);
+    Sse::new(stream)
+        .keep_alive(KeepAlive::new().interval(heartbeat).text("heartbeat"))
+        .into_response()
+}
 
 /// The REST surface, with body limit and request metrics applied.
 pub(crate) fn router(state: AppState) -> Router {

@@ -22,7 +22,7 @@ pub(crate) use answers::{AnswerRow, answer_outcome};
 pub use leases::{Claim, StreamableTurn};
 pub use pending::{ChannelPendingTurn, PendingTurn};
 pub use policies::{PolicyCommit, PolicyVerdict};
-pub use progress::{RunningTurn, TurnProgress};
+pub use progress::{TurnProgress, TurnRevision};
 pub use revisions::{Revision, RevisionRecord};
 pub use stops::{OverdueStop, Settlement, StopOutcome, StoppedAnswer, StoppedTurn};
 

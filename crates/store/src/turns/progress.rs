@@ -28,7 +28,7 @@ impl TurnProgress {
 
 /// A turn at one revision (a turn still waiting for its answer, where a query says so).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, sqlx::FromRow)]
-pub struct RunningTurn {
+pub struct TurnRevision {
     /// The turn's seq.
     pub seq: i64,
     /// Its latest revision.
@@ -65,10 +65,10 @@ impl Store {
     pub async fn next_turn_after(
         &self,
         conversation_id: Uuid,
-        after: RunningTurn,
-    ) -> Result<Option<RunningTurn>, StoreError> {
+        after: TurnRevision,
+    ) -> Result<Option<TurnRevision>, StoreError> {
         self.timed("next_turn_after", async {
-            sqlx::query_as::<_, RunningTurn>(
+            sqlx::query_as::<_, TurnRevision>(
                 "SELECT seq, max(revision) AS revision FROM turns
                  WHERE conversation_id = $1 AND seq >= $2
                  GROUP BY seq
@@ -88,9 +88,9 @@ impl Store {
     pub async fn latest_turn(
         &self,
         conversation_id: Uuid,
-    ) -> Result<Option<RunningTurn>, StoreError> {
+    ) -> Result<Option<TurnRevision>, StoreError> {
         self.timed("latest_turn", async {
-            sqlx::query_as::<_, RunningTurn>(
+            sqlx::query_as::<_, TurnRevision>(
                 "SELECT seq, revision FROM turns WHERE conversation_id = $1
                  ORDER BY seq DESC, revision DESC LIMIT 1",
             )
@@ -107,9 +107,9 @@ impl Store {
     pub async fn running_turn(
         &self,
         conversation_id: Uuid,
-    ) -> Result<Option<RunningTurn>, StoreError> {
+    ) -> Result<Option<TurnRevision>, StoreError> {
         self.timed("running_turn", async {
-            sqlx::query_as::<_, RunningTurn>(
+            sqlx::query_as::<_, TurnRevision>(
                 "SELECT seq, revision FROM (
                      SELECT DISTINCT ON (seq) seq, revision, status FROM turns
                      WHERE conversation_id = $1

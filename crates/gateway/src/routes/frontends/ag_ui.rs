@@ -14,12 +14,11 @@ use converger_protocol::ag_ui::{
 use converger_protocol::{
     AnswerPart, MessageFrame, ToolCalls, answer_part, is_valid_client_id, validate_message_frame,
 };
-use converger_store::RunningTurn;
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 use tokio::sync::mpsc;
 
-use super::follow::{AnswerSink, Follower, Gone, RECHECK, RunEnd, TurnKey};
+use super::follow::{AnswerSink, Follower, Gone, RECHECK, RunEnd, TurnKey, answer_id};
 use super::{
     EndUser, EventSender, QUEUE, chat_view_frames, client_message_id, end_user, send_turn, sse_body,
 };
@@ -57,14 +56,7 @@ pub(crate) async fn run(
         }
     }
     if followed.is_none() && refusal.is_none() {
-        followed = state
-            .store
-            .running_turn(user.conversation.id)
-            .await?
-            .map(|running| TurnKey {
-                seq: running.seq,
-                revision: running.revision,
-            });
+        followed = state.store.running_turn(user.conversation.id).await?;
     }
     let (sender, receiver) = mpsc::channel(QUEUE);
     let mut sink = RunStream::new(sender, input.thread_id, input.run_id);
@@ -97,20 +89,11 @@ pub(crate) async fn connect(
     let (sender, receiver) = mpsc::channel(QUEUE);
     let mut sink = RunStream::new(sender, input.thread_id, input.run_id);
     tokio::spawn(async move {
-        let first = running.map(|running| TurnKey {
-            seq: running.seq,
-            revision: running.revision,
+        let first = running;
+        let after_snapshot = latest.unwrap_or(TurnKey {
+            seq: 0,
+            revision: 0,
         });
-        let after_snapshot = latest.map_or(
-            TurnKey {
-                seq: 0,
-                revision: 0,
-            },
-            |latest| TurnKey {
-                seq: latest.seq,
-                revision: latest.revision,
-            },
-        );
         let _ = sink
             .follow_thread(&mut follower, snapshot, first, after_snapshot)
             .await;
@@ -333,7 +316,7 @@ impl RunStream {
     ) -> Result<bool, Gone> {
         let end = match turn {
             Some(turn) => {
-                self.answer_id = turn.answer_id();
+                self.answer_id = answer_id(turn);
                 self.calls = ToolCalls::default();
                 self.interrupts.clear();
                 follower.follow_turn(turn, self).await?
@@ -428,24 +411,15 @@ impl RunStream {
         follower: &mut Follower,
         shown: TurnKey,
     ) -> Result<Option<TurnKey>, Gone> {
-        let after = RunningTurn {
-            seq: shown.seq,
-            revision: shown.revision,
-        };
         loop {
             let conversation_id = follower.conversation_id();
             match follower
                 .state()
                 .store
-                .next_turn_after(conversation_id, after)
+                .next_turn_after(conversation_id, shown)
                 .await
             {
-                Ok(Some(next)) => {
-                    return Ok(Some(TurnKey {
-                        seq: next.seq,
-                        revision: next.revision,
-                    }));
-                }
+                Ok(Some(next)) => return Ok(Some(next)),
                 Ok(None) => {}
                 Err(error) => tracing::warn!(%error, "ag-ui: turns unreadable"),
             }

@@ -108,10 +108,7 @@ pub(crate) async fn resume(
         return Ok(StatusCode::NO_CONTENT.into_response());
     };
     let mut follower = Follower::open(&state, &user.conversation, user.claims.exp);
-    let turn = TurnKey {
-        seq: running.seq,
-        revision: running.revision,
-    };
+    let turn = running;
     let (sender, receiver) = mpsc::channel(QUEUE);
     tokio::spawn(async move {
         let _ = UiStream::new(sender).run(&mut follower, turn).await;
@@ -142,14 +139,14 @@ pub(crate) async fn messages(
 }
 
 /// A new revision of the user's turn `message_id` (else the latest), published to the agents.
-/// Its idempotency key is the answer it replaces: `answer_id` when the client names it (the AI
+/// Its idempotency key is the answer it replaces: `replaced_answer` when the client names it (the AI
 /// SDK sends it for `regenerate({messageId})`), else the turn's latest revision's, so a retry
 /// of the same regenerate opens nothing new while a later regenerate does.
 async fn regenerate_turn(
     state: &AppState,
     user: &EndUser,
     message_id: &str,
-    answer_id: Option<&str>,
+    replaced_answer: Option<&str>,
 ) -> Result<TurnKey, ApiError> {
     let conversation: &Conversation = &user.conversation;
     let turn = state
@@ -162,24 +159,23 @@ async fn regenerate_turn(
         )
         .await?
         .ok_or_else(|| ApiError::bad_request("no turn of yours to regenerate"))?;
-    let replaced = match answer_id {
-        Some(answer_id) => answer_id.to_owned(),
+    let replaced = match replaced_answer {
+        Some(replaced) => replaced.to_owned(),
         None => {
             let latest = state
                 .store
                 .latest_revision(conversation.id, turn.seq)
                 .await?
                 .unwrap_or(0);
-            super::follow::answer_id(turn.seq, latest)
+            answer_id(TurnKey {
+                seq: turn.seq,
+                revision: latest,
+            })
         }
     };
-    // Per turn: a foreign or stale answer id names no other turn's revision.
+    // Per turn: a foreign or stale answer id names no other turn's revision. `chat` checked
+    // that a given id makes a valid key for any seq; a derived one always does.
     let key = format!("regenerate:{}:{replaced}", turn.seq);
-    if !is_valid_client_id(&key) {
-        return Err(ApiError::bad_request(
-            "messageId must be an answer's id (A-Za-z0-9._:~-, at most 97 characters)",
-        ));
-    }
     let revision = state.store.open_revision(&turn, None, Some(&key)).await?;
     if revision.duplicate {
         // A retry: the answer that counts now (a later regenerate may have replaced it).
@@ -206,7 +202,7 @@ async fn regenerate_turn(
     })
 }
 
-/// The response headers of a UI message stream.
+/// The response headers of a UI message stream (`sse_body` sets its type and `no-cache`).
 fn stream_response(
     state: &AppState,
     receiver: mpsc::Receiver<axum::response::sse::Event>,
@@ -215,10 +211,6 @@ fn stream_response(
     let headers = response.headers_mut();
     headers.insert(STREAM_HEADER, HeaderValue::from_static("v1"));
     headers.insert(NO_BUFFERING, HeaderValue::from_static("no"));
-    headers.insert(
-        axum::http::header::CACHE_CONTROL,
-        HeaderValue::from_static("no-cache"),
-    );
     response
 }
 
@@ -246,7 +238,7 @@ impl UiStream {
     /// `start`, the answer, and its end: `finish`, `abort` when stopped, `error` when none came.
     async fn run(&mut self, follower: &mut Follower, turn: TurnKey) -> Result<(), Gone> {
         self.send(UiChunk::Start {
-            message_id: turn.answer_id(),
+            message_id: answer_id(turn),
         })
         .await?;
         self.send(UiChunk::StartStep).await?;
@@ -379,7 +371,7 @@ fn ui_messages(frames: &[Activity]) -> Vec<UiMessage> {
             continue;
         }
         let id = match (frame.turn_seq, frame.turn_revision) {
-            (Some(seq), Some(revision)) => answer_id(seq, revision),
+            (Some(seq), Some(revision)) => answer_id(TurnKey { seq, revision }),
             _ => frame.id.clone(),
         };
         if messages.last().is_none_or(|last| last.id != id) {

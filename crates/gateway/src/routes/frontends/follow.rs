@@ -8,7 +8,6 @@
 //! node, closed by a force-disconnect, ended at token expiry, and counted in presence.
 
 use std::collections::HashMap;
-use std::sync::Arc;
 use std::time::Duration;
 
 use converger_core::streams::{ShowChunk, StreamCursor};
@@ -18,8 +17,8 @@ use serde_json::Value;
 use tokio::sync::{broadcast, mpsc};
 use uuid::Uuid;
 
-use crate::hub::{HubEvent, SessionControl, SessionGuard};
-use crate::presence::{EndUserSession, Presence};
+use crate::hub::{HubEvent, SessionControl};
+use crate::presence::{EndUserSession, SessionSeat};
 use crate::state::AppState;
 use crate::streams::{PackedChunks, StreamChange, StreamEvent};
 
@@ -31,23 +30,12 @@ pub(crate) const RECHECK: Duration = Duration::from_secs(2);
 #[derive(Debug)]
 pub(crate) struct Gone;
 
-/// A turn: (seq, revision).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct TurnKey {
-    pub seq: i64,
-    pub revision: i32,
-}
+/// A turn at one revision: the store's (seq, revision), what a follower follows.
+pub(crate) use converger_store::TurnRevision as TurnKey;
 
-impl TurnKey {
-    /// The id of the answer's assistant message, the same live and in the history.
-    pub(crate) fn answer_id(self) -> String {
-        answer_id(self.seq, self.revision)
-    }
-}
-
-/// The id of the assistant message that answers turn `seq`, revision `revision`.
-pub(crate) fn answer_id(seq: i64, revision: i32) -> String {
-    format!("answer-{seq}-{revision}")
+/// The id of the assistant message that answers `turn`, the same live and in the history.
+pub(crate) fn answer_id(turn: TurnKey) -> String {
+    format!("answer-{}-{}", turn.seq, turn.revision)
 }
 
 /// How a followed answer ended.
@@ -84,10 +72,7 @@ pub(crate) struct Follower {
     live: broadcast::Receiver<HubEvent>,
     controls: mpsc::Receiver<SessionControl>,
     expires_at: tokio::time::Instant,
-    presence: Presence,
-    /// Whether this session was counted present (the change that counted it).
-    joined: Option<tokio::task::JoinHandle<bool>>,
-    _guard: SessionGuard,
+    _seat: SessionSeat,
 }
 
 /// What a follower has shown of one answer.
@@ -103,16 +88,7 @@ impl Follower {
     /// on is missed) and registers the session.
     pub(crate) fn open(state: &AppState, conversation: &Conversation, token_exp: i64) -> Follower {
         let live = state.hub.subscribe(conversation.id);
-        let EndUserSession {
-            guard,
-            controls,
-            presence,
-        } = EndUserSession::register(state, conversation);
-        let joined = tokio::spawn(crate::presence::change(
-            state.clone(),
-            presence.clone(),
-            true,
-        ));
+        let EndUserSession { controls, seat } = EndUserSession::register(state, conversation);
         let remaining = token_exp
             .saturating_sub(chrono::Utc::now().timestamp())
             .max(0);
@@ -123,9 +99,7 @@ impl Follower {
             controls,
             expires_at: tokio::time::Instant::now()
                 + Duration::from_secs(u64::try_from(remaining).unwrap_or(0)),
-            presence,
-            joined: Some(joined),
-            _guard: guard,
+            _seat: seat,
         }
     }
 
@@ -180,7 +154,10 @@ impl Follower {
                     .as_deref()
                     .is_none_or(|frame| frame.turn_seq == Some(turn.seq)),
                 Ok(HubEvent::Transient { frame, .. }) => {
-                    if refuses_answer(&frame, turn) {
+                    let refused = converger_protocol::refused_turn(&frame);
+                    if refused.is_some_and(|refused| {
+                        refused.seq == turn.seq && refused.revision == turn.revision
+                    }) {
                         return Ok(RunEnd::Failed(ErrorFrame::new(
                             ErrorCode::AnswerRefused,
                             "the agent's answer could not be accepted",
@@ -188,15 +165,10 @@ impl Follower {
                     }
                     false
                 }
+                // A newer revision of the turn: the registry ends the one followed.
                 Ok(HubEvent::Regenerated {
-                    turn: regenerated,
-                    revision,
-                }) => {
-                    if regenerated.seq == turn.seq && revision > turn.revision {
-                        return Ok(RunEnd::Stopped);
-                    }
-                    false
-                }
+                    turn: regenerated, ..
+                }) => regenerated.seq == turn.seq,
                 Ok(HubEvent::TurnStopped(_)) => false,
                 Err(broadcast::error::RecvError::Lagged(_)) => {
                     self.catch_up(turn, &mut shown, sink).await?;
@@ -338,7 +310,7 @@ impl Follower {
     async fn answer_frames(
         &self,
         seqs: &[i64],
-    ) -> Result<Vec<Arc<Activity>>, converger_store::StoreError> {
+    ) -> Result<Vec<Activity>, converger_store::StoreError> {
         let (Some(first), Some(last)) = (seqs.iter().min(), seqs.iter().max()) else {
             return Ok(Vec::new());
         };
@@ -350,23 +322,7 @@ impl Follower {
         Ok(rows
             .into_iter()
             .filter(|row| seqs.contains(&row.seq))
-            .map(Arc::new)
             .collect())
-    }
-}
-
-impl Drop for Follower {
-    /// The session leaves presence, once its arrival was counted.
-    fn drop(&mut self) {
-        let Some(joined) = self.joined.take() else {
-            return;
-        };
-        let (state, presence) = (self.state.clone(), self.presence.clone());
-        tokio::spawn(async move {
-            if joined.await.unwrap_or(false) {
-                crate::presence::change(state, presence, false).await;
-            }
-        });
     }
 }
 
@@ -450,12 +406,4 @@ async fn show_committed<S: AnswerSink>(
     };
     sink.text(&part_id, text).await?;
     sink.text_end(&part_id).await
-}
-
-/// True for an `answer_refused` error about `turn`.
-fn refuses_answer(frame: &Value, turn: TurnKey) -> bool {
-    let data = &frame["data"];
-    data["code"] == "answer_refused"
-        && data["details"]["turn"]["seq"] == turn.seq
-        && data["details"]["turn"]["revision"] == turn.revision
 }

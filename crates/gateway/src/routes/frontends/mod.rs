@@ -11,20 +11,19 @@ mod ai_sdk;
 mod cors;
 mod follow;
 
-use std::convert::Infallible;
 use std::time::Duration;
 
 use axum::Router;
 use axum::extract::DefaultBodyLimit;
 use axum::http::{HeaderMap, StatusCode};
-use axum::response::sse::{Event, KeepAlive, Sse};
-use axum::response::{IntoResponse, Response};
+use axum::response::sse::Event;
 use axum::routing::{get, post};
 use converger_protocol::ErrorCode;
 use converger_store::{Activity, Conversation};
 use tokio::sync::mpsc;
 
 use super::conversations::authorized_conversation;
+use super::sse_body;
 use crate::auth::{bearer, verified_claims};
 use crate::error::ApiError;
 use crate::state::AppState;
@@ -140,6 +139,8 @@ async fn chat_view_frames(
     conversation: &Conversation,
 ) -> Result<Vec<Activity>, ApiError> {
     let store = &state.store;
+    // Read now, not as the authorization read it: `connect` reads the snapshot after it
+    // subscribed, so a frame committed before that is in the snapshot.
     let head = store
         .conversation(conversation.id)
         .await?
@@ -156,15 +157,14 @@ async fn chat_view_frames(
             break;
         };
         after = last;
-        for frame in page {
+        for mut frame in page {
             if view.hides(frame.seq) {
                 continue;
             }
-            let shown_as = view.shown_as(frame.seq).map(str::to_owned);
-            frames.push(Activity {
-                id: shown_as.unwrap_or(frame.id.clone()),
-                ..frame
-            });
+            if let Some(id) = view.shown_as(frame.seq) {
+                frame.id = id.to_owned();
+            }
+            frames.push(frame);
         }
     }
     Ok(frames)
@@ -177,19 +177,6 @@ fn client_message_id(frame: &Activity) -> &str {
         (Some(client_id), converger_protocol::USER_ROLE) => client_id,
         _ => &frame.id,
     }
-}
-
-/// An SSE response of the events `receiver` yields, with heartbeat comments.
-fn sse_body(state: &AppState, mut receiver: mpsc::Receiver<Event>) -> Response {
-    let stream = futures_util::stream::poll_fn(move |context| {
-        receiver
-            .poll_recv(context)
-            .map(|event| event.map(Ok::<Event, Infallible>))
-    });
-    let heartbeat = Duration::from_millis(state.config.limits.heartbeat_interval_ms);
-    Sse::new(stream)
-        .keep_alive(KeepAlive::new().interval(heartbeat).text("heartbeat"))
-        .into_response()
 }
 
 /// Numbers one response's events (`id:`), and knows when its client went away.
