@@ -307,3 +307,87 @@ async fn serve_runs_the_embedded_database_keeps_its_data_and_stops_it() {
         "an admin command leaves no database running"
     );
 }
+
+#[tokio::test]
+async fn http_agent_commands_keep_to_the_allowlist_and_never_print_the_secret() {
+    let db = TestDb::create().await;
+    let state_dir = tempfile::tempdir().unwrap();
+    let tenant = admin_json(&db, state_dir.path(), &["tenant", "create", "acme"]).await;
+    let tenant_id = tenant["id"].as_str().unwrap().to_owned();
+    let channel = admin_json(
+        &db,
+        state_dir.path(),
+        &["channel", "create", "--tenant", &tenant_id, "web"],
+    )
+    .await;
+    let channel_id = channel["id"].as_str().unwrap().to_owned();
+    let create = |url: &str| {
+        let mut admin = command();
+        admin
+            .env("CONVERGER_DATABASE_URL", &db.url)
+            .env("CONVERGER_SECRET_KEY", test_config().secret_key)
+            .env("CONVERGER_STATE_DIR", state_dir.path())
+            .env(
+                "CONVERGER_HTTP_AGENTS__ALLOW",
+                "https://agents.example/team",
+            )
+            .env("HTTP_AGENT_SECRET", "s3cret-value")
+            .args([
+                "http-agent",
+                "create",
+                "--channel",
+                &channel_id,
+                "--group",
+                "team",
+                "--url",
+                url,
+            ]);
+        admin.output()
+    };
+    let refused = create("https://agents.example/other").await.unwrap();
+    assert!(!refused.status.success());
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("forbidden"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
+    let created = create("https://agents.example/team/run").await.unwrap();
+    assert!(
+        created.status.success(),
+        "{}",
+        String::from_utf8_lossy(&created.stderr)
+    );
+    let printed = String::from_utf8_lossy(&created.stdout);
+    assert!(!printed.contains("s3cret-value"), "{printed}");
+    let group: Value = serde_json::from_str(printed.trim()).unwrap();
+    assert_eq!(group["hasSecret"], true);
+    assert_eq!(group["url"], "https://agents.example/team/run");
+    let listed = admin_json(
+        &db,
+        state_dir.path(),
+        &["http-agent", "list", "--channel", &channel_id],
+    )
+    .await;
+    assert_eq!(listed["httpAgents"].as_array().unwrap().len(), 1);
+    let letters = admin_json(
+        &db,
+        state_dir.path(),
+        &["http-agent", "dead-letters", "--channel", &channel_id],
+    )
+    .await;
+    assert_eq!(letters["deadLetters"], serde_json::json!([]));
+    let deleted = admin_json(
+        &db,
+        state_dir.path(),
+        &[
+            "http-agent",
+            "delete",
+            "--channel",
+            &channel_id,
+            "--group",
+            "team",
+        ],
+    )
+    .await;
+    assert_eq!(deleted["deleted"], true);
+}

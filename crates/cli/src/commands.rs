@@ -4,7 +4,7 @@ use anyhow::Context;
 use converger_embedded::Role;
 use converger_gateway::tokens::TokenKeys;
 use converger_gateway::{Config, Server, TokenGrant, issue_for_channel};
-use converger_store::{Store, TurnSettings};
+use converger_store::{HttpAgentSettings, Store, TurnSettings};
 use serde_json::json;
 use uuid::Uuid;
 
@@ -130,6 +130,72 @@ pub async fn issue_token(
             .await
             .map_err(|error| anyhow::anyhow!("{}: {}", error.code, error.message))?;
         Ok(json!({"token": token, "expires_in": keys.ttl_secs()}))
+    })
+    .await
+}
+
+/// `converger http-agent create --channel ID --group G --url U [--secret S] …`: the checks of
+/// `POST /api/v1/channels/{id}/http-agents`, the allowlist of this configuration included.
+pub async fn create_http_agent(
+    config: Config,
+    channel_id: Uuid,
+    group: &str,
+    settings: HttpAgentSettings,
+) -> anyhow::Result<()> {
+    let refused = |error: converger_gateway::error::ApiError| {
+        anyhow::anyhow!("{}: {}", error.code, error.message)
+    };
+    converger_gateway::check_group_name(group).map_err(refused)?;
+    converger_gateway::check_http_agent(&config.http_agents, &settings).map_err(refused)?;
+    let group = group.to_owned();
+    with_store(&config, |store| async move {
+        store
+            .channel(channel_id)
+            .await?
+            .context("channel not found")?;
+        let agent = store
+            .create_http_agent(channel_id, &group, &settings)
+            .await?
+            .context("the channel already has an HTTP agent group of that name")?;
+        Ok(converger_gateway::group_json(&agent))
+    })
+    .await
+}
+
+/// `converger http-agent list --channel ID`.
+pub async fn list_http_agents(config: Config, channel_id: Uuid) -> anyhow::Result<()> {
+    with_store(&config, |store| async move {
+        let agents = store.http_agents(Some(channel_id)).await?;
+        let views: Vec<_> = agents.iter().map(converger_gateway::group_json).collect();
+        Ok(json!({"httpAgents": views}))
+    })
+    .await
+}
+
+/// `converger http-agent delete --channel ID --group G`.
+pub async fn delete_http_agent(
+    config: Config,
+    channel_id: Uuid,
+    group: &str,
+) -> anyhow::Result<()> {
+    let group = group.to_owned();
+    with_store(&config, |store| async move {
+        let deleted = store.delete_http_agent(channel_id, &group).await?;
+        anyhow::ensure!(deleted, "no such HTTP agent group");
+        Ok(json!({"deleted": true}))
+    })
+    .await
+}
+
+/// `converger http-agent dead-letters --channel ID` (the first 1,000).
+pub async fn dead_letters(config: Config, channel_id: Uuid) -> anyhow::Result<()> {
+    with_store(&config, |store| async move {
+        let letters = store.dead_letters(channel_id, 1_000).await?;
+        let views: Vec<_> = letters
+            .iter()
+            .map(converger_gateway::dead_letter_json)
+            .collect();
+        Ok(json!({"deadLetters": views}))
     })
     .await
 }

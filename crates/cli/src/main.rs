@@ -65,6 +65,63 @@ enum Command {
         #[command(subcommand)]
         command: TokenCommand,
     },
+    /// Manage HTTP agent groups (agents behind a URL, docs/agents.md §9).
+    HttpAgent {
+        #[command(subcommand)]
+        command: HttpAgentCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum HttpAgentCommand {
+    /// Create a channel's HTTP agent group; prints it (never its secret).
+    Create {
+        /// Channel id.
+        #[arg(long)]
+        channel: uuid::Uuid,
+        /// The group's name.
+        #[arg(long)]
+        group: String,
+        /// Where each turn is posted (under the configured `http_agents.allow`).
+        #[arg(long)]
+        url: String,
+        /// The HMAC-SHA256 key each call is signed with (or HTTP_AGENT_SECRET).
+        #[arg(long, env = "HTTP_AGENT_SECRET", hide_env_values = true)]
+        secret: Option<String>,
+        /// A call's deadline.
+        #[arg(long, default_value_t = 60_000)]
+        timeout_ms: i32,
+        /// Calls in flight at once, per node.
+        #[arg(long, default_value_t = 16)]
+        max_concurrency: i32,
+        /// Calls of one turn before it fails.
+        #[arg(long, default_value_t = 3)]
+        retry_attempts: i32,
+        /// The first wait between calls (doubled each time).
+        #[arg(long, default_value_t = 500)]
+        retry_backoff_ms: i32,
+    },
+    /// List a channel's HTTP agent groups.
+    List {
+        /// Channel id.
+        #[arg(long)]
+        channel: uuid::Uuid,
+    },
+    /// Delete a channel's HTTP agent group.
+    Delete {
+        /// Channel id.
+        #[arg(long)]
+        channel: uuid::Uuid,
+        /// The group's name.
+        #[arg(long)]
+        group: String,
+    },
+    /// List a channel's dead letters (turns whose calls all failed), oldest first.
+    DeadLetters {
+        /// Channel id.
+        #[arg(long)]
+        channel: uuid::Uuid,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -180,6 +237,37 @@ fn main() -> ExitCode {
                 };
                 commands::issue_token(config, channel, grant).await
             }
+            Command::HttpAgent { command } => match command {
+                HttpAgentCommand::Create {
+                    channel,
+                    group,
+                    url,
+                    secret,
+                    timeout_ms,
+                    max_concurrency,
+                    retry_attempts,
+                    retry_backoff_ms,
+                } => {
+                    let settings = converger_store::HttpAgentSettings {
+                        url,
+                        secret,
+                        timeout_ms,
+                        max_concurrency,
+                        retry_attempts,
+                        retry_backoff_ms,
+                    };
+                    commands::create_http_agent(config, channel, &group, settings).await
+                }
+                HttpAgentCommand::List { channel } => {
+                    commands::list_http_agents(config, channel).await
+                }
+                HttpAgentCommand::Delete { channel, group } => {
+                    commands::delete_http_agent(config, channel, &group).await
+                }
+                HttpAgentCommand::DeadLetters { channel } => {
+                    commands::dead_letters(config, channel).await
+                }
+            },
         }
     });
     match outcome {

@@ -4,6 +4,7 @@
 
 pub mod channel;
 pub mod groups;
+pub mod http_agents;
 pub mod policies;
 pub mod replay;
 pub mod streams;

@@ -3,10 +3,13 @@
 #![forbid(unsafe_code)]
 
 pub mod actors;
+mod answers;
 pub mod auth;
 mod bus_bridge;
+mod chat_history;
 pub mod config;
 pub mod error;
+mod http_agents;
 pub mod hub;
 mod lifecycle;
 mod listener;
@@ -27,6 +30,7 @@ mod ws;
 
 pub use config::{Config, DatabaseConfig, DrainConfig, LogFormat};
 
+pub use routes::http_agents::{check_group_name, check_http_agent, dead_letter_json, group_json};
 pub use routes::tokens::{TokenGrant, issue_for_channel};
 pub use server::{Credentials, GatewayError, Server, ServerHandle};
 pub use state::AppState;

@@ -114,6 +114,7 @@ impl Server {
             )),
             admission: crate::listener::Admission::new(&config_http),
             channel_turns: Arc::default(),
+            http_agents: Arc::default(),
         };
         Ok(Server { state, listener })
     }
@@ -158,6 +159,7 @@ impl Server {
         let expiry = crate::lifecycle::spawn_expiry(self.state.clone());
         let reaper = crate::presence::spawn_reaper(self.state.clone());
         let stop_sweep = crate::stops::spawn_sweep(self.state.clone());
+        let http_agents = crate::http_agents::spawn(self.state.clone());
         let draining_state = self.state.clone();
         let shutdown = async move {
             shutdown.await;
@@ -176,6 +178,7 @@ impl Server {
         pruner.abort();
         reaper.abort();
         stop_sweep.abort();
+        http_agents.abort();
         if let Some(expiry) = expiry {
             expiry.abort();
         }

@@ -46,6 +46,8 @@ pub struct AppState {
     pub(crate) admission: Admission,
     /// Each channel's turn policy and disconnect setting, as this node last read them.
     pub(crate) channel_turns: Arc<crate::policies::ChannelTurnsCache>,
+    /// The URLs this node calls for HTTP agent groups (concurrency caps, breakers).
+    pub(crate) http_agents: Arc<crate::http_agents::HttpAgents>,
 }
 
 impl AppState {

@@ -1,11 +1,15 @@
 //! AG-UI over Server-Sent Events (docs/frontends.md, ADR 0030): the `RunAgentInput` a client
-//! posts and the events converger answers with, as `@ag-ui/client` 1.0 validates them.
+//! posts and the events converger answers with, as `@ag-ui/client` 1.0 validates them; and the
+//! same types the other way round, for HTTP agents (ADR 0031): the input a node posts to an
+//! agent's URL and the events it reads back.
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-/// `POST /api/v1/ag-ui/run` and `…/connect`: what `HttpAgent` sends.
-#[derive(Debug, Deserialize)]
+/// `POST /api/v1/ag-ui/run` and `…/connect`: what `HttpAgent` sends; and what a node posts
+/// to an HTTP agent (which always carries `state`, `tools`, `context` and `forwardedProps`,
+/// as AG-UI's own servers require them).
+#[derive(Debug, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct RunAgentInput {
     /// The thread: the conversation.
@@ -14,37 +18,25 @@ pub struct RunAgentInput {
     pub run_id: String,
     /// The client's whole history.
     #[serde(default)]
-    pub messages: Vec<MessageIn>,
+    pub messages: Vec<Message>,
     /// The client's state.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub state: Option<Value>,
     /// Tools the client offers.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tools: Option<Value>,
     /// Context entries.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub context: Option<Value>,
     /// Anything else the client forwards.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub forwarded_props: Option<Value>,
     /// Answers to the interrupts the last run ended with.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resume: Option<Vec<ResumeEntry>>,
 }
 
-/// A message of the client's history.
-#[derive(Debug, Deserialize)]
-pub struct MessageIn {
-    /// The client's message id.
-    pub id: String,
-    /// `user`, `assistant`, `system`, `tool`, …
-    pub role: String,
-    /// A string, or (user messages) an array of input parts.
-    #[serde(default)]
-    pub content: Option<Value>,
-}
-
-impl MessageIn {
+impl Message {
     /// The message's text: the string content, or its text parts joined.
     pub fn text(&self) -> String {
         match &self.content {
@@ -72,8 +64,9 @@ pub struct ResumeEntry {
     pub payload: Option<Value>,
 }
 
-/// One AG-UI event (the SSE `data:` of one event).
-#[derive(Debug, Clone, PartialEq, Serialize)]
+/// One AG-UI event (the SSE `data:` of one event). Read back from HTTP agents, an event of a
+/// type converger has no use for (steps, thinking, raw, activity) is [`Event::Other`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(
     tag = "type",
     rename_all = "SCREAMING_SNAKE_CASE",
@@ -94,23 +87,27 @@ pub enum Event {
         /// The run.
         run_id: String,
         /// Why, when not plain success.
-        #[serde(skip_serializing_if = "Option::is_none")]
+        #[serde(default, skip_serializing_if = "Option::is_none")]
         outcome: Option<RunOutcome>,
+        /// An agent's result (read back, never sent).
+        #[serde(default, skip_serializing)]
+        result: Option<Value>,
     },
     /// A run failed.
     RunError {
         /// Why.
         message: String,
         /// A converger error code.
-        #[serde(skip_serializing_if = "Option::is_none")]
+        #[serde(default, skip_serializing_if = "Option::is_none")]
         code: Option<String>,
     },
     /// An assistant message begins.
     TextMessageStart {
         /// Its id.
         message_id: String,
-        /// Always `assistant`.
-        role: &'static str,
+        /// Always `assistant` when converger sends it.
+        #[serde(default = "assistant_role")]
+        role: String,
     },
     /// Text appended to it (never empty).
     TextMessageContent {
@@ -124,6 +121,15 @@ pub enum Event {
         /// The message.
         message_id: String,
     },
+    /// A message's start, text and end in one (read back: AG-UI's convenience form).
+    TextMessageChunk {
+        /// The message (AG-UI requires it on the first chunk of a message).
+        #[serde(default)]
+        message_id: Option<String>,
+        /// The text.
+        #[serde(default)]
+        delta: Option<String>,
+    },
     /// A tool call begins.
     ToolCallStart {
         /// The call.
@@ -131,7 +137,8 @@ pub enum Event {
         /// The tool.
         tool_call_name: String,
         /// The assistant message it belongs to.
-        parent_message_id: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        parent_message_id: Option<String>,
     },
     /// The call's arguments (JSON text).
     ToolCallArgs {
@@ -145,6 +152,18 @@ pub enum Event {
         /// The call.
         tool_call_id: String,
     },
+    /// A call's start, arguments and end in one (read back: AG-UI's convenience form).
+    ToolCallChunk {
+        /// The call (required on its first chunk).
+        #[serde(default)]
+        tool_call_id: Option<String>,
+        /// The tool (required on its first chunk).
+        #[serde(default)]
+        tool_call_name: Option<String>,
+        /// Arguments text.
+        #[serde(default)]
+        delta: Option<String>,
+    },
     /// A tool's result.
     ToolCallResult {
         /// The result message's id.
@@ -154,12 +173,18 @@ pub enum Event {
         /// The result as text (JSON for anything but a string).
         content: String,
         /// Always `tool`.
-        role: &'static str,
+        #[serde(default = "tool_role")]
+        role: String,
     },
     /// The conversation's committed runtime state.
     StateSnapshot {
         /// The state.
         snapshot: Value,
+    },
+    /// A change of the state as a JSON Patch (RFC 6902), read back from an agent.
+    StateDelta {
+        /// The operations.
+        delta: Value,
     },
     /// The thread's chat view.
     MessagesSnapshot {
@@ -171,14 +196,29 @@ pub enum Event {
         /// The frame's type.
         name: String,
         /// Its `data`.
+        #[serde(default)]
         value: Value,
     },
+    /// Read back: any event type converger does not use (never sent).
+    #[serde(other, skip_serializing)]
+    Other,
+}
+
+fn assistant_role() -> String {
+    "assistant".into()
+}
+
+fn tool_role() -> String {
+    "tool".into()
 }
 
 /// How a run ended (`RUN_FINISHED.outcome`).
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "lowercase")]
 pub enum RunOutcome {
+    /// Plain success (read back from agents; converger leaves the outcome out for it).
+    #[serde(skip_serializing)]
+    Success,
     /// The answer waits for the user.
     Interrupt {
         /// What it waits for.
@@ -186,10 +226,13 @@ pub enum RunOutcome {
     },
     /// The run was stopped.
     Cancelled,
+    /// Read back: an outcome of a later AG-UI version (never sent).
+    #[serde(other, skip_serializing)]
+    Other,
 }
 
 /// One interrupt of an answer.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Interrupt {
     /// The agent's `interrupt` frame id.
@@ -201,39 +244,45 @@ pub struct Interrupt {
     pub message: Option<String>,
 }
 
-/// A message of a `MESSAGES_SNAPSHOT`.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+/// An AG-UI message: of a `MESSAGES_SNAPSHOT`, of a client's history, of the history a node
+/// posts to an HTTP agent, and of an agent's JSON answer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Message {
     /// Its id.
     pub id: String,
-    /// `user`, `assistant` or `tool`.
-    pub role: &'static str,
-    /// Text content (absent on an assistant message that only calls tools).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub content: Option<String>,
+    /// `user`, `assistant`, `system`, `tool`, …
+    pub role: String,
+    /// Text content (absent on an assistant message that only calls tools): a string, or (user
+    /// messages) an array of input parts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub content: Option<Value>,
     /// An assistant message's tool calls.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tool_calls: Vec<ToolCall>,
     /// A tool message's call.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tool_call_id: Option<String>,
 }
 
 /// A tool call of an assistant message.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ToolCall {
     /// The call's id.
     pub id: String,
     /// Always `function`.
-    #[serde(rename = "type")]
-    pub kind: &'static str,
+    #[serde(rename = "type", default = "function_kind")]
+    pub kind: String,
     /// The call.
     pub function: FunctionCall,
 }
 
+fn function_kind() -> String {
+    "function".into()
+}
+
 /// The function of a tool call.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct FunctionCall {
     /// The tool.
     pub name: String,
@@ -268,6 +317,7 @@ mod tests {
             thread_id: "t".into(),
             run_id: "r".into(),
             outcome: Some(RunOutcome::Cancelled),
+            result: None,
         };
         assert_eq!(
             serde_json::to_value(finished).unwrap(),
@@ -276,7 +326,7 @@ mod tests {
         let call = Event::ToolCallStart {
             tool_call_id: "c".into(),
             tool_call_name: "find".into(),
-            parent_message_id: "m".into(),
+            parent_message_id: Some("m".into()),
         };
         assert_eq!(
             serde_json::to_value(call).unwrap(),

@@ -36,6 +36,7 @@ pub enum ErrorCode {
     IncompleteResume,
     BotUnavailable,
     AnswerRefused,
+    AgentFailed,
     Internal,
     Unavailable,
 }
@@ -73,7 +74,7 @@ impl CloseCode {
 
 impl ErrorCode {
     /// All codes, in table order.
-    pub const ALL: [ErrorCode; 32] = [
+    pub const ALL: [ErrorCode; 33] = [
         ErrorCode::BadRequest,
         ErrorCode::NoSession,
         ErrorCode::UnsupportedProtocol,
@@ -104,6 +105,7 @@ impl ErrorCode {
         ErrorCode::IncompleteResume,
         ErrorCode::BotUnavailable,
         ErrorCode::AnswerRefused,
+        ErrorCode::AgentFailed,
         ErrorCode::Internal,
         ErrorCode::Unavailable,
     ];
@@ -141,6 +143,7 @@ impl ErrorCode {
             ErrorCode::IncompleteResume => "incomplete_resume",
             ErrorCode::BotUnavailable => "bot_unavailable",
             ErrorCode::AnswerRefused => "answer_refused",
+            ErrorCode::AgentFailed => "agent_failed",
             ErrorCode::Internal => "internal",
             ErrorCode::Unavailable => "unavailable",
         }
@@ -179,6 +182,7 @@ impl ErrorCode {
             ErrorCode::IncompleteResume => 5003,
             ErrorCode::BotUnavailable => 5004,
             ErrorCode::AnswerRefused => 5005,
+            ErrorCode::AgentFailed => 5006,
             ErrorCode::Internal => 9000,
             ErrorCode::Unavailable => 9001,
         }

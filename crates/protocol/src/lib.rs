@@ -42,9 +42,9 @@ pub use persistent::{
 };
 pub use profile::{MEKIK_PROTOCOL_NAME, Profile};
 pub use server_frame::{
-    Ack, Catalog, ErrorFrame, Heartbeat, TurnNumber, answer_refused, presence, read_receipt,
-    refused_turn, relayed_error, replay_truncated, retry_close_reason, run_status, token_refreshed,
-    typing,
+    Ack, Catalog, ErrorFrame, Heartbeat, TurnNumber, agent_failed, answer_refused, presence,
+    read_receipt, refused_turn, relayed_error, replay_truncated, retry_close_reason, run_status,
+    token_refreshed, typing,
 };
 pub use storable::{NUL_REFUSED, contains_nul};
 pub use streams::{

@@ -328,11 +328,28 @@ pub fn answer_refused(reason: ErrorCode, frame_type: &str, turn: Option<TurnNumb
     .to_json()
 }
 
-/// The turn an [`answer_refused`] frame names, read back from the frame (a transient that
-/// crossed the hub as JSON); `None` for any other frame.
+/// `error` `agent_failed` to end users: every call an HTTP agent group made for their turn
+/// failed, and the turn settled as `failed` (ADR 0031); `details.group` names the group.
+pub fn agent_failed(group: &str, turn: TurnNumber) -> Value {
+    ErrorFrame {
+        details: Some(serde_json::json!({
+            "group": group,
+            "turn": {"seq": turn.seq, "revision": turn.revision},
+        })),
+        ..ErrorFrame::new(
+            ErrorCode::AgentFailed,
+            "the agent failed to answer this turn",
+        )
+    }
+    .to_json()
+}
+
+/// The turn an [`answer_refused`] or [`agent_failed`] frame names, read back from the frame (a
+/// transient that crossed the hub as JSON); `None` for any other frame.
 pub fn refused_turn(frame: &serde_json::Value) -> Option<TurnNumber> {
     let data = &frame["data"];
-    if data["code"] != ErrorCode::AnswerRefused.as_str() {
+    let code = &data["code"];
+    if code != ErrorCode::AnswerRefused.as_str() && code != ErrorCode::AgentFailed.as_str() {
         return None;
     }
     let turn = &data["details"]["turn"];

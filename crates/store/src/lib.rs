@@ -11,6 +11,7 @@ mod error;
 pub mod faults;
 mod group_commit;
 pub mod hosts;
+mod http_agents;
 mod lifecycle;
 mod presence;
 mod primary;
@@ -29,6 +30,7 @@ pub use channels::{Channel, ChannelStatus, TurnSettings};
 pub use conversations::{ChannelCatalogs, Conversation, ConversationFilter, PendingInterrupt};
 pub use error::StoreError;
 pub(crate) use error::{is_connection_failure, is_sqlx_connection_failure};
+pub use http_agents::{DeadLetter, HttpAgent, HttpAgentSettings};
 pub use lifecycle::{
     CONVERSATION_UPDATE, EXPIRED_REASON, Expired, MAX_REASON_CHARS, SYSTEM_SENDER, StatusChange,
     Transition,

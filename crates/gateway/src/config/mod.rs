@@ -6,8 +6,8 @@ mod sections;
 
 pub use sections::{
     AdminConfig, ConversationsConfig, DatabaseConfig, DemoConfig, DemoPage, DrainConfig,
-    FrontendsConfig, GossipConfig, HttpConfig, LogFormat, RatesConfig, StatusConfig, StreamsConfig,
-    TurnsConfig,
+    FrontendsConfig, GossipConfig, HttpAgentsConfig, HttpConfig, LogFormat, RatesConfig,
+    StatusConfig, StreamsConfig, TurnsConfig,
 };
 
 use std::net::SocketAddr;
@@ -82,6 +82,8 @@ pub struct Config {
     pub turns: TurnsConfig,
     /// The chat frontends' routes (AI SDK, AG-UI).
     pub frontends: FrontendsConfig,
+    /// Agents behind a URL: the operator's allowlist and the calls' limits.
+    pub http_agents: HttpAgentsConfig,
     /// The demo chat page.
     pub demo: DemoConfig,
 }
@@ -117,6 +119,7 @@ impl Default for Config {
             conversations: ConversationsConfig::default(),
             turns: TurnsConfig::default(),
             frontends: FrontendsConfig::default(),
+            http_agents: HttpAgentsConfig::default(),
             demo: DemoConfig::default(),
         }
     }
@@ -294,6 +297,22 @@ impl Config {
                 "frontends.max_history_frames and frontends.max_request_bytes must be greater than 0"
                     .into(),
             );
+        }
+        if let Some(entry) = self.http_agents.allow.iter().find(|entry| {
+            crate::http_agents::url_parts(entry).is_none() || entry.contains(['?', '#', '*'])
+        }) {
+            return Err(format!(
+                "http_agents.allow: {entry:?} is not a URL prefix (http[s]://host[:port][/path], no user, query or wildcard)"
+            ));
+        }
+        let agents = &self.http_agents;
+        if agents.max_history_frames < 1
+            || agents.max_response_bytes == 0
+            || agents.connect_timeout_ms == 0
+            || agents.breaker_failures == 0
+            || agents.reload_ms == 0
+        {
+            return Err("http_agents: max_history_frames, max_response_bytes, connect_timeout_ms, breaker_failures and reload_ms must be greater than 0".into());
         }
         if self.admin.failures_burst == 0 || self.admin.failures_per_minute == 0 {
             return Err(

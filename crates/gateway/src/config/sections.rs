@@ -292,6 +292,47 @@ impl Default for FrontendsConfig {
     }
 }
 
+/// Agents behind a URL (docs/agents.md, ADR 0031): where nodes may call, and the limits of
+/// every call. A group's own limits (`timeoutMs`, `maxConcurrency`, `retry`) are set with the
+/// group.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HttpAgentsConfig {
+    /// URL prefixes (`http[s]://host[:port][/path]`) an HTTP agent group may be given: a
+    /// group's URL must have the same scheme, host and port and a path at or below the entry's.
+    /// Empty (the default): no HTTP agent group can be created or called.
+    #[serde(deserialize_with = "super::list_or_comma_separated")]
+    pub allow: Vec<String>,
+    /// How long a call waits for its connection.
+    pub connect_timeout_ms: u64,
+    /// The largest response read from an agent, in bytes; a larger one fails the call.
+    pub max_response_bytes: usize,
+    /// The history posted with a turn holds at most this many of the conversation's frames up
+    /// to the turn.
+    pub max_history_frames: i64,
+    /// Consecutive failed calls to one URL (on one node) that open its circuit breaker.
+    pub breaker_failures: u32,
+    /// How long an open breaker refuses calls before one probes.
+    pub breaker_open_ms: u64,
+    /// How often a node re-reads the groups (a group created, changed or deleted on another
+    /// node is served here within this time).
+    pub reload_ms: u64,
+}
+
+impl Default for HttpAgentsConfig {
+    fn default() -> Self {
+        HttpAgentsConfig {
+            allow: Vec::new(),
+            connect_timeout_ms: 5_000,
+            max_response_bytes: 4_194_304,
+            max_history_frames: 200,
+            breaker_failures: 5,
+            breaker_open_ms: 30_000,
+            reload_ms: 2_000,
+        }
+    }
+}
+
 /// Whether the node serves the demo chat page (`GET /demo`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]

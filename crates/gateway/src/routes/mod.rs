@@ -8,6 +8,7 @@ mod demo;
 mod events;
 mod frontends;
 mod health;
+pub(crate) mod http_agents;
 mod lifecycle;
 pub mod status;
 mod stops;
@@ -52,6 +53,28 @@ pub(crate) fn router(state: AppState) -> Router {
             post(channels::create).get(channels::list),
         )
         .route("/api/v1/channels/{id}", patch(channels::update))
+        .route(
+            "/api/v1/channels/{id}/http-agents",
+            post(http_agents::create).get(http_agents::list),
+        )
+        .route(
+            "/api/v1/channels/{id}/http-agents/dead-letters",
+            get(http_agents::dead_letters),
+        )
+        .route(
+            "/api/v1/channels/{id}/http-agents/dead-letters/retry",
+            post(http_agents::retry),
+        )
+        .route(
+            "/api/v1/channels/{id}/http-agents/dead-letters/drop",
+            post(http_agents::drop_letter),
+        )
+        .route(
+            "/api/v1/channels/{id}/http-agents/{group}",
+            get(http_agents::get)
+                .patch(http_agents::update)
+                .delete(http_agents::delete),
+        )
         .route("/api/v1/conversations", get(lifecycle::list))
         .route("/api/v1/conversations/{id}", get(lifecycle::get))
         .route("/api/v1/api-keys/rotate", post(lifecycle::rotate_key))

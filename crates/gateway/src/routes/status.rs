@@ -208,6 +208,7 @@ async fn render(state: &AppState) -> String {
         }
         None => html.push_str("<p>Cluster membership is not available.</p>"),
     }
+    render_http_agents(&mut html, state).await;
     let _ = write!(
         html,
         "<footer>Refreshes every {REFRESH_SECS} s · {}</footer></body></html>",
@@ -284,6 +285,40 @@ async fn render_channels(html: &mut String, state: &AppState, cluster: &ClusterS
         html.push_str("</tbody></table>");
     }
     html.push_str("</section>");
+}
+
+/// A row per HTTP agent group (ADR 0031), with the circuit breaker of its URL on this node.
+async fn render_http_agents(html: &mut String, state: &AppState) {
+    let Ok(agents) = state.store.http_agents(None).await else {
+        return;
+    };
+    if agents.is_empty() {
+        return;
+    }
+    let breakers: BTreeMap<String, &'static str> = state
+        .http_agents
+        .breakers()
+        .into_iter()
+        .map(|(url, breaker)| (url, breaker.as_str()))
+        .collect();
+    html.push_str(
+        "<section><h2>HTTP agent groups</h2><table id=\"http-agents\"><thead><tr><th>Channel</th>\
+         <th>Group</th><th>URL</th><th>Timeout</th><th>Concurrency</th><th>Breaker here</th>\
+         </tr></thead><tbody>",
+    );
+    for agent in &agents {
+        let _ = write!(
+            html,
+            "<tr><td>{channel}</td><td>{group}</td><td>{url}</td><td>{timeout} ms</td><td>{concurrency}</td><td>{breaker}</td></tr>",
+            channel = agent.channel_id,
+            group = escape(&agent.group_name),
+            url = escape(&agent.url),
+            timeout = agent.timeout_ms,
+            concurrency = agent.max_concurrency,
+            breaker = breakers.get(&agent.url).copied().unwrap_or("closed"),
+        );
+    }
+    html.push_str("</tbody></table></section>");
 }
 
 /// Sums the samples of a Prometheus counter in `text` (every label set).

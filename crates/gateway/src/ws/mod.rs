@@ -8,7 +8,7 @@
 //! build on `session.rs` (how a session ends, socket reads, shared answers), `outbound.rs` (the
 //! bounded queue), `writer.rs` and `rate.rs`.
 
-mod agent;
+pub(crate) mod agent;
 mod connection;
 mod conversation;
 mod handshake;

@@ -8,9 +8,7 @@ use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
 use axum::http::HeaderMap;
 use axum::response::Response;
-use converger_protocol::ag_ui::{
-    Event, FunctionCall, Interrupt, Message, RunAgentInput, RunOutcome, ToolCall, json_text,
-};
+use converger_protocol::ag_ui::{Event, Interrupt, Message, RunAgentInput, RunOutcome, json_text};
 use converger_protocol::{
     AnswerPart, MessageFrame, ToolCalls, answer_part, is_valid_client_id, validate_message_frame,
 };
@@ -19,9 +17,7 @@ use serde_json::{Map, Value, json};
 use tokio::sync::mpsc;
 
 use super::follow::{AnswerSink, Follower, Gone, RECHECK, RunEnd, TurnKey, answer_id};
-use super::{
-    EndUser, EventSender, QUEUE, chat_view_frames, client_message_id, end_user, send_turn, sse_body,
-};
+use super::{EndUser, EventSender, QUEUE, chat_view_frames, end_user, send_turn, sse_body};
 use crate::error::ApiError;
 use crate::hub::HubEvent;
 use crate::routes::body::parse_json;
@@ -85,7 +81,8 @@ pub(crate) async fn connect(
     // neither.
     let latest = state.store.latest_turn(user.conversation.id).await?;
     let running = state.store.running_turn(user.conversation.id).await?;
-    let snapshot = snapshot_messages(&chat_view_frames(&state, &user.conversation).await?);
+    let snapshot =
+        crate::chat_history::ag_ui_messages(&chat_view_frames(&state, &user.conversation).await?);
     let (sender, receiver) = mpsc::channel(QUEUE);
     let mut sink = RunStream::new(sender, input.thread_id, input.run_id);
     tokio::spawn(async move {
@@ -202,63 +199,6 @@ fn forwarded(input: &RunAgentInput) -> Value {
     Value::Object(forwarded)
 }
 
-/// The chat view's frames as AG-UI messages: user texts, assistant texts, tool calls (on an
-/// assistant message) and tool results; other frames have no AG-UI message.
-fn snapshot_messages(frames: &[converger_store::Activity]) -> Vec<Message> {
-    let mut messages = Vec::new();
-    let mut calls = ToolCalls::default();
-    for frame in frames {
-        let message = |role, content: Option<String>| Message {
-            id: client_message_id(frame).to_owned(),
-            role,
-            content,
-            tool_calls: Vec::new(),
-            tool_call_id: None,
-        };
-        let user = frame.sender_role == converger_protocol::USER_ROLE;
-        if user {
-            // A result pairs with a call of the same answer, as live.
-            calls = ToolCalls::default();
-        }
-        match answer_part(&frame.kind, &frame.id, &frame.data) {
-            AnswerPart::Text(text) if user => messages.push(message("user", Some(text.into()))),
-            AnswerPart::Text(text) => messages.push(message("assistant", Some(text.into()))),
-            AnswerPart::ToolCall {
-                call_id,
-                name,
-                input,
-            } if !user => {
-                calls.called(call_id, name);
-                messages.push(Message {
-                    tool_calls: vec![ToolCall {
-                        id: call_id.into(),
-                        kind: "function",
-                        function: FunctionCall {
-                            name: name.into(),
-                            arguments: json_text(input),
-                        },
-                    }],
-                    ..message("assistant", None)
-                });
-            }
-            AnswerPart::ToolResult {
-                call_id,
-                name,
-                output,
-            } if !user => {
-                if let Some(call_id) = calls.answered(call_id, name) {
-                    messages.push(Message {
-                        tool_call_id: Some(call_id),
-                        ..message("tool", Some(json_text(output)))
-                    });
-                }
-            }
-            _ => {}
-        }
-    }
-    messages
-}
-
 /// One response's AG-UI events.
 struct RunStream {
     events: EventSender,
@@ -346,6 +286,7 @@ impl RunStream {
             thread_id: self.thread_id.clone(),
             run_id: self.run_id.clone(),
             outcome,
+            result: None,
         })
         .await?;
         Ok(true)
@@ -465,7 +406,7 @@ impl AnswerSink for RunStream {
             self.open_text = Some(part_id.to_owned());
             self.send(Event::TextMessageStart {
                 message_id: part_id.to_owned(),
-                role: "assistant",
+                role: "assistant".into(),
             })
             .await?;
         }
@@ -505,7 +446,7 @@ impl AnswerSink for RunStream {
                 self.send(Event::ToolCallStart {
                     tool_call_id: call_id.into(),
                     tool_call_name: name.into(),
-                    parent_message_id: self.answer_id.clone(),
+                    parent_message_id: Some(self.answer_id.clone()),
                 })
                 .await?;
                 self.send(Event::ToolCallArgs {
@@ -528,7 +469,7 @@ impl AnswerSink for RunStream {
                         message_id: frame.id.clone(),
                         tool_call_id: call_id,
                         content: json_text(output),
-                        role: "tool",
+                        role: "tool".into(),
                     })
                     .await
                 }

@@ -19,9 +19,7 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use super::follow::{AnswerSink, Follower, Gone, RunEnd, TurnKey, answer_id};
-use super::{
-    EndUser, EventSender, QUEUE, chat_view_frames, client_message_id, end_user, send_turn, sse_body,
-};
+use super::{EndUser, EventSender, QUEUE, chat_view_frames, end_user, send_turn, sse_body};
 use crate::error::ApiError;
 use crate::routes::body::parse_json;
 use crate::routes::conversations::frame_error;
@@ -364,7 +362,7 @@ fn ui_messages(frames: &[Activity]) -> Vec<UiMessage> {
                 _ => UiPart::Data(DataChunk::new(&frame.kind, &frame.id, frame.data.clone())),
             };
             messages.push(UiMessage {
-                id: client_message_id(frame).to_owned(),
+                id: crate::chat_history::client_message_id(frame).to_owned(),
                 role: "user",
                 parts: vec![part],
             });

@@ -133,7 +133,7 @@ async fn send_turn(
 }
 
 /// The conversation's latest `frontends.max_history_frames` frames as the chat view shows
-/// them (ADR 0018: superseded questions and answers left out, an edit under its turn's id).
+/// them (ADR 0018).
 async fn chat_view_frames(
     state: &AppState,
     conversation: &Conversation,
@@ -146,37 +146,7 @@ async fn chat_view_frames(
         .await?
         .map_or(0, |conversation| conversation.last_seq);
     let limit = state.config.frontends.max_history_frames;
-    let view = crate::wire::chat_view(store.revised_turns(conversation.id).await?);
-    let mut after = head.saturating_sub(limit).max(0);
-    let mut frames = Vec::new();
-    while after < head {
-        let page = store
-            .list_activities(conversation.id, after, super::conversations::MAX_PAGE)
-            .await?;
-        let Some(last) = page.last().map(|frame| frame.seq) else {
-            break;
-        };
-        after = last;
-        for mut frame in page {
-            if view.hides(frame.seq) {
-                continue;
-            }
-            if let Some(id) = view.shown_as(frame.seq) {
-                frame.id = id.to_owned();
-            }
-            frames.push(frame);
-        }
-    }
-    Ok(frames)
-}
-
-/// The id a client knows one of its user's frames by: the id its client gave (the commit's
-/// idempotency key), else the frame's.
-fn client_message_id(frame: &Activity) -> &str {
-    match (&frame.client_id, frame.sender_role.as_str()) {
-        (Some(client_id), converger_protocol::USER_ROLE) => client_id,
-        _ => &frame.id,
-    }
+    Ok(crate::chat_history::chat_view_frames(store, conversation.id, head, limit).await?)
 }
 
 /// Numbers one response's events (`id:`), and knows when its client went away.

@@ -49,14 +49,14 @@ pub(super) async fn release_leases(state: &AppState, holder: &str) {
 
 /// Keeps an agent connection announced in gossip while it lives; withdraws it when dropped, so
 /// no way out of the session forgets it.
-pub(super) struct Announced {
+pub(crate) struct Announced {
     cluster: Cluster,
     record: AgentRecord,
 }
 
 impl Announced {
     /// Publishes the connection in gossip.
-    pub(super) fn new(cluster: &Cluster, record: AgentRecord) -> Announced {
+    pub(crate) fn new(cluster: &Cluster, record: AgentRecord) -> Announced {
         cluster.publish(record.clone());
         Announced {
             cluster: cluster.clone(),

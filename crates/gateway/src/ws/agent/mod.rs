@@ -12,7 +12,7 @@
 
 mod deliveries;
 mod frames;
-mod membership;
+pub(crate) mod membership;
 mod results;
 mod streams;
 

@@ -13,15 +13,14 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use converger_core::streams::StreamTurn;
-use converger_protocol::{Ack, ErrorCode, ErrorFrame, TurnNumber, answer_refused};
+use converger_protocol::{Ack, ErrorCode, ErrorFrame, TurnNumber};
 use converger_store::bus::Origin;
 use converger_store::{AnswerOutcome, StoreError, TurnAnswer};
 use serde_json::{Value, json};
 use tokio::task::{Id, JoinSet};
 use uuid::Uuid;
 
-use crate::publish::{self, Audience, Transient};
+use crate::publish;
 use crate::state::AppState;
 
 /// Results committing at once on one connection; the next one waits for a slot.
@@ -60,40 +59,8 @@ impl ResultsInFlight {
         let conversation_id = answer.conversation_id;
         let state = state.clone();
         let handle = self.tasks.spawn(async move {
-            let streamed = StreamTurn {
-                seq: answer.seq,
-                revision: answer.revision,
-            };
-            let streaming = state.streams.turn_is_streaming(conversation_id, streamed);
-            if streaming {
-                // Every node sees the chunks before the commit that ends them.
-                state.streams.flush().await;
-            }
-            let outcome = state.store.commit_answer(&answer).await;
-            let refused_input = matches!(&outcome, Err(error) if error.is_refused_input());
-            let settled = stream_settlement(&outcome);
+            let outcome = crate::answers::commit(&state, channel_id, &answer, origin).await;
             let reply = reply_to(&state, channel_id, &answer, client_id, outcome);
-            if streaming && let Some(aborted) = settled {
-                state
-                    .streams
-                    .settle_turn(&state.hub, conversation_id, streamed, aborted);
-            }
-            if refused_input {
-                // No valid answer follows a refused one by itself: the end users are told.
-                let turn = TurnNumber {
-                    seq: answer.seq,
-                    revision: answer.revision,
-                };
-                Transient {
-                    channel_id,
-                    conversation_id,
-                    frame: answer_refused(ErrorCode::InvalidMessage, "turnResult", Some(turn)),
-                    origin,
-                    audience: Audience::EndUsers,
-                }
-                .publish(&state)
-                .await;
-            }
             (answer.conversation_id, reply)
         });
         self.conversations.insert(handle.id(), conversation_id);
@@ -121,23 +88,6 @@ impl ResultsInFlight {
     pub(super) fn detach(&mut self) {
         self.tasks.detach_all();
         self.conversations.clear();
-    }
-}
-
-/// How a result's outcome ends the turn's open streams: `Some(None)` committed, `Some(reason)`
-/// aborted, `None` left open (the agent may retry: a stale runtime, an unconfirmed commit).
-fn stream_settlement(outcome: &Result<AnswerOutcome, StoreError>) -> Option<Option<&'static str>> {
-    match outcome {
-        Ok(AnswerOutcome::Committed { .. } | AnswerOutcome::Duplicate { .. }) => Some(None),
-        Ok(AnswerOutcome::Conflict { .. }) => Some(Some("conflict")),
-        Ok(AnswerOutcome::Superseded { .. }) => Some(Some("superseded")),
-        Ok(AnswerOutcome::LeaseLost { .. }) => Some(Some("lease_lost")),
-        Ok(AnswerOutcome::NoSuchTurn) => Some(Some("no_such_turn")),
-        Ok(AnswerOutcome::Closed) => Some(Some("conversation_closed")),
-        Ok(AnswerOutcome::Stopped) => Some(Some("stopped")),
-        Ok(AnswerOutcome::StaleRuntime { .. }) => None,
-        Err(error) if error.is_refused_input() => Some(Some("refused")),
-        Err(_) => None,
     }
 }
 
