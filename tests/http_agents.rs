@@ -1,4 +1,4 @@
-//! Agents behind a URL (ADR 0031, docs/agents.md §9) with real AG-UI servers started here: a
+//! Agents behind a URL (ADR 0031, docs/agents.md §17) with real AG-UI servers started here: a
 //! Pydantic AI agent (`AGUIAdapter` over a `FunctionModel` that calls a tool and streams its
 //! answer, behind a check of converger's signature) and a fault server built on the
 //! `ag-ui-protocol` package's encoder (`tests/http_agents/`). Each turn has one caller node, its
@@ -445,7 +445,9 @@ async fn a_turn_whose_calls_all_fail_is_failed_dead_lettered_and_retried_by_an_o
             "{letters}"
         );
         assert_eq!(letter["group"], "faulty");
-        assert_eq!(letter["attempts"], 3, "{letter}");
+        // Too large is not retried: the same agent answers the same turn alike.
+        let attempts = if path == "/big" { 1 } else { 3 };
+        assert_eq!(letter["attempts"], attempts, "{letter}");
     }
 
     // An agent that recovers: the operator's retry answers the turn, once however often it is
@@ -629,6 +631,7 @@ async fn groups_are_managed_over_rest_within_the_operators_allowlist() {
         "http://127.0.0.1:1/agent".to_owned(),
         "http://169.254.169.254/latest/meta-data".to_owned(),
         server.url("/ok").replace("http://", "http://user@"),
+        server.url("/ok/..%2f..%2fadmin"),
     ] {
         let (status, body) = create(json!({"group": "g", "url": url})).await;
         assert!(status == 403 || status == 400, "{url}: {status} {body}");

@@ -65,7 +65,7 @@ enum Command {
         #[command(subcommand)]
         command: TokenCommand,
     },
-    /// Manage HTTP agent groups (agents behind a URL, docs/agents.md §9).
+    /// Manage HTTP agent groups (agents behind a URL, docs/agents.md §17).
     HttpAgent {
         #[command(subcommand)]
         command: HttpAgentCommand,

@@ -59,7 +59,9 @@ pub(crate) async fn commit(
 
 /// How a result's outcome ends the turn's open streams: `Some(None)` committed, `Some(reason)`
 /// aborted, `None` left open (the agent may retry: a stale runtime, an unconfirmed commit).
-fn stream_settlement(outcome: &Result<AnswerOutcome, StoreError>) -> Option<Option<&'static str>> {
+pub(crate) fn stream_settlement(
+    outcome: &Result<AnswerOutcome, StoreError>,
+) -> Option<Option<&'static str>> {
     match outcome {
         Ok(AnswerOutcome::Committed { .. } | AnswerOutcome::Duplicate { .. }) => Some(None),
         Ok(AnswerOutcome::Conflict { .. }) => Some(Some("conflict")),

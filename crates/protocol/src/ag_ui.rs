@@ -170,8 +170,9 @@ pub enum Event {
         message_id: String,
         /// The call.
         tool_call_id: String,
-        /// The result as text (JSON for anything but a string).
-        content: String,
+        /// The result as text (JSON for anything but a string); read back, also AG-UI's list of
+        /// content parts.
+        content: Value,
         /// Always `tool`.
         #[serde(default = "tool_role")]
         role: String,
@@ -236,11 +237,13 @@ pub enum RunOutcome {
 #[serde(rename_all = "camelCase")]
 pub struct Interrupt {
     /// The agent's `interrupt` frame id.
+    #[serde(default)]
     pub id: String,
     /// Why.
+    #[serde(default)]
     pub reason: String,
     /// What to show the user.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
 }
 

@@ -79,7 +79,7 @@ pub struct DeadLetter {
     pub group_name: String,
     /// The URL called.
     pub url: String,
-    /// Calls made.
+    /// Attempts made (a call an open circuit breaker refused counts as one).
     pub attempts: i32,
     /// The last call's failure.
     pub error: String,
@@ -267,8 +267,9 @@ impl Store {
     }
 
     /// Takes a dead letter for a retry: removes it and, when the turn revision is still the
-    /// failed latest one, makes it `pending` again, in one transaction, so two retries of one
-    /// letter make one call. `None` when there was no such letter.
+    /// failed latest one of an open conversation, makes it `pending` again, in one statement
+    /// under the conversation's row lock (as every writer of a turn's status takes it), so two
+    /// retries of one letter make one call. `None` when there was no such letter.
     pub async fn take_dead_letter(
         &self,
         channel_id: Uuid,
@@ -279,16 +280,22 @@ impl Store {
     ) -> Result<Option<DeadLetter>, StoreError> {
         self.timed("take_dead_letter", async {
             sqlx::query_as::<_, DeadLetter>(
-                "WITH taken AS (
+                "WITH open_conversation AS (
+                     SELECT id FROM conversations
+                      WHERE id = $2 AND status = 'open'
+                        FOR NO KEY UPDATE
+                 ), taken AS (
                      DELETE FROM http_agent_dead_letters
                       WHERE channel_id = $1 AND conversation_id = $2 AND seq = $3
                         AND revision = $4 AND group_name = $5
                      RETURNING *
                  ), reopened AS (
                      UPDATE turns t SET status = 'pending', completed_at = NULL
-                       FROM taken
+                       FROM taken, open_conversation
                       WHERE t.conversation_id = taken.conversation_id AND t.seq = taken.seq
                         AND t.revision = taken.revision AND t.status = 'failed'
+                        AND t.revision = (SELECT max(revision) FROM turns
+                                           WHERE conversation_id = $2 AND seq = $3)
                      RETURNING 1
                  )
                  SELECT conversation_id, seq, revision, channel_id, group_name, url, attempts,

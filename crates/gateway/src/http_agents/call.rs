@@ -6,10 +6,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use converger_core::http_agents::{Admission, Breaker, BreakerState, backoff_ms};
-use converger_core::streams::StreamTurn;
+use converger_core::http_agents::backoff_ms;
 use converger_protocol::ag_ui::RunAgentInput;
-use converger_protocol::{StreamContent, TurnNumber, TurnRef, agent_failed};
+use converger_protocol::{TurnNumber, TurnRef, agent_failed};
 use converger_store::bus::Origin;
 use converger_store::{
     Activity, AnswerOutcome, DeadLetter, HttpAgent, RuntimeWrite, Sender, SenderRole, TurnAnswer,
@@ -17,86 +16,13 @@ use converger_store::{
 use futures_util::StreamExt;
 use rand::RngExt;
 use serde_json::{Value, json};
-use tokio::sync::Semaphore;
-use uuid::Uuid;
 
 use super::fold::{RunFold, Step};
+use super::gate::UrlGate;
 use super::request::{Answer, CallError, CallRequest};
+use super::streams::AttemptStreams;
 use crate::publish::{self, Audience, Transient};
 use crate::state::AppState;
-use crate::streams::{ChunkBody, LocalChunk};
-
-/// What every call to one URL shares on a node: the concurrency cap and the circuit breaker.
-pub(crate) struct UrlGate {
-    calls: Semaphore,
-    capacity: usize,
-    breaker: std::sync::Mutex<Breaker>,
-    /// The URL without its query, as metrics and logs name it.
-    label: String,
-}
-
-impl UrlGate {
-    /// A gate letting `capacity` calls to the URL `label` names run at once.
-    pub(crate) fn new(capacity: usize, breaker: Breaker, label: String) -> UrlGate {
-        UrlGate {
-            calls: Semaphore::new(capacity),
-            capacity,
-            breaker: std::sync::Mutex::new(breaker),
-            label,
-        }
-    }
-
-    /// Calls it lets run at once.
-    pub(crate) fn capacity(&self) -> usize {
-        self.capacity
-    }
-
-    /// The breaker's state now.
-    pub(crate) fn breaker_state(&self) -> BreakerState {
-        self.breaker().state()
-    }
-
-    fn breaker(&self) -> std::sync::MutexGuard<'_, Breaker> {
-        // A panic while the lock was held leaves a breaker that is still consistent.
-        self.breaker
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-}
-
-/// A call admitted by the breaker; a probe that ends without an outcome (its turn cancelled)
-/// lets the next call probe.
-struct Admitted<'a> {
-    gate: &'a UrlGate,
-    probe: bool,
-    settled: bool,
-}
-
-impl Admitted<'_> {
-    fn settle(mut self, outcome: &Result<(), CallError>) {
-        self.settled = true;
-        let mut breaker = self.gate.breaker();
-        match outcome {
-            Err(error) if error.counts_against_url() => breaker.failed(now_ms()),
-            _ => breaker.succeeded(),
-        }
-        let open = breaker.state() != BreakerState::Closed;
-        metrics::gauge!("converger_http_agent_breaker_open", "url" => self.gate.label.clone())
-            .set(f64::from(u8::from(open)));
-    }
-}
-
-impl Drop for Admitted<'_> {
-    fn drop(&mut self) {
-        if self.probe && !self.settled {
-            self.gate.breaker().probe_abandoned(now_ms());
-        }
-    }
-}
-
-fn now_ms() -> u64 {
-    u64::try_from(chrono::Utc::now().timestamp_millis()).unwrap_or_default()
-}
 
 /// A turn delivered to an HTTP agent group's member on this node.
 pub(crate) struct DeliveredTurn {
@@ -105,6 +31,11 @@ pub(crate) struct DeliveredTurn {
     /// `meta.turn`: seq, revision, key.
     pub turn: TurnRef,
 }
+
+/// The longest failure text a dead letter keeps, in bytes.
+const MAX_ERROR_BYTES: usize = 1_000;
+/// Writes of a failed turn's settlement before it is left pending.
+const FAIL_TRIES: u32 = 3;
 
 /// What a member's calls share.
 pub(crate) struct Caller {
@@ -124,14 +55,17 @@ impl Caller {
         let attempts = u32::try_from(self.agent.retry_attempts.max(1)).unwrap_or(1);
         let first_backoff = u64::try_from(self.agent.retry_backoff_ms).unwrap_or(0);
         let mut last_error = None;
+        let mut calls_made = 0;
         for attempt in 1..=attempts {
             if attempt > 1 {
-                metrics::counter!("converger_http_agent_retries_total").increment(1);
                 let wait = backoff_ms(first_backoff, attempt) as f64;
                 let spread = rand::rng().random_range(0.5..1.5);
                 tokio::time::sleep(Duration::from_millis((wait * spread) as u64)).await;
             }
             match self.still_waiting(&delivered).await {
+                Ok(true) if attempt > 1 => {
+                    metrics::counter!("converger_http_agent_retries_total").increment(1);
+                }
                 Ok(true) => {}
                 Ok(false) => return,
                 Err(error) => {
@@ -140,6 +74,7 @@ impl Caller {
                 }
             }
             let started = std::time::Instant::now();
+            calls_made = attempt;
             let outcome = self.attempt(&delivered).await;
             let label = match &outcome {
                 Ok(()) => "answered",
@@ -153,7 +88,7 @@ impl Caller {
                 Err(error) => {
                     tracing::warn!(
                         group = %self.agent.group_name,
-                        url = %self.gate.label,
+                        url = %self.gate.label(),
                         conversation_id = %delivered.activity.conversation_id,
                         seq = delivered.turn.seq,
                         revision = delivered.turn.revision,
@@ -169,8 +104,18 @@ impl Caller {
                 }
             }
         }
-        let error = last_error.map_or_else(|| "no call made".to_owned(), |error| error.to_string());
-        self.fail(&delivered, attempts, error).await;
+        let mut error =
+            last_error.map_or_else(|| "no call made".to_owned(), |error| error.to_string());
+        // An agent's RUN_ERROR message can be as long as its response: the letter keeps the
+        // start.
+        if error.len() > MAX_ERROR_BYTES {
+            let mut end = MAX_ERROR_BYTES;
+            while !error.is_char_boundary(end) {
+                end -= 1;
+            }
+            error.truncate(end);
+        }
+        self.fail(&delivered, calls_made, error).await;
     }
 
     /// True while the turn revision still waits for an answer (a takeover, another group, a
@@ -192,21 +137,7 @@ impl Caller {
         if !super::is_allowed(&self.state.config.http_agents, &self.agent.url) {
             return Err(CallError::NotAllowed);
         }
-        let _slot = self
-            .gate
-            .calls
-            .acquire()
-            .await
-            .map_err(|_| CallError::Connect("the node is shutting down".into()))?;
-        let admission = self.gate.breaker().admit(now_ms());
-        let admitted = match admission {
-            Admission::Refused => return Err(CallError::CircuitOpen),
-            Admission::Call | Admission::Probe => Admitted {
-                gate: &self.gate,
-                probe: admission == Admission::Probe,
-                settled: false,
-            },
-        };
+        let admitted = self.gate.enter().await?;
         let mut streams =
             AttemptStreams::new(&self.state, delivered, self.agent.channel_id, &self.from);
         let timeout = Duration::from_millis(u64::try_from(self.agent.timeout_ms).unwrap_or(1));
@@ -233,39 +164,26 @@ impl Caller {
             }),
             fence: None,
         };
-        let outcome =
-            crate::answers::commit(&self.state, self.agent.channel_id, &answer, self.origin())
-                .await;
-        // The commit settled the turn's streams (or left them to the retry, which aborts them).
-        streams.keep();
-        match outcome {
-            Ok(AnswerOutcome::Committed { activities, .. }) => {
-                publish::committed(
-                    &self.state.hub,
-                    self.agent.channel_id,
-                    answer.conversation_id,
-                    activities.into_iter().map(Arc::new),
-                );
-                Ok(())
-            }
-            // Another call, node or group settled it, or the turn moved on: nothing to retry.
-            Ok(
-                AnswerOutcome::Duplicate { .. }
-                | AnswerOutcome::Conflict { .. }
-                | AnswerOutcome::Superseded { .. }
-                | AnswerOutcome::LeaseLost { .. }
-                | AnswerOutcome::NoSuchTurn
-                | AnswerOutcome::Closed
-                | AnswerOutcome::Stopped,
-            ) => Ok(()),
-            Ok(AnswerOutcome::StaleRuntime { .. }) => Err(CallError::Invalid(
-                "the runtime changed during the call; calling again with the new one".into(),
-            )),
-            Err(error) if error.is_refused_input() => Err(CallError::Invalid(
-                "the answer cannot be stored (a NUL character)".into(),
-            )),
-            Err(error) => Err(CallError::Store(error.to_string())),
+        // In a task of its own: a stop that aborts this call does not cut the commit and the
+        // publication of what it committed apart.
+        let committing = tokio::spawn(commit_and_publish(
+            self.state.clone(),
+            self.agent.channel_id,
+            answer,
+            self.origin(),
+        ));
+        let (outcome, settled) = committing.await.unwrap_or_else(|_| {
+            (
+                Err(CallError::Store("the commit task failed".into())),
+                false,
+            )
+        });
+        if settled {
+            // The commit ended the turn's streams; otherwise they end with this call (aborted)
+            // and the next call streams afresh.
+            streams.keep();
         }
+        outcome
     }
 
     /// Posts the turn and folds the run's events, streaming its text; returns the fold and
@@ -329,14 +247,12 @@ impl Caller {
         }
         .send()
         .await?;
-        let mut fold = RunFold::new(runtime);
+        let mut fold = RunFold::new(runtime, self.state.config.limits.max_frame_bytes);
         match answer {
             Answer::Json(answer) => fold.apply_json(answer),
             Answer::Events(mut events) => {
                 while let Some(event) = events.next().await {
-                    let step = fold
-                        .apply(event?)
-                        .map_err(|error| CallError::Invalid(error.to_string()))?;
+                    let step = fold.apply(event?)?;
                     match step {
                         Step::Nothing => {}
                         Step::Text { message, delta } => streams.push(message, delta),
@@ -352,7 +268,8 @@ impl Caller {
         Ok((fold, version))
     }
 
-    /// Settles a turn whose calls all failed: `failed`, a dead letter, and `agent_failed` to
+    /// Settles a turn whose calls all failed after `attempts` (a call an open breaker refused
+    /// counts): `failed`, a dead letter, and `agent_failed` to
     /// its end users on every node.
     async fn fail(&self, delivered: &DeliveredTurn, attempts: u32, error: String) {
         let conversation_id = delivered.activity.conversation_id;
@@ -367,14 +284,22 @@ impl Caller {
             error,
             failed_at: chrono::Utc::now(),
         };
-        match self.state.store.fail_turn(&letter).await {
-            Ok(true) => {}
-            // Answered, stopped or replaced meanwhile: it has its result.
-            Ok(false) => return,
-            Err(error) => {
-                // The turn stays pending: a later takeover or redelivery calls again.
-                tracing::error!(%error, %conversation_id, "http agent: failed turn not recorded");
-                return;
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            match self.state.store.fail_turn(&letter).await {
+                Ok(true) => break,
+                // Answered, stopped or replaced meanwhile: it has its result.
+                Ok(false) => return,
+                Err(error) if tries < FAIL_TRIES => {
+                    tracing::warn!(%error, %conversation_id, "http agent: failed turn not recorded yet; retrying");
+                    tokio::time::sleep(Duration::from_millis(500 * u64::from(tries))).await;
+                }
+                Err(error) => {
+                    // The turn stays pending: a takeover calls again.
+                    tracing::error!(%error, %conversation_id, "http agent: failed turn not recorded");
+                    return;
+                }
             }
         }
         metrics::counter!("converger_http_agent_failed_turns_total").increment(1);
@@ -411,14 +336,56 @@ impl Caller {
     }
 }
 
+/// Commits a run's answer and publishes what it committed; the second value says whether the
+/// outcome ended the turn's streams.
+async fn commit_and_publish(
+    state: AppState,
+    channel_id: uuid::Uuid,
+    answer: TurnAnswer,
+    origin: Origin,
+) -> (Result<(), CallError>, bool) {
+    let outcome = crate::answers::commit(&state, channel_id, &answer, origin).await;
+    let settled = crate::answers::stream_settlement(&outcome).is_some();
+    let result = match outcome {
+        Ok(AnswerOutcome::Committed { activities, .. }) => {
+            publish::committed(
+                &state.hub,
+                channel_id,
+                answer.conversation_id,
+                activities.into_iter().map(Arc::new),
+            );
+            Ok(())
+        }
+        // Another call, node or group settled it, or the turn moved on: nothing to retry.
+        Ok(
+            AnswerOutcome::Duplicate { .. }
+            | AnswerOutcome::Conflict { .. }
+            | AnswerOutcome::Superseded { .. }
+            | AnswerOutcome::LeaseLost { .. }
+            | AnswerOutcome::NoSuchTurn
+            | AnswerOutcome::Closed
+            | AnswerOutcome::Stopped,
+        ) => Ok(()),
+        Ok(AnswerOutcome::StaleRuntime { .. }) => Err(CallError::Invalid(
+            "the runtime changed during the call; calling again with the new one".into(),
+        )),
+        Err(error) if error.is_refused_input() => Err(CallError::Invalid(
+            "the answer cannot be stored (a NUL character)".into(),
+        )),
+        Err(error) => Err(CallError::Store(error.to_string())),
+    };
+    (result, settled)
+}
+
 /// Holds an HTTP agent's answer to the limits a WebSocket agent's `turnResult` is held to: each
-/// frame as `validate_agent_message_frame` checks it, the state an object within
-/// `limits.max_frame_bytes`.
+/// frame as `validate_agent_message_frame` checks it, all of them within
+/// `limits.hard_frame_bytes`, the state an object within `limits.max_frame_bytes`.
 fn check_answer(
     limits: &converger_protocol::Limits,
     frames: &[converger_store::AnswerFrame],
     state: Option<&Value>,
 ) -> Result<(), CallError> {
+    let mut total = 0usize;
     for frame in frames {
         let mut object = frame.extra.clone();
         object.insert("type".into(), Value::String(frame.kind.clone()));
@@ -429,8 +396,14 @@ fn check_answer(
         if let Some(metadata) = &frame.metadata {
             object.insert("metadata".into(), metadata.clone());
         }
-        converger_protocol::validate_agent_message_frame(&Value::Object(object), limits)
+        let object = Value::Object(object);
+        converger_protocol::validate_agent_message_frame(&object, limits)
             .map_err(|error| CallError::Invalid(format!("answer frame: {}", error.message)))?;
+        total = total.saturating_add(object.to_string().len());
+    }
+    // A WebSocket agent's whole `turnResult` is one frame of at most `hard_frame_bytes`.
+    if total > limits.hard_frame_bytes {
+        return Err(CallError::TooLarge(limits.hard_frame_bytes));
     }
     if let Some(state) = state {
         if !state.is_object() {
@@ -444,118 +417,4 @@ fn check_answer(
         }
     }
     Ok(())
-}
-
-/// The streams of one call: one per text message, owned by the call alone, so that a failed
-/// call's streams end (aborted) when it is dropped and a retry opens new ones.
-struct AttemptStreams<'a> {
-    state: &'a AppState,
-    conversation_id: Uuid,
-    turn: StreamTurn,
-    owner: String,
-    channel: String,
-    from: &'a Arc<Value>,
-    /// Per text message: its stream.
-    streams: Vec<MessageStream>,
-    kept: bool,
-}
-
-impl<'a> AttemptStreams<'a> {
-    fn new(
-        state: &'a AppState,
-        delivered: &DeliveredTurn,
-        channel_id: Uuid,
-        from: &'a Arc<Value>,
-    ) -> Self {
-        AttemptStreams {
-            state,
-            conversation_id: delivered.activity.conversation_id,
-            turn: StreamTurn {
-                seq: delivered.turn.seq,
-                revision: delivered.turn.revision,
-            },
-            owner: format!("http:{}", Uuid::new_v4()),
-            channel: channel_id.to_string(),
-            from,
-            streams: Vec::new(),
-            kept: false,
-        }
-    }
-
-    /// Streams `delta` of the run's `message`-th text message.
-    fn push(&mut self, message: usize, delta: String) {
-        while self.streams.len() <= message {
-            // Unique within the conversation across calls, nodes and retries.
-            let id = format!(
-                "http-{}-{}-{}-{}",
-                self.turn.seq,
-                self.turn.revision,
-                &self.owner[5..13],
-                self.streams.len()
-            );
-            self.streams.push(MessageStream {
-                id,
-                next: 0,
-                refused: false,
-            });
-        }
-        let stream = &mut self.streams[message];
-        if stream.refused {
-            return;
-        }
-        let accepted = self.state.streams.accept(
-            &self.state.hub,
-            LocalChunk {
-                conversation_id: self.conversation_id,
-                stream_id: &stream.id,
-                index: stream.next,
-                turn: Some(self.turn),
-                fence: None,
-                owner: &self.owner,
-                channel: &self.channel,
-                body: ChunkBody {
-                    content: StreamContent::Text(delta),
-                    from: Arc::clone(self.from),
-                },
-            },
-        );
-        match accepted {
-            Ok(()) => stream.next += 1,
-            Err(refusal) => {
-                // The answer still commits; only the live view of this message stops.
-                tracing::debug!(?refusal, stream_id = %stream.id, "http agent: chunk refused");
-                stream.refused = true;
-            }
-        }
-    }
-
-    /// The stream id of the `index`-th text message, when it was streamed.
-    fn id_of(&self, index: usize) -> Option<String> {
-        self.streams
-            .get(index)
-            .filter(|stream| stream.next > 0)
-            .map(|stream| stream.id.clone())
-    }
-
-    /// The commit decides how the streams end.
-    fn keep(&mut self) {
-        self.kept = true;
-    }
-}
-
-/// The stream of one text message of a call.
-struct MessageStream {
-    id: String,
-    /// The next chunk's index (the chunks accepted so far).
-    next: u64,
-    /// Set when the registry refused a chunk: the rest of the message is not streamed.
-    refused: bool,
-}
-
-impl Drop for AttemptStreams<'_> {
-    fn drop(&mut self) {
-        if !self.kept {
-            self.state.streams.abort_owner(&self.state.hub, &self.owner);
-        }
-    }
 }

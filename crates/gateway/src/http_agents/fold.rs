@@ -4,10 +4,12 @@
 
 use std::collections::HashMap;
 
-use converger_protocol::ag_ui::{Event, Message, json_text};
+use converger_protocol::ag_ui::{Event, Message, RunOutcome, json_text};
 use converger_store::AnswerFrame;
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
+
+use super::request::CallError;
 
 /// What one event asks of the caller.
 #[derive(Debug, Clone, PartialEq)]
@@ -25,15 +27,6 @@ pub(super) enum Step {
     Finished,
     /// `RUN_ERROR`: the call failed.
     Failed(String),
-}
-
-/// Why a run's events cannot be folded (the call failed).
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub(super) enum FoldError {
-    /// An event contradicts the run so far (content of a message never started, a patch that
-    /// does not apply).
-    #[error("invalid event: {0}")]
-    Invalid(String),
 }
 
 /// One part of the answer, in the order the agent produced it.
@@ -58,6 +51,11 @@ enum Part {
         name: String,
         value: Value,
     },
+    Interrupt {
+        id: String,
+        reason: String,
+        message: Option<String>,
+    },
 }
 
 /// A run's events so far.
@@ -69,9 +67,13 @@ pub(super) struct RunFold {
     /// The last message or call a chunk event named (chunks may leave the id out after it).
     last_text: Option<String>,
     last_call: Option<String>,
+    /// Messages of a role other than `assistant`, whose text is not the agent's answer.
+    not_assistant: std::collections::HashSet<String>,
     /// The state: the runtime given at the start, changed by snapshots and deltas.
     state: Value,
     state_changed: bool,
+    /// The largest state a delta may build, in bytes (a delta can grow it exponentially).
+    max_state_bytes: usize,
     finished: bool,
 }
 
@@ -87,16 +89,19 @@ pub(super) struct JsonAnswer {
 }
 
 impl RunFold {
-    /// A run that starts from the conversation's runtime `state`.
-    pub(super) fn new(state: Value) -> RunFold {
+    /// A run that starts from the conversation's runtime `state`, whose state may not grow
+    /// past `max_state_bytes`.
+    pub(super) fn new(state: Value, max_state_bytes: usize) -> RunFold {
         RunFold {
             parts: Vec::new(),
             texts: HashMap::new(),
             calls: HashMap::new(),
             last_text: None,
             last_call: None,
+            not_assistant: std::collections::HashSet::new(),
             state,
             state_changed: false,
+            max_state_bytes,
             finished: false,
         }
     }
@@ -107,18 +112,27 @@ impl RunFold {
     }
 
     /// Folds one event.
-    pub(super) fn apply(&mut self, event: Event) -> Result<Step, FoldError> {
+    pub(super) fn apply(&mut self, event: Event) -> Result<Step, CallError> {
         if self.finished {
             return Ok(Step::Nothing);
         }
         match event {
-            Event::TextMessageStart { message_id, .. } => {
-                self.text(&message_id);
+            Event::TextMessageStart { message_id, role } => {
+                if role == "assistant" {
+                    self.text(&message_id);
+                } else {
+                    self.not_assistant.insert(message_id);
+                }
+                Ok(Step::Nothing)
+            }
+            Event::TextMessageContent { message_id, .. }
+                if self.not_assistant.contains(&message_id) =>
+            {
                 Ok(Step::Nothing)
             }
             Event::TextMessageContent { message_id, delta } => {
                 let Some(&at) = self.texts.get(&message_id) else {
-                    return Err(FoldError::Invalid(format!(
+                    return Err(CallError::Invalid(format!(
                         "TEXT_MESSAGE_CONTENT of message {message_id:?}, which never started"
                     )));
                 };
@@ -145,7 +159,7 @@ impl RunFold {
                 delta,
             } => {
                 let at = *self.calls.get(&tool_call_id).ok_or_else(|| {
-                    FoldError::Invalid(format!(
+                    CallError::Invalid(format!(
                         "TOOL_CALL_ARGS of call {tool_call_id:?}, which never started"
                     ))
                 })?;
@@ -179,7 +193,7 @@ impl RunFold {
             } => {
                 self.parts.push(Part::ToolResult {
                     call_id: tool_call_id,
-                    content,
+                    content: json_text(&content),
                 });
                 Ok(Step::Nothing)
             }
@@ -190,9 +204,19 @@ impl RunFold {
             }
             Event::StateDelta { delta } => {
                 let patch: json_patch::Patch = serde_json::from_value(delta)
-                    .map_err(|error| FoldError::Invalid(format!("STATE_DELTA: {error}")))?;
-                json_patch::patch(&mut self.state, &patch)
-                    .map_err(|error| FoldError::Invalid(format!("STATE_DELTA: {error}")))?;
+                    .map_err(|error| CallError::Invalid(format!("STATE_DELTA: {error}")))?;
+                // One operation at a time, each held to the size limit: a few `copy`
+                // operations can double the state each.
+                for operation in patch.0 {
+                    json_patch::patch(&mut self.state, &[operation])
+                        .map_err(|error| CallError::Invalid(format!("STATE_DELTA: {error}")))?;
+                    if self.state.to_string().len() > self.max_state_bytes {
+                        return Err(CallError::Invalid(format!(
+                            "STATE_DELTA: the state grew past {} bytes",
+                            self.max_state_bytes
+                        )));
+                    }
+                }
                 self.state_changed = true;
                 Ok(Step::Nothing)
             }
@@ -200,7 +224,26 @@ impl RunFold {
                 self.parts.push(Part::Custom { name, value });
                 Ok(Step::Nothing)
             }
-            Event::RunFinished { .. } => {
+            Event::RunFinished { outcome, .. } => {
+                match outcome {
+                    Some(RunOutcome::Cancelled) => {
+                        return Ok(Step::Failed(
+                            "RUN_FINISHED: the agent cancelled the run".into(),
+                        ));
+                    }
+                    // The answer waits for the user: its interrupts are `interrupt` frames, as a
+                    // WebSocket agent sends them.
+                    Some(RunOutcome::Interrupt { interrupts }) => {
+                        for interrupt in interrupts {
+                            self.parts.push(Part::Interrupt {
+                                id: interrupt.id,
+                                reason: interrupt.reason,
+                                message: interrupt.message,
+                            });
+                        }
+                    }
+                    Some(RunOutcome::Success | RunOutcome::Other) | None => {}
+                }
                 self.finished = true;
                 Ok(Step::Finished)
             }
@@ -291,6 +334,20 @@ impl RunFold {
                 Part::Custom { name, value } => {
                     frame("event", json!({"name": name, "value": value}))
                 }
+                Part::Interrupt {
+                    id,
+                    reason,
+                    message,
+                } => {
+                    let mut data = json!({"reason": if reason.is_empty() { "input_required" } else { reason }});
+                    if let Some(message) = message {
+                        data["message"] = Value::String(message.clone());
+                    }
+                    AnswerFrame {
+                        id: (!id.is_empty()).then(|| id.clone()),
+                        ..frame("interrupt", data)
+                    }
+                }
             })
             .collect();
         (frames, self.state_changed.then(|| self.state.clone()))
@@ -349,8 +406,8 @@ impl RunFold {
     }
 }
 
-fn invalid(message: &str) -> FoldError {
-    FoldError::Invalid(message.to_owned())
+fn invalid(message: &str) -> CallError {
+    CallError::Invalid(message.to_owned())
 }
 
 fn frame(kind: &str, data: Value) -> AnswerFrame {
@@ -378,7 +435,7 @@ mod tests {
 
     #[test]
     fn a_streamed_run_folds_into_texts_tools_and_state() {
-        let mut fold = RunFold::new(json!({"turns": 1, "items": []}));
+        let mut fold = RunFold::new(json!({"turns": 1, "items": []}), 10_000);
         let events = [
             json!({"type": "RUN_STARTED", "threadId": "t", "runId": "r"}),
             json!({"type": "TEXT_MESSAGE_START", "messageId": "parent", "role": "assistant"}),
@@ -423,7 +480,7 @@ mod tests {
 
     #[test]
     fn chunk_events_open_their_message_and_call() {
-        let mut fold = RunFold::new(json!({}));
+        let mut fold = RunFold::new(json!({}), 10_000);
         let chunk = json!({"type": "TEXT_MESSAGE_CHUNK", "messageId": "m", "delta": "a"});
         assert_eq!(
             fold.apply(event(chunk)).unwrap(),
@@ -451,7 +508,7 @@ mod tests {
 
     #[test]
     fn contradictions_and_errors_fail_the_call() {
-        let mut fold = RunFold::new(json!({}));
+        let mut fold = RunFold::new(json!({}), 10_000);
         let orphan = json!({"type": "TEXT_MESSAGE_CONTENT", "messageId": "x", "delta": "a"});
         assert!(fold.apply(event(orphan)).is_err());
         let bad_patch = json!({"type": "STATE_DELTA", "delta": [{"op": "replace", "path": "/missing", "value": 1}]});
@@ -464,8 +521,46 @@ mod tests {
     }
 
     #[test]
+    fn a_delta_that_grows_the_state_past_its_limit_fails_the_call() {
+        let mut fold = RunFold::new(json!({"a": "x".repeat(100)}), 1_000);
+        let copies: Vec<Value> = (0..40)
+            .map(|n| json!({"op": "copy", "from": "", "path": format!("/c{n}")}))
+            .collect();
+        let delta = json!({"type": "STATE_DELTA", "delta": copies});
+        assert!(fold.apply(event(delta)).is_err());
+    }
+
+    #[test]
+    fn interrupts_become_interrupt_frames_and_other_roles_are_not_the_answer() {
+        let mut fold = RunFold::new(json!({}), 10_000);
+        for value in [
+            json!({"type": "TEXT_MESSAGE_START", "messageId": "u", "role": "user"}),
+            json!({"type": "TEXT_MESSAGE_CONTENT", "messageId": "u", "delta": "not mine"}),
+            json!({"type": "TOOL_CALL_RESULT", "messageId": "r", "toolCallId": "c", "content": [{"type": "text", "text": "parts"}]}),
+        ] {
+            assert_eq!(fold.apply(event(value)).unwrap(), Step::Nothing);
+        }
+        let finished = json!({"type": "RUN_FINISHED", "threadId": "t", "runId": "r",
+            "outcome": {"type": "interrupt", "interrupts": [{"id": "i-1", "reason": "approval", "message": "Book it?"}]}});
+        assert_eq!(fold.apply(event(finished)).unwrap(), Step::Finished);
+        let (frames, _) = fold.answer(|_| None);
+        let kinds: Vec<&str> = frames.iter().map(|frame| frame.kind.as_str()).collect();
+        assert_eq!(kinds, ["tool_result", "interrupt"]);
+        assert_eq!(frames[1].id.as_deref(), Some("i-1"));
+        assert_eq!(
+            frames[1].data,
+            json!({"reason": "approval", "message": "Book it?"})
+        );
+        let cancelled = json!({"type": "RUN_FINISHED", "threadId": "t", "runId": "r", "outcome": {"type": "cancelled"}});
+        assert!(matches!(
+            RunFold::new(json!({}), 10).apply(event(cancelled)).unwrap(),
+            Step::Failed(_)
+        ));
+    }
+
+    #[test]
     fn unknown_events_are_ignored() {
-        let mut fold = RunFold::new(json!({}));
+        let mut fold = RunFold::new(json!({}), 10_000);
         for value in [
             json!({"type": "THINKING_START"}),
             json!({"type": "RAW", "event": {}}),
@@ -477,7 +572,7 @@ mod tests {
 
     #[test]
     fn a_json_answer_folds_like_the_events() {
-        let mut fold = RunFold::new(json!({"a": 1}));
+        let mut fold = RunFold::new(json!({"a": 1}), 10_000);
         let answer: JsonAnswer = serde_json::from_value(json!({
             "messages": [
                 {"id": "j", "role": "assistant", "content": "json: hi",

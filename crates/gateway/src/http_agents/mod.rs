@@ -1,4 +1,4 @@
-//! Agents behind a URL (ADR 0031, docs/agents.md §HTTP agents): a channel's HTTP agent group is
+//! Agents behind a URL (ADR 0031, docs/agents.md §17): a channel's HTTP agent group is
 //! served by every node, each a member of the group, so each turn has one caller, chosen like
 //! any group member; the caller POSTs the turn as AG-UI `RunAgentInput` and commits the run's
 //! answer once.
@@ -7,13 +7,17 @@
 //!   (re-read every `http_agents.reload_ms`), and the operator's allowlist;
 //! - `member.rs`: one group's member on this node;
 //! - `call.rs`: one turn's calls, retries, commit and failure;
+//! - `gate.rs`: each URL's concurrency cap and circuit breaker;
+//! - `streams.rs`: a call's text streamed to every tab;
 //! - `request.rs`: one HTTP call and its response;
 //! - `fold.rs`: AG-UI events folded into streams and an answer (pure).
 
 mod call;
 mod fold;
+mod gate;
 mod member;
 mod request;
+mod streams;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -25,15 +29,23 @@ use uuid::Uuid;
 
 use crate::config::HttpAgentsConfig;
 use crate::state::AppState;
-use call::{Caller, UrlGate};
+use call::Caller;
+use gate::UrlGate;
 use member::Member;
 
 /// The parts of an `http` or `https` URL with a host and no user info; `None` otherwise.
 pub(crate) fn url_parts(url: &str) -> Option<UrlParts> {
     let url = reqwest::Url::parse(url).ok()?;
+    // Encoded dots and slashes: a server that decodes them could route a path under an allowed
+    // prefix somewhere else (`/agents/..%2fadmin`).
+    let path = url.path().to_ascii_lowercase();
+    let encoded_separator = ["%2e", "%2f", "%5c"]
+        .iter()
+        .any(|encoded| path.contains(encoded));
     if !matches!(url.scheme(), "http" | "https")
         || !url.username().is_empty()
         || url.password().is_some()
+        || encoded_separator
     {
         return None;
     }
@@ -92,16 +104,17 @@ impl HttpAgents {
         states
     }
 
-    /// The gate of `url`, new when none lets `capacity` calls through (the breaker then starts
-    /// closed).
+    /// The gate of `url` (its query aside), new when none lets `capacity` calls through (the
+    /// breaker then starts closed).
     fn gate(&self, config: &HttpAgentsConfig, url: &str, capacity: usize) -> Arc<UrlGate> {
+        let label = url_label(url);
         let mut gates = self.lock();
-        if let Some(gate) = gates.get(url).filter(|gate| gate.capacity() == capacity) {
+        if let Some(gate) = gates.get(&label).filter(|gate| gate.capacity() == capacity) {
             return Arc::clone(gate);
         }
         let breaker = Breaker::new(config.breaker_failures, config.breaker_open_ms);
-        let gate = Arc::new(UrlGate::new(capacity, breaker, url_label(url)));
-        gates.insert(url.to_owned(), Arc::clone(&gate));
+        let gate = Arc::new(UrlGate::new(capacity, breaker, label.clone()));
+        gates.insert(label, Arc::clone(&gate));
         gate
     }
 
@@ -141,6 +154,12 @@ pub(crate) fn spawn(state: AppState) -> tokio::task::JoinHandle<()> {
             }
         }
     })
+}
+
+/// True when this node calls HTTP agents (its client was made): a dead letter's retry is
+/// taken only then.
+pub(crate) fn calls_out(state: &AppState) -> bool {
+    state.http_agents.client.get().is_some()
 }
 
 /// Calls `agent` once more for the turn of a dead letter an operator took for a retry (its
@@ -197,6 +216,16 @@ pub(crate) async fn retry(
     Ok(())
 }
 
+/// True when two versions of a group call alike (their times aside).
+fn same_calls(a: &HttpAgent, b: &HttpAgent) -> bool {
+    a.url == b.url
+        && a.secret == b.secret
+        && a.timeout_ms == b.timeout_ms
+        && a.max_concurrency == b.max_concurrency
+        && a.retry_attempts == b.retry_attempts
+        && a.retry_backoff_ms == b.retry_backoff_ms
+}
+
 /// Starts a member for each new or changed group, stops those of groups gone.
 fn reconcile(
     state: &AppState,
@@ -213,7 +242,12 @@ fn reconcile(
         }
         wanted.insert((agent.channel_id, agent.group_name.clone()), agent);
     }
-    members.retain(|key, (agent, _)| wanted.get(key) == Some(agent));
+    // A member re-joins (aborting its calls) only when what it calls with changed.
+    members.retain(|key, (agent, _)| {
+        wanted
+            .get(key)
+            .is_some_and(|wanted| same_calls(wanted, agent))
+    });
     for (key, agent) in wanted {
         if members.contains_key(&key) {
             continue;

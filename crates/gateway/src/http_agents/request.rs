@@ -57,7 +57,8 @@ impl CallError {
     pub(crate) fn is_retryable(&self) -> bool {
         match self {
             CallError::Status(status) => *status >= 500 || *status == 408 || *status == 429,
-            CallError::NotAllowed => false,
+            // The same agent answers the same turn alike: too large again.
+            CallError::NotAllowed | CallError::TooLarge(_) => false,
             _ => true,
         }
     }
@@ -228,12 +229,14 @@ async fn collect(
 }
 
 /// The client every call of a node uses: the operator's connect timeout, no redirects (a
-/// redirect could lead a call to an address the allowlist does not name), no proxy from the
-/// environment unless configured so.
+/// redirect could lead a call to an address the allowlist does not name), and no proxy from
+/// the environment (a call goes to the address the allowlist names, and the node's
+/// configuration is its files and `CONVERGER_*` variables only).
 pub(crate) fn client(connect_timeout: Duration) -> Result<reqwest::Client, reqwest::Error> {
     reqwest::Client::builder()
         .connect_timeout(connect_timeout)
         .redirect(reqwest::redirect::Policy::none())
+        .no_proxy()
         .user_agent(concat!("converger/", env!("CARGO_PKG_VERSION")))
         .build()
 }

@@ -1,4 +1,4 @@
-//! HTTP agent groups of a channel (ADR 0031, docs/agents.md §9): create, list, read, change and
+//! HTTP agent groups of a channel (ADR 0031, docs/agents.md §17): create, list, read, change and
 //! delete them, and read, retry or drop their dead letters. The tenant's API key authenticates;
 //! another tenant's channel is 404; a URL outside `http_agents.allow` is 403; the secret is
 //! never listed back.
@@ -364,6 +364,13 @@ pub(crate) async fn retry(
             "the group's url is no longer under the operator's allowlist (http_agents.allow)",
         ));
     }
+    if !crate::http_agents::calls_out(&state) {
+        return Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            ErrorCode::Unavailable,
+            "this node does not call HTTP agents",
+        ));
+    }
     let letter = state
         .store
         .take_dead_letter(
@@ -376,7 +383,13 @@ pub(crate) async fn retry(
         .await?
         .ok_or_else(|| ApiError::not_found("dead letter"))?;
     tracing::info!(%channel_id, group = key.group, conversation_id = %key.conversation_id, seq = key.seq, "dead letter retried");
-    crate::http_agents::retry(&state, agent, &letter).await?;
+    if let Err(error) = crate::http_agents::retry(&state, agent, &letter).await {
+        // Nothing will call: the turn fails again and its letter is back.
+        if let Err(restore) = state.store.fail_turn(&letter).await {
+            tracing::error!(%restore, "dead letter not restored after a failed retry");
+        }
+        return Err(error);
+    }
     Ok((StatusCode::ACCEPTED, Json(dead_letter_json(&letter))))
 }
 

@@ -312,10 +312,13 @@ async fn render_http_agents(html: &mut String, state: &AppState) {
             "<tr><td>{channel}</td><td>{group}</td><td>{url}</td><td>{timeout} ms</td><td>{concurrency}</td><td>{breaker}</td></tr>",
             channel = agent.channel_id,
             group = escape(&agent.group_name),
-            url = escape(&agent.url),
+            url = escape(&crate::http_agents::url_label(&agent.url)),
             timeout = agent.timeout_ms,
             concurrency = agent.max_concurrency,
-            breaker = breakers.get(&agent.url).copied().unwrap_or("closed"),
+            breaker = breakers
+                .get(&crate::http_agents::url_label(&agent.url))
+                .copied()
+                .unwrap_or("closed"),
         );
     }
     html.push_str("</tbody></table></section>");

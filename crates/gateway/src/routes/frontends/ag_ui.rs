@@ -468,7 +468,7 @@ impl AnswerSink for RunStream {
                     self.send(Event::ToolCallResult {
                         message_id: frame.id.clone(),
                         tool_call_id: call_id,
-                        content: json_text(output),
+                        content: Value::String(json_text(output)),
                         role: "tool".into(),
                     })
                     .await

@@ -158,10 +158,19 @@ impl Follower {
                     if refused.is_some_and(|refused| {
                         refused.seq == turn.seq && refused.revision == turn.revision
                     }) {
-                        return Ok(RunEnd::Failed(ErrorFrame::new(
-                            ErrorCode::AnswerRefused,
-                            "the agent's answer could not be accepted",
-                        )));
+                        // An HTTP agent that failed the turn, or an answer refused.
+                        let failed = frame["data"]["code"] == ErrorCode::AgentFailed.as_str();
+                        return Ok(RunEnd::Failed(if failed {
+                            ErrorFrame::new(
+                                ErrorCode::AgentFailed,
+                                "the agent failed to answer this turn",
+                            )
+                        } else {
+                            ErrorFrame::new(
+                                ErrorCode::AnswerRefused,
+                                "the agent's answer could not be accepted",
+                            )
+                        }));
                     }
                     false
                 }
@@ -299,9 +308,11 @@ impl Follower {
         // stop to the user: what streamed stays.
         Ok(Some(match progress.status.as_str() {
             "completed" => RunEnd::Answered,
-            "failed" => {
-                RunEnd::Failed(ErrorFrame::new(ErrorCode::AnswerRefused, "the turn failed"))
-            }
+            // Only an HTTP agent group fails a turn (ADR 0031).
+            "failed" => RunEnd::Failed(ErrorFrame::new(
+                ErrorCode::AgentFailed,
+                "the agent failed to answer this turn",
+            )),
             _ => RunEnd::Stopped,
         }))
     }
