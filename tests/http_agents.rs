@@ -11,6 +11,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use serde_json::{Value, json};
+use support::tab::Tab;
 use support::ws::WsClient;
 use support::{TenantFixture, TestNode, eventually, workspace_root};
 use tokio::io::{AsyncBufReadExt, BufReader};
@@ -167,58 +168,6 @@ async fn group_members(
             "{count} members of {group} never joined: {view}"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-/// What a tab saw: stream text by stream, stream ends, stored frames, error frames.
-#[derive(Default, Debug)]
-struct Tab {
-    text: HashMap<String, String>,
-    ended: HashMap<String, String>,
-    stored: Vec<Value>,
-    errors: Vec<Value>,
-}
-
-impl Tab {
-    fn take(&mut self, frame: &Value) {
-        match frame["type"].as_str().unwrap_or_default() {
-            "streamChunk" => {
-                let stream = frame["streamId"].as_str().unwrap().to_owned();
-                self.text
-                    .entry(stream)
-                    .or_default()
-                    .push_str(frame["text"].as_str().unwrap_or_default());
-            }
-            "streamEnd" => {
-                let stream = frame["streamId"].as_str().unwrap().to_owned();
-                let status = frame["status"].as_str().unwrap().to_owned();
-                assert!(
-                    self.ended.insert(stream, status).is_none(),
-                    "one end: {frame}"
-                );
-            }
-            "error" => self.errors.push(frame.clone()),
-            // The sender's own message comes back as its ack.
-            "ack" => {}
-            _ if frame["seq"].is_i64() => self.stored.push(frame.clone()),
-            _ => {}
-        }
-    }
-
-    async fn read_until(&mut self, client: &mut WsClient, done: impl Fn(&Tab) -> bool) {
-        while !done(self) {
-            let frame = client.recv().await;
-            self.take(&frame);
-        }
-    }
-
-    /// The agent's stored texts.
-    fn answers(&self) -> Vec<String> {
-        self.stored
-            .iter()
-            .filter(|frame| frame["type"] == "text" && frame["sender"]["role"] == "agent")
-            .map(|frame| frame["data"]["text"].as_str().unwrap().to_owned())
-            .collect()
     }
 }
 

@@ -6,8 +6,8 @@
 mod support;
 
 use serde_json::{Value, json};
-use std::collections::HashMap;
 use support::mekik::Widget;
+use support::tab::Tab;
 use support::ws::WsClient;
 use support::{TestNode, next_turn, setup, stream_chunk as chunk, turn_in_progress};
 
@@ -19,62 +19,6 @@ fn result(conversation: &str, seq: i64, stream: &str, text: &str) -> Value {
     json!({"conversationId": conversation, "frame": {
         "type": "turnResult", "clientId": format!("r-{seq}"), "turn": {"seq": seq},
         "frames": [{"type": "text", "streamId": stream, "data": {"text": text}}]}})
-}
-
-/// What one tab assembled: each stream's text by index, the chunk indices it received (to see
-/// doubles), how each stream ended, and the stored frames' ids in order.
-#[derive(Default, Debug)]
-struct Tab {
-    text: HashMap<String, String>,
-    indices: HashMap<String, Vec<u64>>,
-    ended: HashMap<String, String>,
-    stored: Vec<Value>,
-}
-
-impl Tab {
-    fn take(&mut self, frame: &Value) {
-        match frame["type"].as_str().unwrap_or_default() {
-            "streamChunk" => {
-                let stream = frame["streamId"].as_str().unwrap().to_owned();
-                let index = frame["index"].as_u64().unwrap();
-                // A tab catching up gets the text so far as one coalesced chunk.
-                let first = frame["firstIndex"].as_u64().unwrap_or(index);
-                let seen = self.indices.entry(stream.clone()).or_default();
-                assert_eq!(
-                    first,
-                    seen.len() as u64,
-                    "chunks in order, each once: {frame}"
-                );
-                seen.extend(first..=index);
-                self.text
-                    .entry(stream)
-                    .or_default()
-                    .push_str(frame["text"].as_str().unwrap());
-            }
-            "streamEnd" => {
-                let stream = frame["streamId"].as_str().unwrap().to_owned();
-                let status = frame["status"].as_str().unwrap().to_owned();
-                assert!(
-                    self.ended.insert(stream, status).is_none(),
-                    "one end: {frame}"
-                );
-            }
-            _ if frame["seq"].is_i64() => self.stored.push(frame.clone()),
-            _ => {}
-        }
-    }
-
-    /// Reads `client` until `done` holds for this tab.
-    async fn read_until(&mut self, client: &mut WsClient, done: impl Fn(&Tab) -> bool) {
-        while !done(self) {
-            let frame = client.recv().await;
-            self.take(&frame);
-        }
-    }
-
-    fn chunks_of(&self, stream: &str) -> usize {
-        self.indices.get(stream).map_or(0, Vec::len)
-    }
 }
 
 #[tokio::test]

@@ -11,6 +11,7 @@ pub mod cluster;
 pub mod load;
 pub mod mekik;
 pub mod schemas;
+pub mod tab;
 pub mod ws;
 
 // The history checker and the effects fixture live in converger-checker, which the soak program

@@ -99,26 +99,15 @@ impl Store {
         group: &str,
         settings: &HttpAgentSettings,
     ) -> Result<Option<HttpAgent>, StoreError> {
-        self.timed("create_http_agent", async {
-            sqlx::query_as::<_, HttpAgent>(sqlx::AssertSqlSafe(format!(
-                "INSERT INTO http_agents (channel_id, group_name, url, secret, timeout_ms,
-                                          max_concurrency, retry_attempts, retry_backoff_ms)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
-                 ON CONFLICT (channel_id, group_name) DO NOTHING
-                 RETURNING {COLUMNS}"
-            )))
-            .bind(channel_id)
-            .bind(group)
-            .bind(&settings.url)
-            .bind(&settings.secret)
-            .bind(settings.timeout_ms)
-            .bind(settings.max_concurrency)
-            .bind(settings.retry_attempts)
-            .bind(settings.retry_backoff_ms)
-            .fetch_optional(&self.pool)
+        let sql = format!(
+            "INSERT INTO http_agents (channel_id, group_name, url, secret, timeout_ms,
+                                      max_concurrency, retry_attempts, retry_backoff_ms)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+             ON CONFLICT (channel_id, group_name) DO NOTHING
+             RETURNING {COLUMNS}"
+        );
+        self.write_http_agent("create_http_agent", sql, channel_id, group, settings)
             .await
-        })
-        .await
     }
 
     /// Replaces a group's settings; `None` when there is no such group.
@@ -128,24 +117,39 @@ impl Store {
         group: &str,
         settings: &HttpAgentSettings,
     ) -> Result<Option<HttpAgent>, StoreError> {
-        self.timed("update_http_agent", async {
-            sqlx::query_as::<_, HttpAgent>(sqlx::AssertSqlSafe(format!(
-                "UPDATE http_agents
-                    SET url = $3, secret = $4, timeout_ms = $5, max_concurrency = $6,
-                        retry_attempts = $7, retry_backoff_ms = $8, updated_at = now()
-                  WHERE channel_id = $1 AND group_name = $2
-                 RETURNING {COLUMNS}"
-            )))
-            .bind(channel_id)
-            .bind(group)
-            .bind(&settings.url)
-            .bind(&settings.secret)
-            .bind(settings.timeout_ms)
-            .bind(settings.max_concurrency)
-            .bind(settings.retry_attempts)
-            .bind(settings.retry_backoff_ms)
-            .fetch_optional(&self.pool)
+        let sql = format!(
+            "UPDATE http_agents
+                SET url = $3, secret = $4, timeout_ms = $5, max_concurrency = $6,
+                    retry_attempts = $7, retry_backoff_ms = $8, updated_at = now()
+              WHERE channel_id = $1 AND group_name = $2
+             RETURNING {COLUMNS}"
+        );
+        self.write_http_agent("update_http_agent", sql, channel_id, group, settings)
             .await
+    }
+
+    /// Runs `sql`, which takes the channel ($1), the group ($2) and the settings in the order of
+    /// the table's columns ($3 to $8), and returns the row it wrote, if any.
+    async fn write_http_agent(
+        &self,
+        operation: &'static str,
+        sql: String,
+        channel_id: Uuid,
+        group: &str,
+        settings: &HttpAgentSettings,
+    ) -> Result<Option<HttpAgent>, StoreError> {
+        self.timed(operation, async {
+            sqlx::query_as::<_, HttpAgent>(sqlx::AssertSqlSafe(sql))
+                .bind(channel_id)
+                .bind(group)
+                .bind(&settings.url)
+                .bind(&settings.secret)
+                .bind(settings.timeout_ms)
+                .bind(settings.max_concurrency)
+                .bind(settings.retry_attempts)
+                .bind(settings.retry_backoff_ms)
+                .fetch_optional(&self.pool)
+                .await
         })
         .await
     }

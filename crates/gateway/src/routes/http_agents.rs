@@ -341,6 +341,18 @@ struct LetterKey {
     group: String,
 }
 
+/// The tenant's channel `id` and the dead letter the body names.
+async fn letter_key(
+    state: &AppState,
+    tenant_id: Uuid,
+    id: &str,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<(Uuid, LetterKey), ApiError> {
+    let channel_id = own_channel(state, tenant_id, id).await?;
+    let key = parse_json(body, false)?;
+    Ok((channel_id, key))
+}
+
 /// `POST /api/v1/channels/{id}/http-agents/dead-letters/retry` `{conversationId, seq, revision,
 /// group}` → 202: the turn is pending again and this node calls the group once more (one call
 /// however many retries are posted at once); 404 when there is no such letter.
@@ -350,8 +362,7 @@ pub(crate) async fn retry(
     Path(id): Path<String>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
-    let channel_id = own_channel(&state, tenant.id, &id).await?;
-    let key: LetterKey = parse_json(body, false)?;
+    let (channel_id, key) = letter_key(&state, tenant.id, &id, body).await?;
     let agent = state
         .store
         .http_agent(channel_id, &key.group)
@@ -401,8 +412,7 @@ pub(crate) async fn drop_letter(
     Path(id): Path<String>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<StatusCode, ApiError> {
-    let channel_id = own_channel(&state, tenant.id, &id).await?;
-    let key: LetterKey = parse_json(body, false)?;
+    let (channel_id, key) = letter_key(&state, tenant.id, &id, body).await?;
     let dropped = state
         .store
         .drop_dead_letter(
