@@ -6,7 +6,7 @@
 
 mod support;
 
-use converger_client::agent::Turn;
+use converger_client::agent::{self, Turn};
 use converger_client::outgoing;
 use serde_json::{Value, json};
 use support::schemas::{Schema, assert_conforms, violations};
@@ -57,13 +57,13 @@ fn frames_the_rust_client_sends_agents_conform() {
         outgoing::agent_hello("t", Some("bot"), false, [(conversation(), 2)]),
         outgoing::agent_hello("t", None, false, []),
         outgoing::agent_hello("t", Some("bot"), true, []),
-        outgoing::result_envelope(
+        agent::result_envelope(
             &delivered_turn(None),
             "r-1",
             vec![outgoing::text("answer")],
             Some(json!({"count": 2})),
         ),
-        outgoing::result_envelope(&delivered_turn(Some(3)), "r-2", Vec::new(), None),
+        agent::result_envelope(&delivered_turn(Some(3)), "r-2", Vec::new(), None),
     ];
     for frame in &frames {
         assert_conforms(Schema::ClientChannel, frame);

@@ -15,9 +15,8 @@ use tokio_tungstenite::tungstenite::Message;
 use uuid::Uuid;
 
 use crate::gateway::{DEFAULT_DATABASE_URL, Gateway, bench_channel, default_binary};
-use crate::peers::Samples;
 use crate::pipelined_agent::{self, Arrivals};
-use crate::stats::percentiles;
+use crate::stats::{Samples, percentiles};
 use crate::usage::Usage;
 use crate::{gateway_metrics, machine};
 

@@ -2,7 +2,6 @@
 //! that are resent with the same clientId until the server acknowledges them, across
 //! reconnects.
 
-pub use crate::outgoing::result_envelope;
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
@@ -12,6 +11,7 @@ use uuid::Uuid;
 
 use crate::error::ClientError;
 use crate::outbox::Outbox;
+use crate::outgoing;
 use crate::session::{Link, SessionOptions};
 use crate::tracking::{ChannelTracker, REMEMBERED_CONVERSATIONS};
 
@@ -100,6 +100,17 @@ impl PartialEq for Cancellation {
 const CANCELLABLE_TURNS: usize = 4_096;
 
 impl Turn {
+    /// What an answer to this turn names.
+    pub fn answering(&self) -> outgoing::Answering {
+        outgoing::Answering {
+            conversation_id: self.conversation_id,
+            seq: self.seq,
+            revision: self.revision,
+            fence: self.fence,
+            runtime_version: self.runtime_version,
+        }
+    }
+
     /// The user's text, for `text` turns.
     pub fn text(&self) -> Option<&str> {
         self.frame["data"]["text"].as_str()
@@ -381,7 +392,7 @@ impl Agent {
     }
 
     fn hello(&self) -> Value {
-        crate::outgoing::agent_hello(
+        outgoing::agent_hello(
             &self.token,
             self.group.as_deref(),
             self.lease,
@@ -479,6 +490,16 @@ fn reply_ack(frame: &Value) -> ReplyAck {
         seqs,
         duplicate: frame["duplicate"] == true,
     }
+}
+
+/// The enveloped `turnResult` answering `turn` (see [`outgoing::result_envelope`]).
+pub fn result_envelope(
+    turn: &Turn,
+    client_id: &str,
+    frames: Vec<Value>,
+    runtime_state: Option<Value>,
+) -> Value {
+    outgoing::result_envelope(&turn.answering(), client_id, frames, runtime_state)
 }
 
 #[cfg(test)]

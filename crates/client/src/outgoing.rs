@@ -4,8 +4,6 @@
 use serde_json::{Map, Value, json};
 use uuid::Uuid;
 
-use crate::agent::Turn;
-
 /// The protocol a converger client names in `hello.protocol`.
 const PROTOCOL: &str = "converger/1";
 
@@ -86,10 +84,25 @@ pub fn sync(watermark: i64) -> Value {
     json!({"type": "sync", "watermark": watermark})
 }
 
+/// The turn an answer names: what of a delivered turn its `turnResult` repeats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Answering {
+    /// Conversation.
+    pub conversation_id: Uuid,
+    /// The turn's seq.
+    pub seq: i64,
+    /// The turn's revision.
+    pub revision: i64,
+    /// Lease mode: the delivery's fencing token.
+    pub fence: Option<i64>,
+    /// The runtime version the turn was delivered with, which a written runtime names.
+    pub runtime_version: i64,
+}
+
 /// The enveloped `turnResult` answering `turn` with `frames` (and the runtime written against
 /// the version the turn was delivered with), for agents that write frames themselves.
 pub fn result_envelope(
-    turn: &Turn,
+    turn: &Answering,
     client_id: &str,
     frames: Vec<Value>,
     runtime_state: Option<Value>,

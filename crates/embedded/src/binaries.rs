@@ -6,9 +6,9 @@ use std::path::{Path, PathBuf};
 use tokio::process::Command;
 use tracing::debug;
 
-use crate::cluster::{QUICK_COMMAND_TIMEOUT, ServerBinaries};
+use crate::cluster::ServerBinaries;
 use crate::error::EmbeddedError;
-use crate::process::run_command;
+use crate::process::{QUICK_COMMAND_TIMEOUT, run_command};
 
 /// Finds initdb and pg_ctl: pg_config's bindir, then PATH, then the newest Debian-style install.
 pub(crate) async fn locate_server_binaries() -> Result<ServerBinaries, EmbeddedError> {

@@ -12,20 +12,18 @@ use tracing::{info, warn};
 
 use crate::error::{EmbeddedError, io_error};
 use crate::process::{
-    describe_output, file_length, generate_password, last_lines, mentions_port_in_use,
-    parse_postmaster_port, pick_free_port, process_is_alive, read_file_from, run_command,
+    QUICK_COMMAND_TIMEOUT, SUPERUSER, describe_output, file_length, generate_password, last_lines,
+    mentions_port_in_use, parse_postmaster_port, pick_free_port, process_is_alive, read_file_from,
+    run_command,
 };
 use crate::server_user::{ServerUser, chown_to, write_private_file};
 
-/// Superuser created by initdb; every URL connects as this role.
-pub(crate) const SUPERUSER: &str = "postgres";
 const INITDB_TIMEOUT: Duration = Duration::from_secs(60);
 /// pg_ctl's own wait; the outer timeout is longer so pg_ctl gets to report why it gave up.
 const PG_CTL_START_WAIT_SECONDS: u64 = 60;
 const START_TIMEOUT: Duration = Duration::from_secs(75);
 const PG_CTL_STOP_WAIT_SECONDS: u64 = 30;
 const STOP_TIMEOUT: Duration = Duration::from_secs(40);
-pub(crate) const QUICK_COMMAND_TIMEOUT: Duration = Duration::from_secs(10);
 const PORT_ATTEMPTS: u32 = 3;
 pub(crate) const LOG_TAIL_LINES: usize = 20;
 /// The log grows across runs; the tail we report lives in its last few kilobytes.

@@ -9,8 +9,12 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncSeekExt};
 use tokio::process::Command;
 
-use crate::cluster::{QUICK_COMMAND_TIMEOUT, SUPERUSER};
 use crate::error::{EmbeddedError, io_error};
+
+/// Superuser created by initdb; every URL connects as this role.
+pub(crate) const SUPERUSER: &str = "postgres";
+/// The limit of a command that answers at once (`pg_ctl status`, `pg_config`, `kill -0`).
+pub(crate) const QUICK_COMMAND_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Runs `command` to completion under `limit`, killing it if the limit passes.
 pub(crate) async fn run_command(

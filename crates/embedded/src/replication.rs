@@ -13,9 +13,9 @@ use tokio::io::AsyncWriteExt;
 use tracing::info;
 
 use crate::binaries::locate_server_binaries;
-use crate::cluster::{Cluster, SUPERUSER};
+use crate::cluster::Cluster;
 use crate::error::{EmbeddedError, io_error};
-use crate::process::{connection_url, describe_output, run_command};
+use crate::process::{SUPERUSER, connection_url, describe_output, run_command};
 use crate::server_user::{
     chown_to, create_private_dir, effective_uid, prepare_server_user, write_private_file,
 };

@@ -42,7 +42,7 @@ pub enum HubEvent {
     /// A turn was stopped, for the agents: its owners get `cancel` (ADR 0028).
     TurnStopped(Arc<converger_store::bus::TurnStop>),
     /// A chunk or the end of a streamed answer, for end users.
-    Stream(Arc<crate::streams::StreamEvent>),
+    Stream(Arc<crate::stream_event::StreamEvent>),
     /// A transient frame for end users.
     Transient {
         /// The frame.

@@ -3,6 +3,7 @@
 #![forbid(unsafe_code)]
 
 pub mod actors;
+mod agent_url;
 mod answers;
 pub mod auth;
 mod bus_bridge;
@@ -22,6 +23,7 @@ pub mod server;
 pub mod state;
 mod status_rates;
 mod stops;
+pub mod stream_event;
 pub mod streams;
 mod throttle;
 pub mod tokens;

@@ -2,14 +2,9 @@
 //! with their `meta`.
 
 use serde::Serialize;
-use serde_json::Value;
 
-use crate::persistent::{Participant, RenderedFrame};
-
-/// The turn key of docs/protocol.md §5: `conversation:seq:revision`, stable across deliveries.
-pub fn turn_key(conversation_id: &str, seq: i64, revision: i32) -> String {
-    format!("{conversation_id}:{seq}:{revision}")
-}
+use crate::persistent::RenderedFrame;
+use crate::turn_meta::{TurnMeta, TurnRef};
 
 /// `{conversationId, frame}`: every conversation-level frame on a channel-scope connection.
 #[derive(Debug, Clone, Serialize)]
@@ -25,41 +20,6 @@ impl<F: Serialize> Envelope<'_, F> {
     /// The envelope as JSON text.
     pub fn encode(&self) -> String {
         crate::encode(self)
-    }
-}
-
-/// `meta.turn`: which turn a delivery is, and under which fence (lease mode).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct TurnRef {
-    /// The turn's seq.
-    pub seq: i64,
-    /// Its revision.
-    pub revision: i32,
-    /// The turn key.
-    pub key: String,
-    /// `edit` or `regenerate` for revisions above 0.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub reason: Option<&'static str>,
-    /// Lease mode: the fence the answer must carry.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub fence: Option<i64>,
-}
-
-impl TurnRef {
-    /// The reference of revision `revision` of turn `seq` of a conversation.
-    pub fn new(
-        conversation_id: &str,
-        seq: i64,
-        revision: i32,
-        reason: Option<&'static str>,
-    ) -> TurnRef {
-        TurnRef {
-            seq,
-            revision,
-            key: turn_key(conversation_id, seq, revision),
-            reason,
-            fence: None,
-        }
     }
 }
 
@@ -114,40 +74,6 @@ impl<'a> Cancel<'a> {
     }
 }
 
-/// `meta.runtime`: the conversation's runtime state at delivery.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct RuntimeRef<'a> {
-    /// The version an answer must name to replace it.
-    pub version: i64,
-    /// The state object.
-    pub state: &'a Value,
-}
-
-/// `meta` of a delivered turn.
-#[derive(Debug, Clone, Serialize)]
-pub struct TurnMeta<'a> {
-    /// `{id}` of the channel.
-    pub channel: ChannelRef<'a>,
-    /// Who wrote the turn.
-    pub participant: Participant<'a>,
-    /// Which turn.
-    pub turn: &'a TurnRef,
-    /// The runtime at delivery.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub runtime: Option<RuntimeRef<'a>>,
-    /// The end user's `meta` for this turn (the send's over its connection's hello's), kept
-    /// with the frame and shown to agents only.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub client: Option<&'a Value>,
-}
-
-/// `{id}` of a channel.
-#[derive(Debug, Clone, Copy, Serialize)]
-pub struct ChannelRef<'a> {
-    /// Channel id.
-    pub id: &'a str,
-}
-
 /// A user turn as an agent receives it: the enveloped frame with its `meta`.
 pub fn delivered_turn(
     conversation_id: &str,
@@ -165,6 +91,8 @@ pub fn delivered_turn(
 mod tests {
     use super::*;
     use crate::persistent::{PersistentFrame, Viewer};
+    use crate::turn_meta::{ChannelRef, Participant, RuntimeRef};
+    use serde_json::Value;
     use serde_json::json;
 
     #[test]

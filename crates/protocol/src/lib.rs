@@ -19,6 +19,7 @@ mod profile;
 mod server_frame;
 mod storable;
 mod streams;
+mod turn_meta;
 mod welcome;
 
 pub use agent_frame::{AgentFrame, EnvelopedFrame, ResultRuntime, TurnResult, parse_agent_text};
@@ -26,10 +27,7 @@ pub use answer_parts::{AnswerPart, ToolCalls, answer_part};
 pub use client_frame::{
     ClientFrame, FORWARDED_TYPES, Hello, Refusal, TurnTarget, parse_client_frame, parse_client_text,
 };
-pub use delivery::{
-    Cancel, ChannelRef, Envelope, RuntimeRef, StopReason, TurnMeta, TurnRef, delivered_turn,
-    turn_key,
-};
+pub use delivery::{Cancel, Envelope, StopReason, delivered_turn};
 pub use error_code::{CloseCode, ErrorCode};
 pub use frame::{
     CONTROL_TYPES, FrameError, MessageFrame, SERVER_ONLY_TYPES, turn_client_meta,
@@ -37,9 +35,7 @@ pub use frame::{
 };
 pub use ids::{MAX_USER_ID_BYTES, is_valid_client_id, is_valid_group, is_valid_user_id};
 pub use limits::{Limits, MAX_STREAM_BYTES_CEILING};
-pub use persistent::{
-    CONVERSATION_UPDATE, Participant, PersistentFrame, RenderedFrame, USER_ROLE, Viewer,
-};
+pub use persistent::{CONVERSATION_UPDATE, PersistentFrame, RenderedFrame, USER_ROLE, Viewer};
 pub use profile::{MEKIK_PROTOCOL_NAME, Profile};
 pub use server_frame::{
     Ack, Catalog, ErrorFrame, Heartbeat, TurnNumber, agent_failed, answer_refused, presence,
@@ -50,6 +46,7 @@ pub use storable::{NUL_REFUSED, contains_nul};
 pub use streams::{
     StreamAbort, StreamChunk, StreamContent, StreamTurnRef, end_user_chunk, end_user_stream_end,
 };
+pub use turn_meta::{ChannelRef, Participant, RuntimeRef, TurnMeta, TurnRef, turn_key};
 pub use welcome::{ChannelWelcome, ConversationWelcome, PendingInterrupt};
 
 /// Protocol identifier a client sends in `hello.protocol` to select the converger profile.

@@ -10,7 +10,7 @@ use std::borrow::Cow;
 use serde::ser::{Serialize, SerializeMap, Serializer};
 use serde_json::{Map, Value};
 
-use crate::delivery::TurnMeta;
+use crate::turn_meta::{Participant, TurnMeta};
 
 /// Whose view a frame is rendered for, which decides `from` and `clientId`.
 #[derive(Debug, Clone, Copy)]
@@ -188,15 +188,6 @@ impl<'a> RenderedFrame<'a> {
     pub fn to_value(&self) -> Value {
         crate::to_value(self)
     }
-}
-
-/// `{id, role}` of a frame's author or a participant.
-#[derive(Debug, Clone, Copy, serde::Serialize)]
-pub struct Participant<'a> {
-    /// Participant id.
-    pub id: &'a str,
-    /// Participant role.
-    pub role: &'a str,
 }
 
 impl Serialize for RenderedFrame<'_> {

@@ -6,7 +6,7 @@ use serde::Serialize;
 use serde_json::{Value, json};
 
 use crate::ErrorCode;
-use crate::persistent::Participant;
+use crate::turn_meta::Participant;
 
 /// An `error` frame (docs/protocol.md §7).
 #[derive(Debug, Clone, PartialEq)]

@@ -18,8 +18,10 @@ use tokio::task::JoinSet;
 
 use crate::gateway::DEFAULT_DATABASE_URL;
 use crate::machine;
-use crate::stats::percentiles;
 use crate::turns::{self, TurnsArgs};
+
+/// The samples every peer's loop collects (defined with their summaries, in `stats`).
+pub use crate::stats::Samples;
 
 /// Arguments of `peers`.
 #[derive(Debug, clap::Args)]
@@ -68,39 +70,6 @@ pub struct LoopSettings {
 pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(30);
 /// Connect and request timeout towards every peer server.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
-
-/// Latency samples of one closed loop, in milliseconds.
-#[derive(Default)]
-pub struct Samples {
-    /// Send → durably accepted.
-    pub ack: Vec<f64>,
-    /// Send → an agent received the turn.
-    pub to_agent: Vec<f64>,
-    /// Send → the user received the answer.
-    pub round_trip: Vec<f64>,
-}
-
-impl Samples {
-    /// Adds another user's samples.
-    pub fn extend(&mut self, other: Samples) {
-        self.ack.extend(other.ack);
-        self.to_agent.extend(other.to_agent);
-        self.round_trip.extend(other.round_trip);
-    }
-
-    /// Turns, turns/s and the three latency summaries over `elapsed` seconds.
-    pub fn figures(mut self, elapsed: f64) -> Value {
-        let turns = self.round_trip.len();
-        json!({
-            "duration_secs": elapsed,
-            "turns": turns,
-            "turns_per_sec": turns as f64 / elapsed,
-            "ack_ms": percentiles(&mut self.ack),
-            "to_agent_ms": percentiles(&mut self.to_agent),
-            "round_trip_ms": percentiles(&mut self.round_trip),
-        })
-    }
-}
 
 /// One clock for the users and agents of a run: payloads carry microseconds since its epoch, so
 /// the agent's arrival time can be set against the user's send time.

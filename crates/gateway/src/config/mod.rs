@@ -299,7 +299,7 @@ impl Config {
             );
         }
         if let Some(entry) = self.http_agents.allow.iter().find(|entry| {
-            crate::http_agents::url_parts(entry).is_none() || entry.contains(['?', '#', '*'])
+            crate::agent_url::url_parts(entry).is_none() || entry.contains(['?', '#', '*'])
         }) {
             return Err(format!(
                 "http_agents.allow: {entry:?} is not a URL prefix (http[s]://host[:port][/path], no user, query or wildcard)"
