@@ -194,6 +194,46 @@ struct Topic {
     last_committed: i64,
 }
 
+/// One follower's live events of a conversation (a session, an SSE stream): a
+/// `broadcast::Receiver` that, when dropped as the conversation's last follower on this node,
+/// takes the conversation's feed out of the hub. Without that, every conversation a node ever
+/// served kept its feed until the next event published to it, which may never come.
+pub struct Feed {
+    receiver: broadcast::Receiver<HubEvent>,
+    hub: Arc<Hub>,
+    conversation_id: Uuid,
+}
+
+impl std::ops::Deref for Feed {
+    type Target = broadcast::Receiver<HubEvent>;
+
+    fn deref(&self) -> &Self::Target {
+        &self.receiver
+    }
+}
+
+impl std::ops::DerefMut for Feed {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.receiver
+    }
+}
+
+impl Drop for Feed {
+    fn drop(&mut self) {
+        let mut conversations = lock(&self.hub.conversations);
+        // While this receiver lives the topic in the map is its own: a topic is removed only
+        // when it has no receiver (here, or in `publish`). The count includes this receiver,
+        // which is dropped right after; a subscriber that comes meanwhile waits for the lock
+        // and then finds no topic, so it makes a new one.
+        let last = conversations
+            .get(&self.conversation_id)
+            .is_some_and(|topic| topic.sender.receiver_count() <= 1);
+        if last {
+            conversations.remove(&self.conversation_id);
+        }
+    }
+}
+
 /// A live event of a channel: every event of its conversations, for the channel's agents.
 #[derive(Debug, Clone)]
 pub struct ChannelEvent {
@@ -249,17 +289,28 @@ impl Hub {
         &self.node_id
     }
 
-    /// Live events of a conversation from now on.
-    pub fn subscribe(&self, conversation_id: Uuid) -> broadcast::Receiver<HubEvent> {
+    /// Live events of a conversation from now on; the conversation's feed is forgotten when
+    /// its last follower's [`Feed`] is dropped.
+    pub fn subscribe(self: &Arc<Self>, conversation_id: Uuid) -> Feed {
         let mut conversations = lock(&self.conversations);
-        conversations
+        let receiver = conversations
             .entry(conversation_id)
             .or_insert_with(|| Topic {
                 sender: broadcast::channel(CONVERSATION_BUFFER).0,
                 last_committed: 0,
             })
             .sender
-            .subscribe()
+            .subscribe();
+        Feed {
+            receiver,
+            hub: Arc::clone(self),
+            conversation_id,
+        }
+    }
+
+    /// How many conversations have a live feed on this node (memory, for tests and metrics).
+    pub fn followed_conversations(&self) -> usize {
+        lock(&self.conversations).len()
     }
 
     /// True when a session of this node follows the conversation and `seq` was not published
@@ -452,5 +503,35 @@ impl Drop for AgentGuard {
                 counts.remove(&self.channel_id);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_conversations_feed_goes_with_its_last_follower() {
+        let hub = Arc::new(Hub::new("node"));
+        let conversation = Uuid::new_v4();
+        let first = hub.subscribe(conversation);
+        let second = hub.subscribe(conversation);
+        assert_eq!(hub.followed_conversations(), 1);
+        drop(first);
+        assert!(hub.has_followers(conversation), "one follower is left");
+        drop(second);
+        assert_eq!(hub.followed_conversations(), 0);
+        assert!(!hub.has_followers(conversation));
+
+        // A follower that comes back gets a new feed, and what is published reaches it.
+        let mut again = hub.subscribe(conversation);
+        hub.publish(
+            conversation,
+            HubEvent::Transient {
+                frame: Arc::new(serde_json::json!({"type": "typing"})),
+                origin: None,
+            },
+        );
+        assert!(matches!(again.try_recv(), Ok(HubEvent::Transient { .. })));
     }
 }

@@ -22,7 +22,7 @@ use tokio::sync::{broadcast, mpsc};
 use super::conversations::authorized_conversation;
 use crate::auth::{bearer, verified_claims};
 use crate::error::ApiError;
-use crate::hub::{EndUserViews, HubEvent, SessionControl};
+use crate::hub::{EndUserViews, Feed, HubEvent, SessionControl};
 use crate::state::AppState;
 use crate::streams::{PackedChunks, StreamChange, StreamEvent, catch_up_frames};
 use crate::tokens::Scope;
@@ -125,7 +125,7 @@ impl Follow {
         self,
         watermark: u64,
         head: u64,
-        mut live: broadcast::Receiver<HubEvent>,
+        mut live: Feed,
         mut controls: mpsc::Receiver<SessionControl>,
         seat: crate::presence::SessionSeat,
     ) {

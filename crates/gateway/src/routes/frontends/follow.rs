@@ -17,7 +17,7 @@ use serde_json::Value;
 use tokio::sync::{broadcast, mpsc};
 use uuid::Uuid;
 
-use crate::hub::{HubEvent, SessionControl};
+use crate::hub::{Feed, HubEvent, SessionControl};
 use crate::presence::{EndUserSession, SessionSeat};
 use crate::state::AppState;
 use crate::streams::{PackedChunks, StreamChange, StreamEvent};
@@ -69,7 +69,7 @@ pub(crate) trait AnswerSink {
 pub(crate) struct Follower {
     state: AppState,
     conversation_id: Uuid,
-    live: broadcast::Receiver<HubEvent>,
+    live: Feed,
     controls: mpsc::Receiver<SessionControl>,
     expires_at: tokio::time::Instant,
     _seat: SessionSeat,
