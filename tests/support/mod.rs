@@ -10,6 +10,7 @@ pub mod browser;
 pub mod cluster;
 pub mod load;
 pub mod mekik;
+pub mod proxy;
 pub mod schemas;
 pub mod tab;
 pub mod ws;

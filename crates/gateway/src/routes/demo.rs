@@ -20,8 +20,12 @@ use crate::tokens::{Scope, anonymous_user_id};
 const DEMO_TENANT: &str = "converger-demo";
 const DEMO_CHANNEL: &str = "demo";
 
-/// The page: one file, its script inline (the CSP allows nothing else).
+/// The page: its glue script inline, the client from [`SDK_BUNDLE`] (the CSP allows nothing else).
 const PAGE: &str = include_str!("demo.html");
+
+/// The TypeScript SDK (`sdk/typescript`) bundled for browsers as the global `Converger`, written
+/// by `npm run bundle-demo` there; its tests check that this copy is the current build.
+const SDK_BUNDLE: &str = include_str!("demo-converger.js");
 
 /// `GET /demo`.
 pub(crate) async fn page(State(state): State<AppState>) -> Response {
@@ -33,13 +37,26 @@ pub(crate) async fn page(State(state): State<AppState>) -> Response {
         (header::CACHE_CONTROL, "no-store"),
         (
             header::CONTENT_SECURITY_POLICY,
-            "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; \
+            "default-src 'none'; script-src 'self' 'unsafe-inline'; style-src 'unsafe-inline'; \
              connect-src 'self' ws: wss:; frame-ancestors 'none'; base-uri 'none'",
         ),
         (header::X_FRAME_OPTIONS, "DENY"),
         (header::REFERRER_POLICY, "no-referrer"),
     ];
     (headers, PAGE).into_response()
+}
+
+/// `GET /demo/converger.js`: the SDK the page runs on.
+pub(crate) async fn sdk_bundle(State(state): State<AppState>) -> Response {
+    if !state.config.serves_demo() {
+        return ApiError::not_found("page").into_response();
+    }
+    let headers = [
+        (header::CONTENT_TYPE, "text/javascript; charset=utf-8"),
+        (header::CACHE_CONTROL, "no-store"),
+        (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+    ];
+    (headers, SDK_BUNDLE).into_response()
 }
 
 /// `POST /demo/api/conversation` → `{conversationId, userId, token, expires_in}`.

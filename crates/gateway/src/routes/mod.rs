@@ -106,6 +106,7 @@ pub(crate) fn router(state: AppState) -> Router {
         )
         .merge(frontends::router(state.clone()))
         .route("/demo", get(demo::page))
+        .route("/demo/converger.js", get(demo::sdk_bundle))
         .route("/demo/api/conversation", post(demo::conversation))
         .route("/demo/api/agent-token", post(demo::agent_token))
         .route("/socket/converger/v1", get(crate::ws::upgrade))
