@@ -975,12 +975,8 @@ describe("agent, more flows", () => {
     test(
         "an agent of a draining node reconnects to another node, no sooner than retryAfterMs",
         LIMIT,
-        async (context) => {
-            if (node.embedded) {
-                context.skip("needs a shared Postgres for a second node over the same database");
-                return;
-            }
-            const draining = await startNode({ CONVERGER_DATABASE_URL: node.databaseUrl });
+        async () => {
+            const draining = await startNode({}, { shareDatabaseOf: node });
             const tenant = await setupTenant(node);
             TestSocket.redirectPort = draining.port;
             const agent = await startedAgent(node.baseUrl, await tenant.agentToken(), {

@@ -121,6 +121,8 @@ export class Node {
         readonly server: string | null,
         /** The node's log lines (JSON), the latest 2000. */
         readonly logs: string[] = [],
+        /** Whether it runs over another node's embedded Postgres (whose state directory it uses). */
+        readonly guest = false,
     ) {}
 
     get port(): number {
@@ -160,7 +162,10 @@ export class Node {
                 console.error(`could not drop ${this.databaseName}: ${dropped.output}`);
             }
         }
-        rmSync(this.stateDir, { recursive: true, force: true });
+        // A guest's state directory is its host's, which the host removes.
+        if (!this.guest) {
+            rmSync(this.stateDir, { recursive: true, force: true });
+        }
     }
 
     /** The last log lines, for a failure report. */
@@ -169,11 +174,23 @@ export class Node {
     }
 }
 
+/** How {@link startNode} picks the node's database. */
+export interface StartOptions {
+    /**
+     * A running node whose database the new node uses too: its database on the shared Postgres,
+     * or, when it runs its own embedded Postgres, that Postgres (through its state directory).
+     */
+    readonly shareDatabaseOf?: Node;
+}
+
 /**
  * Starts a node over a fresh database (or its embedded Postgres when no server answers) and waits
  * until its logs show it listening (HTTP, gossip and the event bus). `env` adds configuration.
  */
-export async function startNode(env: Record<string, string> = {}): Promise<Node> {
+export async function startNode(
+    env: Record<string, string> = {},
+    options: StartOptions = {},
+): Promise<Node> {
     const [secretKey, adminToken] = testSecrets();
     const binary = convergerBin();
     if (!existsSync(binary)) {
@@ -181,9 +198,11 @@ export async function startNode(env: Record<string, string> = {}): Promise<Node>
             `${binary} is missing: build it (cargo build -p converger-cli) or set CONVERGER_BIN`,
         );
     }
-    const server = postgresServer();
+    const host = options.shareDatabaseOf;
+    const guest = host?.embedded === true;
+    const server = host === undefined ? postgresServer() : null;
     let databaseName: string | undefined;
-    let databaseUrl = "";
+    let databaseUrl = host?.databaseUrl ?? "";
     if (server !== null) {
         databaseName = `converger_sdk_${randomBytes(12).toString("hex")}`;
         const created = psql(server, `CREATE DATABASE ${databaseName}`);
@@ -192,7 +211,7 @@ export async function startNode(env: Record<string, string> = {}): Promise<Node>
         }
         databaseUrl = withDatabase(server, databaseName);
     }
-    const stateDir = mkdtempSync(path.join(tmpdir(), "converger-sdk-ts-"));
+    const stateDir = guest ? host.stateDir : mkdtempSync(path.join(tmpdir(), "converger-sdk-ts-"));
     const child = spawn(binary, ["serve"], {
         cwd: stateDir,
         stdio: ["ignore", "ignore", "pipe"],
@@ -258,6 +277,7 @@ export async function startNode(env: Record<string, string> = {}): Promise<Node>
             databaseName,
             server,
             logs,
+            guest,
         ).stop();
         throw new Error(`${String(error)}\n${logs.slice(-30).join("\n")}`);
     }
@@ -271,6 +291,7 @@ export async function startNode(env: Record<string, string> = {}): Promise<Node>
         databaseName,
         server,
         logs,
+        guest,
     );
 }
 
