@@ -11,10 +11,33 @@ use serde_json::json;
 use support::TestNode;
 use support::browser::Browser;
 use support::proxy::Proxy;
+use support::ws::WsClient;
 
 /// The texts of the page's bubbles of `role` ("user" or "agent"), joined with `|`.
 fn bubbles(role: &str) -> String {
     format!("[...document.querySelectorAll('.{role}')].map(b => b.textContent).join('|')")
+}
+
+/// Types `question` into the page and submits it.
+async fn ask(browser: &mut Browser, question: &str) {
+    let question = serde_json::to_string(question).unwrap();
+    browser
+        .evaluate(&format!(
+            "document.getElementById('text').value = {question}; \
+             document.getElementById('send').requestSubmit(); true"
+        ))
+        .await;
+}
+
+/// The agent's next delivered turn, which must be `question`: (conversation id, seq).
+async fn delivered(agent: &mut WsClient, question: &str) -> (serde_json::Value, i64) {
+    loop {
+        let delivered = agent.recv().await;
+        if let Some(seq) = delivered["frame"]["meta"]["turn"]["seq"].as_i64() {
+            assert_eq!(delivered["frame"]["data"]["text"], question);
+            return (delivered["conversationId"].clone(), seq);
+        }
+    }
 }
 
 #[tokio::test]
@@ -83,19 +106,8 @@ async fn the_demo_page_streams_survives_a_reload_and_resends_after_a_cut() {
     browser
         .wait_for("document.body.dataset.ready === '1'")
         .await;
-    browser
-        .evaluate(
-            "document.getElementById('text').value = 'Tell me about streams'; \
-             document.getElementById('send').requestSubmit(); true",
-        )
-        .await;
-    let (conversation, seq) = loop {
-        let delivered = agent.recv().await;
-        if let Some(seq) = delivered["frame"]["meta"]["turn"]["seq"].as_i64() {
-            assert_eq!(delivered["frame"]["data"]["text"], "Tell me about streams");
-            break (delivered["conversationId"].clone(), seq);
-        }
-    };
+    ask(&mut browser, "Tell me about streams").await;
+    let (conversation, seq) = delivered(&mut agent, "Tell me about streams").await;
     let words = ["Streams ", "arrive ", "word ", "by ", "word."];
     let chunk = |index: usize| {
         support::stream_chunk(
@@ -143,19 +155,8 @@ async fn the_demo_page_streams_survives_a_reload_and_resends_after_a_cut() {
     // A second question whose ack never reaches the page: the node stores it and hands the turn
     // to the agent, but the page still shows it pending when the connection is cut.
     proxy.hold_downstream();
-    browser
-        .evaluate(
-            "document.getElementById('text').value = 'Are you still there?'; \
-             document.getElementById('send').requestSubmit(); true",
-        )
-        .await;
-    let second = loop {
-        let delivered = agent.recv().await;
-        if let Some(seq) = delivered["frame"]["meta"]["turn"]["seq"].as_i64() {
-            assert_eq!(delivered["frame"]["data"]["text"], "Are you still there?");
-            break seq;
-        }
-    };
+    ask(&mut browser, "Are you still there?").await;
+    let (_, second) = delivered(&mut agent, "Are you still there?").await;
     let pending = browser
         .evaluate("document.querySelector('.user.pending')?.textContent ?? null")
         .await;

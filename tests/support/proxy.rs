@@ -11,7 +11,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 /// What every proxied connection follows: the cut generation and whether downstream is held.
-#[derive(Clone, Copy, Default, PartialEq)]
+#[derive(Default)]
 struct Faults {
     cuts: u64,
     downstream_held: bool,

@@ -308,8 +308,9 @@ impl Hub {
         }
     }
 
-    /// How many conversations have a live feed on this node (memory, for tests and metrics).
-    pub fn followed_conversations(&self) -> usize {
+    /// How many conversations have a live feed on this node.
+    #[cfg(test)]
+    fn followed_conversations(&self) -> usize {
         lock(&self.conversations).len()
     }
 

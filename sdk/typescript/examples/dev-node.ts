@@ -1,4 +1,5 @@
-// What the examples share: waiting for the node, which may not be up yet when they start.
+// What the examples share: waiting for the node, which may not be up yet when they start, and
+// serving turns until SIGTERM or Ctrl-C (serveTurns()).
 //
 // A first `cargo run -p converger-cli -- serve` builds the gateway for minutes before the node
 // listens. Each example calls waitForNode() with its CONVERGER_URL before it connects: that polls
@@ -11,6 +12,7 @@
 import { existsSync } from "node:fs";
 import { readFile } from "node:fs/promises";
 import { dirname, join } from "node:path";
+import type { Agent, Turn } from "../src/index.js";
 
 /** How long to wait for the node: the first build of the gateway takes several minutes. */
 const WAIT_MS = 600_000;
@@ -103,9 +105,19 @@ export async function readAdminToken(): Promise<string> {
     return (await readFile(path, "utf8")).trim();
 }
 
-/** Calls `stop` on SIGTERM and Ctrl-C (an agent's stop(): its run() then drains and returns). */
-export function stopOnSignals(stop: () => void): void {
+/**
+ * Connects `agent`, prints `ready <connectionId> <since>` (the line the tests wait for), and
+ * answers turns with `handle`, 8 at a time, until SIGTERM or Ctrl-C: then agent.stop() lets
+ * run() drain, and this resolves.
+ */
+export async function serveTurns(
+    agent: Agent,
+    handle: (turn: Turn) => Promise<void>,
+): Promise<void> {
+    const welcome = await agent.connect();
+    console.log(`ready ${welcome.connectionId} ${welcome.since}`);
     for (const signal of ["SIGTERM", "SIGINT"] as const) {
-        process.once(signal, stop);
+        process.once(signal, () => agent.stop());
     }
+    await agent.run(handle, { concurrency: 8 });
 }

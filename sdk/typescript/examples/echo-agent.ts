@@ -17,7 +17,7 @@
 //   npm run build:examples && CONVERGER_AGENT_TOKEN=… node build/examples/echo-agent.js
 
 import { Agent, type Turn } from "../src/index.js";
-import { stopOnSignals, waitForNode } from "./dev-node.js";
+import { serveTurns, waitForNode } from "./dev-node.js";
 
 /** Answers one turn: `echo <n>: <text>`, where n counts this conversation's turns. */
 async function echo(turn: Turn, streamed: boolean): Promise<void> {
@@ -46,10 +46,7 @@ async function main(): Promise<void> {
     const streamed = process.env.CONVERGER_ECHO_STREAM === "1";
     const agent = new Agent(url, token, { group: process.env.CONVERGER_AGENT_GROUP ?? "echo" });
     await waitForNode(url);
-    const welcome = await agent.connect();
-    console.log(`ready ${welcome.connectionId} ${welcome.since}`);
-    stopOnSignals(() => agent.stop());
-    await agent.run((turn) => echo(turn, streamed), { concurrency: 8 });
+    await serveTurns(agent, (turn) => echo(turn, streamed));
 }
 
 main().catch((error: unknown) => {

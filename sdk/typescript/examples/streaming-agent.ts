@@ -37,7 +37,7 @@
 // drains and exits 0.
 
 import { Agent, StreamInterrupted, type Turn } from "../src/index.js";
-import { httpOrigin, readAdminToken, stopOnSignals, waitForNode } from "./dev-node.js";
+import { httpOrigin, readAdminToken, serveTurns, waitForNode } from "./dev-node.js";
 
 /** Resolves after `ms`, or at once when `signal` aborts. */
 function pause(ms: number, signal: AbortSignal): Promise<void> {
@@ -128,10 +128,7 @@ async function main(): Promise<void> {
     const token = process.env.CONVERGER_AGENT_TOKEN || (await demoAgentToken(url));
     const delayMs = Number(process.env.CONVERGER_WORD_DELAY_MS ?? "50");
     const agent = new Agent(url, token, { group: process.env.CONVERGER_AGENT_GROUP ?? "llm" });
-    const welcome = await agent.connect();
-    console.log(`ready ${welcome.connectionId} ${welcome.since}`);
-    stopOnSignals(() => agent.stop());
-    await agent.run((turn) => answer(turn, delayMs), { concurrency: 8 });
+    await serveTurns(agent, (turn) => answer(turn, delayMs));
 }
 
 main().catch((error: unknown) => {

@@ -28,10 +28,10 @@ import {
     type Connection,
     DEFAULT_OPEN_TIMEOUT_MS,
     type Disconnect,
+    disconnectOf,
     FATAL_CLOSE_CODES,
     type OpenedSession,
     openSession,
-    retryHintOfReason,
     silenceLimitMs,
     type WebSocketConstructor,
     wsUrl,
@@ -75,10 +75,12 @@ import {
     AsyncQueue,
     ChangeSignal,
     delay,
+    Listeners,
     resultClientId,
     Semaphore,
     sleep,
     touch,
+    waitUntil,
     within,
 } from "./internal.js";
 import {
@@ -594,7 +596,9 @@ export class Agent {
     readonly #outboxEmpty = new ChangeSignal();
     readonly #turnQueue = new AsyncQueue<Turn>();
     #eventQueue: AsyncQueue<AgentEvent> | undefined;
-    readonly #listeners = new Map<keyof AgentEventMap, Set<(value: never) => void>>();
+    readonly #listeners = new Listeners<AgentEventMap>((kind, error) => {
+        this.#log("error", `a ${String(kind)} listener failed: ${String(error)}`);
+    });
     #connection: Connection | undefined;
     #welcome: Welcome | undefined;
     readonly #changed = new ChangeSignal();
@@ -657,8 +661,7 @@ export class Agent {
             },
             requireAlive: () => this.#requireAlive(),
             writeEnvelope: (conversationId, frame) => this.#writeEnvelope(conversationId, frame),
-            envelopeBytes: (conversationId, frame) =>
-                byteLength(stringify({ conversationId, frame })),
+            writeText: (text) => this.#write(text),
             forgetStream: (stream) => this.#forgetStream(stream),
             warn: (message) => this.#log("warn", message),
         };
@@ -719,25 +722,20 @@ export class Agent {
         options: { timeoutMs?: number; connections?: number } = {},
     ): Promise<Welcome> {
         const wanted = options.connections ?? 1;
-        const deadline = Date.now() + (options.timeoutMs ?? 30_000);
-        while (this.#connection === undefined || this.#connections < wanted) {
-            if (this.#fatal !== undefined) {
-                throw this.#fatal;
-            }
-            if (this.#closed) {
-                throw new ClientClosed("the agent is closed");
-            }
-            const left = deadline - Date.now();
-            if (left <= 0) {
-                throw new ConvergerError(
-                    `not connected (${wanted} connections) within ${options.timeoutMs ?? 30_000} ms`,
-                );
-            }
-            await within(this.#changed.next(), left, () => new ConvergerError("timeout")).catch(
-                () => undefined,
-            );
-        }
-        return this.welcome;
+        const timeoutMs = options.timeoutMs ?? 30_000;
+        return waitUntil(
+            this.#changed,
+            () => {
+                if (this.#connection !== undefined && this.#connections >= wanted) {
+                    return this.welcome;
+                }
+                this.#requireAlive();
+                return undefined;
+            },
+            timeoutMs,
+            () =>
+                new ConvergerError(`not connected (${wanted} connections) within ${timeoutMs} ms`),
+        );
     }
 
     /**
@@ -991,8 +989,15 @@ export class Agent {
      * (`resume`, `abort`, …), end users' typing, read receipts and presence, and other parties'
      * persistent frames. Events are kept from the first call on; earlier ones are dropped.
      */
-    async *events(): AsyncGenerator<AgentEvent, void, undefined> {
-        const queue = this.#events();
+    events(): AsyncGenerator<AgentEvent, void, undefined> {
+        // The queue exists from this call on, not from the first read: a generator's body runs
+        // only when it is first read, and events arriving in between would be lost.
+        return Agent.#drain(this.#events());
+    }
+
+    static async *#drain(
+        queue: AsyncQueue<AgentEvent>,
+    ): AsyncGenerator<AgentEvent, void, undefined> {
         for (;;) {
             const next = await queue.next();
             if (next.done === true) {
@@ -1014,30 +1019,7 @@ export class Agent {
 
     /** Calls `listener` for each `kind` (see {@link AgentEventMap}); returns the unsubscribe. */
     on<K extends keyof AgentEventMap>(kind: K, listener: Listener<K>): () => void {
-        let listeners = this.#listeners.get(kind);
-        if (listeners === undefined) {
-            listeners = new Set();
-            this.#listeners.set(kind, listeners);
-        }
-        const stored = listener as (value: never) => void;
-        listeners.add(stored);
-        return () => {
-            this.#listeners.get(kind)?.delete(stored);
-        };
-    }
-
-    #emit<K extends keyof AgentEventMap>(kind: K, value: AgentEventMap[K]): void {
-        const listeners = this.#listeners.get(kind);
-        if (listeners === undefined) {
-            return;
-        }
-        for (const listener of [...listeners]) {
-            try {
-                (listener as Listener<K>)(value);
-            } catch (error) {
-                this.#log("error", `a ${kind} listener failed: ${String(error)}`);
-            }
-        }
+        return this.#listeners.on(kind, listener);
     }
 
     // --- sending -----------------------------------------------------------------------
@@ -1346,7 +1328,7 @@ export class Agent {
         this.#watch(opened.connection, welcome.limits.heartbeatIntervalMs);
         this.#scheduleTokenRefresh(welcome.expiresAt);
         this.#changed.notify();
-        this.#emit("connected", welcome);
+        this.#listeners.emit("connected", welcome);
         for (const entry of [...this.#outbox.values()]) {
             this.#transmit(entry);
         }
@@ -1367,9 +1349,8 @@ export class Agent {
             if (connection !== this.#connection) {
                 return;
             }
-            if (Date.now() - connection.lastReceived > silenceMs) {
+            if (connection.abandonIfSilent(heartbeatIntervalMs)) {
                 this.#log("warn", `no heartbeat for ${silenceMs} ms; reconnecting`);
-                connection.abandon("no heartbeat");
             }
         }, WATCHDOG_TICK_MS);
     }
@@ -1415,14 +1396,9 @@ export class Agent {
 
     /** Reads how a connection ended; returns the reconnect hint or throws {@link FatalClose}. */
     async #onClosed(close: CloseInfo): Promise<number | undefined> {
-        const hint = retryHintOfReason(close.reason) ?? this.#lastHintMs;
-        this.#lastDisconnect = {
-            code: close.code,
-            reason: close.reason,
-            retryAfterMs: hint,
-            at: Date.now(),
-        };
-        this.#emit("disconnected", this.#lastDisconnect);
+        this.#lastDisconnect = disconnectOf(close, this.#lastHintMs);
+        const hint = this.#lastDisconnect.retryAfterMs;
+        this.#listeners.emit("disconnected", this.#lastDisconnect);
         if (FATAL_CLOSE_CODES.has(close.code)) {
             const fatal = new FatalClose(close.code, close.reason, this.#lastError);
             const expired = this.#tokenExpired || fatal.tokenExpired;
@@ -1583,13 +1559,12 @@ export class Agent {
         if (this.#stopping) {
             return;
         }
-        const listening = this.#listeners.get("event")?.size ?? 0;
-        if (this.#eventQueue === undefined && listening === 0) {
+        if (this.#eventQueue === undefined && !this.#listeners.has("event")) {
             return;
         }
         const event = parseAgentEvent(conversationId, frame);
         this.#eventQueue?.push(event);
-        this.#emit("event", event);
+        this.#listeners.emit("event", event);
     }
 
     #onTurn(turn: Turn): void {
@@ -1678,7 +1653,7 @@ export class Agent {
         } else {
             this.#log("warn", `error in conversation ${conversationId}: ${error.message}`);
         }
-        this.#emit("error", error);
+        this.#listeners.emit("error", error);
     }
 
     #onConnectionError(error: ServerError): void {
@@ -1710,7 +1685,7 @@ export class Agent {
             this.#log("info", "token refreshed");
             // The socket lives on under the new token: refresh again before it expires.
             this.#scheduleTokenRefresh(asInt(data.expiresAt));
-            this.#emit("tokenRefreshed", data);
+            this.#listeners.emit("tokenRefreshed", data);
             return;
         }
         if (kind !== "heartbeat" && kind !== "welcome") {

@@ -11,7 +11,7 @@
 // would (see AnswerStream.end).
 
 import { FrameTooLarge, type ServerError, StaleRuntime, StreamInterrupted } from "./errors.js";
-import type { JsonObject } from "./json.js";
+import { byteLength, type JsonObject, stringify } from "./json.js";
 
 /** `open`, `finished` ({@link AnswerStream.finish} was called) or `aborted`. */
 export type AnswerStreamState = "open" | "finished" | "aborted";
@@ -45,8 +45,8 @@ export interface StreamHost {
     requireAlive(): void;
     /** Writes an enveloped frame on the open socket, waiting for room in its buffer; false when down. */
     writeEnvelope(conversationId: string, frame: JsonObject): Promise<boolean>;
-    /** The size of an enveloped frame as it would be written, in bytes. */
-    envelopeBytes(conversationId: string, frame: JsonObject): number;
+    /** Writes a frame already serialised (a chunk, measured first), as `writeEnvelope`. */
+    writeText(text: string): Promise<boolean>;
     /** Called once the stream ended, so its refusals are no longer routed to it. */
     forgetStream(stream: AnswerStream<unknown>): void;
     /** Records why something went wrong, for the operator. */
@@ -335,9 +335,11 @@ export class AnswerStream<Answered = unknown> {
             frame.turn = turn;
         }
         frame[field] = content;
-        const size = host.envelopeBytes(this.conversationId, frame);
+        // Serialised once per chunk: measured against the limit, then written as it is.
+        const text = stringify({ conversationId: this.conversationId, frame });
+        const size = byteLength(text);
         if (size > host.maxFrameBytes) throw new FrameTooLarge(size, host.maxFrameBytes);
-        if (!(await host.writeEnvelope(this.conversationId, frame))) {
+        if (!(await host.writeText(text))) {
             throw this.#fail(
                 new StreamInterrupted(this.conversationId, this.streamId, "the connection dropped"),
             );

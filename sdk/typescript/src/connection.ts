@@ -112,6 +112,19 @@ export interface Disconnect {
 }
 
 /**
+ * How `close` ended a connection, noticed now; the delay hint is the close reason's, else
+ * `earlierHintMs` (that of the connection-level `error` before it).
+ */
+export function disconnectOf(close: CloseInfo, earlierHintMs: number | undefined): Disconnect {
+    return {
+        code: close.code,
+        reason: close.reason,
+        retryAfterMs: retryHintOfReason(close.reason) ?? earlierHintMs,
+        at: Date.now(),
+    };
+}
+
+/**
  * A welcomed connection: frames arrive through {@link Connection.onMessage}, in order; frames
  * that arrive before a handler is set are buffered, so none is lost between `welcome` and the
  * caller's first read.
@@ -167,6 +180,19 @@ export class Connection {
     /** `Date.now()` when the last message arrived (for the idle watchdog). */
     get lastReceived(): number {
         return this.#lastReceived;
+    }
+
+    /**
+     * The silence watchdog: gives the connection up ({@link abandon}) when nothing arrived for
+     * {@link silenceLimitMs} of `heartbeatIntervalMs`, the sign of a network path that died
+     * without a close. True when it did.
+     */
+    abandonIfSilent(heartbeatIntervalMs: number): boolean {
+        if (Date.now() - this.#lastReceived <= silenceLimitMs(heartbeatIntervalMs)) {
+            return false;
+        }
+        this.abandon("no heartbeat");
+        return true;
     }
 
     /** Sets the handler of every following frame, after handing it the buffered ones. */

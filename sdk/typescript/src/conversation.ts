@@ -16,11 +16,10 @@ import {
     type Connection,
     DEFAULT_OPEN_TIMEOUT_MS,
     type Disconnect,
+    disconnectOf,
     FATAL_CLOSE_CODES,
     type OpenedSession,
     openSession,
-    retryHintOfReason,
-    silenceLimitMs,
     type WebSocketConstructor,
     wsUrl,
 } from "./connection.js";
@@ -51,7 +50,7 @@ import {
     parseWelcome,
     type Welcome,
 } from "./frames.js";
-import { AsyncQueue, ChangeSignal, sleep, within } from "./internal.js";
+import { AsyncQueue, ChangeSignal, Listeners, sleep, waitUntil, within } from "./internal.js";
 import { asObject, asString, byteLength, type JsonObject, stringify } from "./json.js";
 import { type FrameLike, frameOf, isValidClientId, randomHex } from "./shapes.js";
 import { SeqTracker } from "./tracking.js";
@@ -139,10 +138,6 @@ export interface ConversationListeners {
     stopped: ConvergerError | undefined;
 }
 
-type ListenerSets = {
-    [Kind in keyof ConversationListeners]: Set<(value: ConversationListeners[Kind]) => void>;
-};
-
 interface PendingSend {
     readonly clientId: string;
     readonly text: string;
@@ -151,7 +146,7 @@ interface PendingSend {
     readonly reject: (error: unknown) => void;
     /** Counts against maxInFlight (message sends; edit, regenerate and stop do not). */
     readonly queued: boolean;
-    /** The connection it was last written on (-1: to be written). */
+    /** The connection it was last written on, counted as `#connections` (-1: to be written). */
     generation: number;
     lastSent: number;
     retryAt: number | undefined;
@@ -193,23 +188,16 @@ export class Conversation {
     readonly #events: AsyncQueue<ConversationEvent>;
     readonly #streamUpdates: AsyncQueue<StreamUpdate>;
     readonly #streams = new StreamAssembly();
-    readonly #listeners: ListenerSets = {
-        message: new Set(),
-        streamUpdate: new Set(),
-        event: new Set(),
-        state: new Set(),
-        ack: new Set(),
-        stopped: new Set(),
-    };
+    readonly #listeners = new Listeners<ConversationListeners>((kind, error) => {
+        console.error(`converger: a "${String(kind)}" handler failed`, error);
+    });
     /** Notified on every connection change (welcomed, lost, closed, stopped). */
     readonly #changed = new ChangeSignal();
     readonly #lifetime = new AbortController();
 
     #connection: Connection | undefined;
     #welcome: Welcome | undefined;
-    #generation = 0;
     #connections = 0;
-    #started = false;
     #closed = false;
     #closing: Promise<void> | undefined;
     #connecting: Promise<Welcome> | undefined;
@@ -309,31 +297,21 @@ export class Conversation {
     ): Promise<Welcome> {
         const timeoutMs = options.timeoutMs ?? this.#openTimeoutMs;
         const wanted = options.connections ?? 1;
-        const deadline = Date.now() + timeoutMs;
-        for (;;) {
-            if (this.#fatal !== undefined) {
-                throw this.#fatal;
-            }
-            if (this.#closed) {
-                throw new ClientClosed("the conversation is closed");
-            }
-            if (
-                this.#connection !== undefined &&
-                this.#welcome !== undefined &&
-                this.#connections >= wanted
-            ) {
-                return this.#welcome;
-            }
-            const remaining = deadline - Date.now();
-            if (remaining <= 0) {
-                throw new ConvergerError(`not connected within ${timeoutMs} ms`);
-            }
-            await within(
-                this.#changed.next(),
-                remaining,
-                () => new ConvergerError("timeout"),
-            ).catch(noop);
-        }
+        return waitUntil(
+            this.#changed,
+            () => {
+                if (this.#fatal !== undefined) {
+                    throw this.#fatal;
+                }
+                if (this.#closed) {
+                    throw new ClientClosed("the conversation is closed");
+                }
+                const connected = this.#connection !== undefined && this.#connections >= wanted;
+                return connected ? this.#welcome : undefined;
+            },
+            timeoutMs,
+            () => new ConvergerError(`not connected within ${timeoutMs} ms`),
+        );
     }
 
     // --- listening -----------------------------------------------------------------------
@@ -346,25 +324,7 @@ export class Conversation {
         kind: Kind,
         handler: (value: ConversationListeners[Kind]) => void,
     ): () => void {
-        const handlers: ListenerSets[Kind] = this.#listeners[kind];
-        handlers.add(handler);
-        return () => {
-            handlers.delete(handler);
-        };
-    }
-
-    #dispatch<Kind extends keyof ConversationListeners>(
-        kind: Kind,
-        value: ConversationListeners[Kind],
-    ): void {
-        const handlers: ListenerSets[Kind] = this.#listeners[kind];
-        for (const handler of [...handlers]) {
-            try {
-                handler(value);
-            } catch (error) {
-                console.error(`converger: a "${kind}" handler failed`, error);
-            }
-        }
+        return this.#listeners.on(kind, handler);
     }
 
     // --- lifecycle -----------------------------------------------------------------------
@@ -375,12 +335,7 @@ export class Conversation {
      * the node refuses the hello for good and GaveUp when it cannot be reached.
      */
     connect(): Promise<Welcome> {
-        if (
-            this.#started &&
-            this.#welcome !== undefined &&
-            this.#fatal === undefined &&
-            !this.#closed
-        ) {
+        if (this.#welcome !== undefined && this.#fatal === undefined && !this.#closed) {
             return Promise.resolve(this.#welcome);
         }
         // Concurrent calls share one attempt; after a failed one, a later call tries again.
@@ -429,7 +384,6 @@ export class Conversation {
             opened.connection.close(1000);
             throw new ClientClosed("the conversation was closed while connecting");
         }
-        this.#started = true;
         this.#attach(opened);
         this.#ticker = setInterval(() => this.#tick(), RESEND_TICK_MS);
         void this.#supervise();
@@ -472,7 +426,7 @@ export class Conversation {
         while (
             this.#outbox.size > 0 &&
             this.#fatal === undefined &&
-            this.#started &&
+            this.#connections > 0 &&
             Date.now() < deadline
         ) {
             // Wakes at the next settled send (ack or refusal), or at the deadline.
@@ -494,7 +448,7 @@ export class Conversation {
         // A waitConnected() during a reconnect has no connection to see go: wake it to throw now.
         this.#changed.notify();
         if (this.#fatal === undefined) {
-            this.#dispatch("stopped", undefined);
+            this.#listeners.emit("stopped", undefined);
         }
     }
 
@@ -750,12 +704,12 @@ export class Conversation {
         const limit = this.#welcome?.limits.maxInFlight ?? 32;
         let inFlight = 0;
         for (const entry of this.#outbox.values()) {
-            if (entry.queued && entry.generation === this.#generation) {
+            if (entry.queued && entry.generation === this.#connections) {
                 inFlight += 1;
             }
         }
-        for (const entry of [...this.#outbox.values()]) {
-            if (entry.generation === this.#generation) {
+        for (const entry of this.#outbox.values()) {
+            if (entry.generation === this.#connections) {
                 continue;
             }
             if (entry.retryAt !== undefined && now < entry.retryAt) {
@@ -772,7 +726,7 @@ export class Conversation {
     }
 
     #transmit(entry: PendingSend): void {
-        entry.generation = this.#generation;
+        entry.generation = this.#connections;
         entry.retryAt = undefined;
         entry.lastSent = Date.now();
         this.#connection?.send(entry.text);
@@ -780,12 +734,6 @@ export class Conversation {
 
     #write(frame: JsonObject): boolean {
         return this.#connection?.send(stringify(frame)) ?? false;
-    }
-
-    #settle(clientId: string): PendingSend | undefined {
-        const entry = this.#outbox.get(clientId);
-        this.#outbox.delete(clientId);
-        return entry;
     }
 
     #failOutbox(error: unknown): void {
@@ -802,15 +750,13 @@ export class Conversation {
             return;
         }
         const heartbeatMs = this.#welcome?.limits.heartbeatIntervalMs ?? 25_000;
-        if (Date.now() - connection.lastReceived > silenceLimitMs(heartbeatMs)) {
-            // Neither frames nor heartbeats for that long: the network is gone without a close.
-            connection.abandon("no heartbeat");
-            return;
+        if (connection.abandonIfSilent(heartbeatMs)) {
+            return; // neither frames nor heartbeats for that long: the network is gone
         }
         const now = Date.now();
-        for (const entry of [...this.#outbox.values()]) {
+        for (const entry of this.#outbox.values()) {
             const stale =
-                entry.generation === this.#generation &&
+                entry.generation === this.#connections &&
                 now - entry.lastSent >= this.#resendIntervalMs;
             if (stale) {
                 this.#transmit(entry);
@@ -850,7 +796,6 @@ export class Conversation {
         this.#welcome = welcome;
         this.#conversationId = welcome.conversationId ?? this.#conversationId;
         this.#connection = opened.connection;
-        this.#generation += 1;
         this.#connections += 1;
         this.#connectedAt = Date.now();
         this.#lastError = undefined;
@@ -868,7 +813,10 @@ export class Conversation {
 
     #notifyState(): void {
         this.#changed.notify();
-        this.#dispatch("state", { connected: this.connected, connections: this.#connections });
+        this.#listeners.emit("state", {
+            connected: this.connected,
+            connections: this.#connections,
+        });
     }
 
     #detach(): void {
@@ -914,13 +862,7 @@ export class Conversation {
 
     /** Records how a connection ended; the server's delay hint. Throws for a fatal close. */
     #afterClose(closed: CloseInfo): number | undefined {
-        const hintMs = retryHintOfReason(closed.reason) ?? this.#lastHintMs;
-        this.#lastDisconnect = {
-            code: closed.code,
-            reason: closed.reason,
-            retryAfterMs: hintMs,
-            at: Date.now(),
-        };
+        this.#lastDisconnect = disconnectOf(closed, this.#lastHintMs);
         if (FATAL_CLOSE_CODES.has(closed.code)) {
             const fatal = new FatalClose(closed.code, closed.reason, this.#lastError);
             if (!(fatal.tokenExpired && this.#refreshHook !== undefined)) {
@@ -928,7 +870,7 @@ export class Conversation {
             }
             this.#tokenExpired = true;
         }
-        return hintMs;
+        return this.#lastDisconnect.retryAfterMs;
     }
 
     async #renewToken(): Promise<void> {
@@ -994,7 +936,7 @@ export class Conversation {
         this.#failOutbox(error);
         this.#notifyState();
         this.#endIterators();
-        this.#dispatch("stopped", error);
+        this.#listeners.emit("stopped", error);
     }
 
     #endIterators(): void {
@@ -1005,12 +947,12 @@ export class Conversation {
 
     #emit(event: ConversationEvent): void {
         this.#events.push(event);
-        this.#dispatch("event", event);
+        this.#listeners.emit("event", event);
     }
 
     #emitUpdate(update: StreamUpdate): void {
         this.#streamUpdates.push(update);
-        this.#dispatch("streamUpdate", update);
+        this.#listeners.emit("streamUpdate", update);
     }
 
     // --- receiving -----------------------------------------------------------------------
@@ -1095,7 +1037,7 @@ export class Conversation {
         if (entry !== undefined) {
             // Our own send, replayed after a reconnect that lost its ack: it is stored.
             this.#tracker.observe(message.seq);
-            const ack: Ack = {
+            this.#acked(entry, {
                 clientId: message.clientId,
                 id: message.id,
                 seq: message.seq,
@@ -1104,18 +1046,14 @@ export class Conversation {
                 turn: undefined,
                 stopped: undefined,
                 raw: message.raw,
-            };
-            this.#settle(entry.clientId);
-            entry.resolve(ack);
-            this.#dispatch("ack", ack);
-            this.#pump();
+            });
             return;
         }
         if (!this.#tracker.observe(message.seq)) {
             return;
         }
         this.#messages.push(message);
-        this.#dispatch("message", message);
+        this.#listeners.emit("message", message);
         const ended = this.#streams.applyMessage(message);
         if (ended !== undefined) {
             this.#emitUpdate({
@@ -1133,12 +1071,18 @@ export class Conversation {
         if (ack.clientId === undefined) {
             return;
         }
-        const entry = this.#settle(ack.clientId);
+        const entry = this.#outbox.get(ack.clientId);
         if (entry === undefined) {
             return; // a second ack of a send already settled (a resend crossed the first ack)
         }
+        this.#acked(entry, ack);
+    }
+
+    /** Settles `entry` with `ack`; its place in flight goes to the next waiting send. */
+    #acked(entry: PendingSend, ack: Ack): void {
+        this.#outbox.delete(entry.clientId);
         entry.resolve(ack);
-        this.#dispatch("ack", ack);
+        this.#listeners.emit("ack", ack);
         this.#pump();
     }
 
@@ -1152,7 +1096,7 @@ export class Conversation {
                 entry.retryAt = retryAt;
                 return;
             }
-            this.#settle(entry.clientId);
+            this.#outbox.delete(entry.clientId);
             entry.reject(error);
             this.#pump();
             return;

@@ -7,7 +7,7 @@
 // - AckTimeout, ClientClosed, GaveUp, FrameTooLarge, StreamInterrupted and ConnectFailed are
 //   decided by the client itself.
 
-import { asInt, asObject, asString, type JsonObject } from "./json.js";
+import { asInt, asIntArray, asObject, asString, type JsonObject } from "./json.js";
 import type { ErrorCode } from "./schema.js";
 
 /** An error code of the contract, or another string a newer server (or an agent) sent. */
@@ -94,10 +94,7 @@ export class ServerError extends ConvergerError {
 export class TurnConflict extends ServerError {
     /** The seqs of the committed answer (`details.seqs`). */
     get committedSeqs(): number[] {
-        const seqs = this.details.seqs;
-        return Array.isArray(seqs)
-            ? seqs.filter((seq): seq is number => asInt(seq) !== undefined)
-            : [];
+        return asIntArray(this.details.seqs);
     }
 }
 

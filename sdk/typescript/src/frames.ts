@@ -5,7 +5,16 @@
 // that lacks what a view needs parses to `undefined` (and is surfaced as an UnknownFrame).
 
 import { ServerError } from "./errors.js";
-import { asInt, asObject, asString, isObject, type JsonObject } from "./json.js";
+import {
+    asBoolean,
+    asInt,
+    asIntArray,
+    asObject,
+    asString,
+    asStringArray,
+    isObject,
+    type JsonObject,
+} from "./json.js";
 import type {
     Role,
     Limits as SchemaLimits,
@@ -155,7 +164,6 @@ export interface Ack {
 
 /** From an `ack` frame. */
 export function parseAck(frame: JsonObject): Ack {
-    const stopped = frame.stopped;
     return {
         clientId: asString(frame.clientId),
         id: asString(frame.id),
@@ -163,7 +171,7 @@ export function parseAck(frame: JsonObject): Ack {
         timestamp: asInt(frame.timestamp),
         duplicate: frame.duplicate === true,
         turn: parseTurnRef(frame.turn),
-        stopped: typeof stopped === "boolean" ? stopped : undefined,
+        stopped: asBoolean(frame.stopped),
         raw: frame,
     };
 }
@@ -181,17 +189,11 @@ export interface ReplyAck {
 
 /** From an enveloped `ack` frame answering a `turnResult`. */
 export function parseReplyAck(frame: JsonObject): ReplyAck {
-    const ids = Array.isArray(frame.ids)
-        ? frame.ids.filter((id): id is string => typeof id === "string")
-        : [];
-    const seqs = Array.isArray(frame.seqs)
-        ? frame.seqs.filter((seq): seq is number => asInt(seq) !== undefined)
-        : [];
     return {
         clientId: asString(frame.clientId),
         turn: parseTurnRef(frame.turn),
-        ids,
-        seqs,
+        ids: asStringArray(frame.ids),
+        seqs: asIntArray(frame.seqs),
         timestamp: asInt(frame.timestamp),
         duplicate: frame.duplicate === true,
         raw: frame,

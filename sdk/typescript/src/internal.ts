@@ -1,6 +1,6 @@
 /**
  * Small building blocks both clients share (private to the package): an async queue, a change
- * signal, timers that a close can cut short, and the answer clientId scheme.
+ * signal, listeners, timers that a close can cut short, and the answer clientId scheme.
  */
 
 /**
@@ -142,6 +142,79 @@ export class ChangeSignal {
         for (const wake of this.#waiters.splice(0)) {
             wake();
         }
+    }
+}
+
+/**
+ * The listeners of a client's `on(kind, listener)`, per kind of `Events`. Listeners run
+ * synchronously in the order they were added; one that throws is reported to `failed` and the
+ * others still run.
+ */
+export class Listeners<Events> {
+    readonly #sets = new Map<keyof Events, Set<(value: never) => void>>();
+    readonly #failed: (kind: keyof Events, error: unknown) => void;
+
+    constructor(failed: (kind: keyof Events, error: unknown) => void) {
+        this.#failed = failed;
+    }
+
+    /** Adds `listener` for `kind`; returns the function that removes it. */
+    on<Kind extends keyof Events>(kind: Kind, listener: (value: Events[Kind]) => void): () => void {
+        let set = this.#sets.get(kind);
+        if (set === undefined) {
+            set = new Set();
+            this.#sets.set(kind, set);
+        }
+        const stored = listener as (value: never) => void;
+        set.add(stored);
+        return () => {
+            set.delete(stored);
+        };
+    }
+
+    /** Whether any listener of `kind` is set. */
+    has(kind: keyof Events): boolean {
+        return (this.#sets.get(kind)?.size ?? 0) > 0;
+    }
+
+    /** Calls every listener of `kind` with `value`. */
+    emit<Kind extends keyof Events>(kind: Kind, value: Events[Kind]): void {
+        const set = this.#sets.get(kind);
+        if (set === undefined || set.size === 0) {
+            return; // the common case on the per-frame path: no copy to make
+        }
+        // A copy: a listener may remove itself (or add another) while this runs.
+        for (const listener of [...set]) {
+            try {
+                (listener as (value: Events[Kind]) => void)(value);
+            } catch (error) {
+                this.#failed(kind, error);
+            }
+        }
+    }
+}
+
+/**
+ * Waits until `ready()` gives a value, checking it again at every change of `changed`; throws
+ * what `ready()` throws (a client that stopped) and `timeoutError()` after `timeoutMs`.
+ */
+export async function waitUntil<T>(
+    changed: ChangeSignal,
+    ready: () => T | undefined,
+    timeoutMs: number,
+    timeoutError: () => Error,
+): Promise<T> {
+    const deadline = Date.now() + timeoutMs;
+    for (;;) {
+        const value = ready();
+        if (value !== undefined) {
+            return value;
+        }
+        const remaining = deadline - Date.now();
+        if (remaining <= 0) {
+            throw timeoutError();
+        }
+        await within(changed.next(), remaining, timeoutError).catch(() => undefined);
     }
 }
 

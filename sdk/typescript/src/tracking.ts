@@ -1,5 +1,7 @@
 // What a client has already seen, so replays after a reconnect never surface a frame twice.
 
+import { touch } from "./internal.js";
+
 /**
  * The seqs one end user has seen in one conversation.
  *
@@ -86,21 +88,11 @@ export class ChannelTracker {
     }
 
     #touch(conversationId: string): SeenConversation {
-        const known = this.#conversations.get(conversationId);
-        if (known !== undefined) {
-            this.#conversations.delete(conversationId);
-            this.#conversations.set(conversationId, known);
-            return known;
-        }
-        const seen: SeenConversation = { highestSeq: 0, turns: new Map() };
-        this.#conversations.set(conversationId, seen);
-        while (this.#conversations.size > this.#capacity) {
-            const oldest = this.#conversations.keys().next().value;
-            if (oldest === undefined) {
-                break;
-            }
-            this.#conversations.delete(oldest);
-        }
+        const seen = this.#conversations.get(conversationId) ?? {
+            highestSeq: 0,
+            turns: new Map(),
+        };
+        touch(this.#conversations, conversationId, seen, this.#capacity);
         return seen;
     }
 
@@ -118,23 +110,15 @@ export class ChannelTracker {
         if (known !== undefined && deliveryAtLeast(known, delivery)) {
             return false;
         }
-        seen.turns.delete(seq);
-        seen.turns.set(seq, delivery);
-        while (seen.turns.size > TURNS_PER_CONVERSATION) {
-            const oldest = seen.turns.keys().next().value;
-            if (oldest === undefined) {
-                break;
-            }
-            seen.turns.delete(oldest);
-        }
+        touch(seen.turns, seq, delivery, TURNS_PER_CONVERSATION);
         return true;
     }
 
     /** Forgets a handed-out turn revision (its handler failed), so a replay brings it again. */
     forgetDelivery(conversationId: string, seq: number, revision: number): void {
-        const known = this.#conversations.get(conversationId)?.turns.get(seq);
-        if (known !== undefined && known[0] === revision) {
-            this.#conversations.get(conversationId)?.turns.delete(seq);
+        const turns = this.#conversations.get(conversationId)?.turns;
+        if (turns?.get(seq)?.[0] === revision) {
+            turns.delete(seq);
         }
     }
 

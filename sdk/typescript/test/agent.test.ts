@@ -3,7 +3,7 @@
 // Mirrors sdk/python/tests/test_agent.py, test_streams.py, test_groups.py and test_faults.py.
 
 import assert from "node:assert/strict";
-import { after, before, describe, test } from "node:test";
+import { describe, test } from "node:test";
 import { WebSocket } from "ws";
 import {
     Agent,
@@ -14,7 +14,7 @@ import {
     TurnCancelled,
 } from "../src/agent.js";
 import type { WebSocketLike } from "../src/connection.js";
-import { Conversation } from "../src/conversation.js";
+import type { Conversation } from "../src/conversation.js";
 import {
     AckTimeout,
     ClientClosed,
@@ -33,30 +33,21 @@ import {
     eventually,
     FAST,
     firstOf,
-    type Node,
+    fromBot,
+    LIMIT,
     Proxy,
     setupTenant,
     startNode,
     type Tenant,
     WAIT_MS,
+    withNode,
 } from "./support.js";
 
 /** Only errors: the reconnects these tests cause on purpose would fill the output. */
-/** Every test ends within this, whatever hangs (each waits for observable events, bounded). */
-const LIMIT = { timeout: 30_000 };
-
 const QUIET = { error: (message: string) => console.error(message) };
 
-let node: Node;
-
-before(async () => {
-    // A short stop grace: the stop test waits for the gateway's settlement.
-    node = await startNode({ CONVERGER_TURNS__STOP_GRACE_MS: "300" });
-});
-
-after(async () => {
-    await node?.stop();
-});
+// A short stop grace: the stop test waits for the gateway's settlement.
+const mainNode = withNode({ CONVERGER_TURNS__STOP_GRACE_MS: "300" });
 
 /** A connected member whose `since` has passed (turns sent from now on reach it). */
 async function startedAgent(
@@ -68,17 +59,6 @@ async function startedAgent(
     await agent.connect();
     await agent.waitEligible();
     return agent;
-}
-
-/** An end user's open conversation. */
-async function endUser(
-    tenant: Tenant,
-    userId = "alice",
-): Promise<{ conversationId: string; user: Conversation }> {
-    const { conversationId, token } = await tenant.conversation(userId);
-    const user = new Conversation(tenant.url, token, { backoff: FAST });
-    await user.connect();
-    return { conversationId, user };
 }
 
 /** `promise`, or a failure naming `what` once WAIT_MS passed. */
@@ -94,6 +74,19 @@ async function bounded<T>(promise: Promise<T>, what: string): Promise<T> {
     }
 }
 
+/** A fresh tenant, a started agent of group "bot" and an end user's open conversation. */
+async function scene(): Promise<{
+    tenant: Tenant;
+    agent: Agent;
+    conversationId: string;
+    user: Conversation;
+}> {
+    const tenant = await setupTenant(mainNode());
+    const agent = await startedAgent(tenant.url, await tenant.agentToken());
+    const { conversationId, user } = await tenant.endUser();
+    return { tenant, agent, conversationId, user };
+}
+
 /** The next turn the agent hands out, within WAIT_MS. */
 function nextTurn(agent: Agent): Promise<Turn> {
     return firstOf(agent.turns(), () => true);
@@ -107,16 +100,14 @@ function nextMessage(
     return firstOf(user.messages(), predicate);
 }
 
-const fromBot = (message: Message): boolean => message.from === "bot";
-
 /** The stored answers (agent frames) of a conversation, in seq order. */
 async function answers(tenant: Tenant, conversationId: string): Promise<Message[]> {
     const frames = await tenant.frames(conversationId);
     return frames.filter((frame) => frame.sender?.role === "agent");
 }
 
-/** The turn seq an answer answers (its `meta.turn`, else its `turn`), for sorting. */
-function turnOf(message: Message): number {
+/** The turn seq an answer answers (its `meta.turn`, else the `#<seq>` its text starts with). */
+function answeredSeq(message: Message): number {
     const meta = message.raw.meta;
     const turn = typeof meta === "object" && meta !== null ? Reflect.get(meta, "turn") : undefined;
     const seq = typeof turn === "object" && turn !== null ? Reflect.get(turn, "seq") : undefined;
@@ -127,30 +118,20 @@ function turnOf(message: Message): number {
 }
 
 /**
- * A `ws` socket that records what the agent writes, can drop what the node sends on demand (a
- * lost ack, without losing what the agent sent: the node commits it, the agent never hears of
- * it), and can send new connections to another port (a node that drains, its agents reconnecting
- * to another one).
+ * A `ws` socket that records what the agent writes (the hello of each connection) and which
+ * sockets the agent made; the network stays real (faults are the Proxy's).
  */
 class TestSocket implements WebSocketLike {
     /** The socket made last (the agent's current connection). */
     static latest: TestSocket | undefined;
     /** Every socket made so far, oldest first. */
     static made: TestSocket[] = [];
-    /** When set, new sockets connect to this port instead of the one asked for. */
-    static redirectPort: number | undefined;
-    /** While true, what the node sends this socket is dropped. */
-    dropIncoming = false;
     /** What the agent wrote on this socket. */
     readonly sent: string[] = [];
     readonly #inner: WebSocket;
 
     constructor(url: string, protocols?: string | string[]) {
-        const target = new URL(url);
-        if (TestSocket.redirectPort !== undefined) {
-            target.port = String(TestSocket.redirectPort);
-        }
-        this.#inner = new WebSocket(target.toString(), protocols);
+        this.#inner = new WebSocket(url, protocols);
         TestSocket.latest = this;
         TestSocket.made.push(this);
     }
@@ -188,11 +169,9 @@ class TestSocket implements WebSocketLike {
         }) => void,
     ): void {
         if (type === "message") {
-            this.#inner.on("message", (data, isBinary) => {
-                if (!this.dropIncoming) {
-                    listener({ type, data: isBinary ? data : data.toString() });
-                }
-            });
+            this.#inner.on("message", (data, isBinary) =>
+                listener({ type, data: isBinary ? data : data.toString() }),
+            );
         } else if (type === "close") {
             this.#inner.on("close", (code, reason) =>
                 listener({ type, code, reason: reason.toString() }),
@@ -210,9 +189,7 @@ describe("agent", () => {
         "a turn is delivered once, typed, and answered once; the runtime travels to the next turn",
         LIMIT,
         async () => {
-            const tenant = await setupTenant(node);
-            const agent = await startedAgent(tenant.url, await tenant.agentToken());
-            const { conversationId, user } = await endUser(tenant, "alice");
+            const { tenant, agent, conversationId, user } = await scene();
             try {
                 const events = user.events();
                 await user.sendText("hello");
@@ -270,7 +247,7 @@ describe("agent", () => {
         "run() answers a conversation's turns one at a time, each on the runtime the previous wrote",
         LIMIT,
         async () => {
-            const tenant = await setupTenant(node);
+            const tenant = await setupTenant(mainNode());
             const agent = await startedAgent(tenant.url, await tenant.agentToken());
             const running = agent.run(
                 async (turn) => {
@@ -281,7 +258,7 @@ describe("agent", () => {
                 },
                 { concurrency: 4 },
             );
-            const { conversationId, user } = await endUser(tenant);
+            const { conversationId, user } = await tenant.endUser();
             try {
                 for (const text of ["a", "b", "c"]) {
                     await user.sendText(text); // three turns before any answer
@@ -291,7 +268,7 @@ describe("agent", () => {
                     seen.push(await nextMessage(user, fromBot));
                 }
                 const counts = seen
-                    .sort((a, b) => turnOf(a) - turnOf(b))
+                    .sort((a, b) => answeredSeq(a) - answeredSeq(b))
                     .map((message) => message.text?.split(" ").slice(1).join(" "));
                 assert.deepEqual(counts, ["count 1", "count 2", "count 3"]);
             } finally {
@@ -307,9 +284,7 @@ describe("agent", () => {
         "refusals are typed: stale runtime, superseded revision, conflict; a resend is a duplicate",
         LIMIT,
         async () => {
-            const tenant = await setupTenant(node);
-            const agent = await startedAgent(tenant.url, await tenant.agentToken());
-            const { conversationId, user } = await endUser(tenant);
+            const { tenant, agent, conversationId, user } = await scene();
             try {
                 await user.sendText("one");
                 await user.sendText("two");
@@ -368,9 +343,7 @@ describe("agent", () => {
         "a streamed answer reaches the end user chunk by chunk and commits under the stream's id",
         LIMIT,
         async () => {
-            const tenant = await setupTenant(node);
-            const agent = await startedAgent(tenant.url, await tenant.agentToken());
-            const { conversationId, user } = await endUser(tenant);
+            const { tenant, agent, conversationId, user } = await scene();
             try {
                 assert.equal(agent.welcome.streams, true);
                 const updates = user.streamUpdates();
@@ -424,9 +397,7 @@ describe("agent", () => {
         "streamWith() aborts the stream when its writer throws, and a new stream answers",
         LIMIT,
         async () => {
-            const tenant = await setupTenant(node);
-            const agent = await startedAgent(tenant.url, await tenant.agentToken());
-            const { conversationId, user } = await endUser(tenant);
+            const { tenant, agent, conversationId, user } = await scene();
             try {
                 const updates = user.streamUpdates();
                 await user.sendText("hi");
@@ -468,9 +439,7 @@ describe("agent", () => {
         "an end user's stop aborts turn.signal and the turn settles with what was streamed",
         LIMIT,
         async () => {
-            const tenant = await setupTenant(node);
-            const agent = await startedAgent(tenant.url, await tenant.agentToken());
-            const { conversationId, user } = await endUser(tenant);
+            const { tenant, agent, conversationId, user } = await scene();
             const streamed: string[] = [];
             const handled: Turn[] = [];
             const running = agent.run(async (turn) => {
@@ -526,7 +495,7 @@ describe("agent", () => {
         "two agents in one group: each conversation's turns go to one of them, each answered once",
         LIMIT,
         async () => {
-            const tenant = await setupTenant(node);
+            const tenant = await setupTenant(mainNode());
             const token = await tenant.agentToken();
             const answeredBy = new Map<string, Set<string>>();
             const agents = [
@@ -583,7 +552,7 @@ describe("agent", () => {
             for (const [conversationId, seqs] of posted) {
                 const stored = await answers(tenant, conversationId);
                 assert.deepEqual(
-                    stored.map(turnOf).sort(),
+                    stored.map(answeredSeq).sort(),
                     [...seqs].sort(),
                     "one answer per turn",
                 );
@@ -596,22 +565,19 @@ describe("agent", () => {
         "an answer whose ack was lost is resent after a reconnect and committed once",
         LIMIT,
         async () => {
-            const tenant = await setupTenant(node);
-            const proxy = await new Proxy().start(node.port);
-            const agent = await startedAgent(proxy.url, await tenant.agentToken(), {
-                WebSocket: TestSocket,
-            });
-            const { conversationId, user } = await endUser(tenant);
+            const tenant = await setupTenant(mainNode());
+            const proxy = await new Proxy().start(mainNode().port);
+            const agent = await startedAgent(proxy.url, await tenant.agentToken());
+            const { conversationId, user } = await tenant.endUser();
             try {
                 await user.sendText("hello");
                 const turn = await nextTurn(agent);
-                const lossy = TestSocket.latest;
-                assert.ok(lossy !== undefined);
-                lossy.dropIncoming = true; // the node's answers no longer reach the agent
+                proxy.pause("downstream"); // the node's answers no longer reach the agent
                 const replying = turn.reply(`#${turn.seq} once`);
                 const answer = await nextMessage(user, fromBot); // committed
                 assert.deepEqual(agent.unacked, [turn.clientId]);
-                proxy.cut(); // the connection dies before the ack was read (the next socket reads)
+                proxy.cut(); // the connection dies with the ack still in the proxy
+                proxy.resume(); // the next connection reads again
                 const ack = await replying;
                 assert.equal(ack.duplicate, true);
                 assert.deepEqual(ack.seqs, [answer.seq]);
@@ -630,15 +596,12 @@ describe("agent", () => {
     );
 
     test("a send given up on (AckTimeout) ends every wait for its clientId", LIMIT, async () => {
-        const tenant = await setupTenant(node);
-        const agent = await startedAgent(tenant.url, await tenant.agentToken(), {
-            WebSocket: TestSocket,
-        });
-        const { conversationId, user } = await endUser(tenant);
+        const tenant = await setupTenant(mainNode());
+        const proxy = await new Proxy().start(mainNode().port);
+        const agent = await startedAgent(proxy.url, await tenant.agentToken());
+        const { conversationId } = await tenant.conversation();
         try {
-            const socket = TestSocket.latest;
-            assert.ok(socket !== undefined);
-            socket.dropIncoming = true; // no ack reaches the agent
+            proxy.pause("downstream"); // no ack reaches the agent
             const patient = agent.send(conversationId, "note", {
                 clientId: "p-shared",
                 timeoutMs: null,
@@ -651,8 +614,9 @@ describe("agent", () => {
             await assert.rejects(bounded(patient, "the other wait"), AckTimeout);
             assert.deepEqual(agent.unacked, []);
         } finally {
-            await user.close();
+            proxy.resume();
             await agent.close();
+            await proxy.close();
         }
     });
 
@@ -660,8 +624,8 @@ describe("agent", () => {
         "turns sent while the agent was away are answered once after it reconnects",
         LIMIT,
         async () => {
-            const tenant = await setupTenant(node);
-            const proxy = await new Proxy().start(node.port);
+            const tenant = await setupTenant(mainNode());
+            const proxy = await new Proxy().start(mainNode().port);
             const agent = await startedAgent(proxy.url, await tenant.agentToken(), {
                 WebSocket: TestSocket,
             });
@@ -712,10 +676,10 @@ describe("agent", () => {
         "an agent cut mid-stream gets StreamInterrupted, and its answer still commits after the reconnect",
         LIMIT,
         async () => {
-            const tenant = await setupTenant(node);
-            const proxy = await new Proxy().start(node.port);
+            const tenant = await setupTenant(mainNode());
+            const proxy = await new Proxy().start(mainNode().port);
             const agent = await startedAgent(proxy.url, await tenant.agentToken());
-            const { conversationId, user } = await endUser(tenant);
+            const { conversationId, user } = await tenant.endUser();
             try {
                 const updates = user.streamUpdates();
                 await user.sendText("hi");
@@ -755,12 +719,12 @@ describe("agent", () => {
     );
 
     test("forwarded frames and end users' signals arrive as typed events", LIMIT, async () => {
-        const tenant = await setupTenant(node);
+        const tenant = await setupTenant(mainNode());
         const agent = await startedAgent(tenant.url, await tenant.agentToken());
         const events = agent.events();
         const heard: AgentEvent[] = [];
         const unsubscribe = agent.on("event", (event) => heard.push(event));
-        const { conversationId, user } = await endUser(tenant, "alice");
+        const { conversationId, user } = await tenant.endUser();
         try {
             const presence = await firstOf(events, (event) => event.kind === "presenceChange");
             assert.equal(presence.conversationId, conversationId);
@@ -784,7 +748,7 @@ describe("agent", () => {
     });
 
     test("fatal closes are never reconnected", LIMIT, async () => {
-        const tenant = await setupTenant(node);
+        const tenant = await setupTenant(mainNode());
         await assert.rejects(
             new Agent(tenant.url, "not-a-token", { group: "bot", logger: QUIET }).connect(),
             (error: unknown) => {
@@ -825,8 +789,8 @@ describe("agent", () => {
         "close() during the handshake drops it at once: connect() rejects, no socket stays",
         LIMIT,
         async () => {
-            const tenant = await setupTenant(node);
-            const proxy = await new Proxy().start(node.port);
+            const tenant = await setupTenant(mainNode());
+            const proxy = await new Proxy().start(mainNode().port);
             try {
                 proxy.pause("both"); // the upgrade gets no answer
                 const agent = new Agent(proxy.url, await tenant.agentToken(), {
@@ -862,9 +826,9 @@ describe("agent", () => {
         "lease mode: the fence travels with the answer, and a stale one is LeaseLost",
         LIMIT,
         async () => {
-            const tenant = await setupTenant(node);
+            const tenant = await setupTenant(mainNode());
             const token = await tenant.agentToken();
-            const proxy = await new Proxy().start(node.port);
+            const proxy = await new Proxy().start(mainNode().port);
             const firstHolder = await startedAgent(proxy.url, token, { claim: "lease" });
             const secondHolder = new Agent(tenant.url, token, {
                 group: "bot",
@@ -917,13 +881,13 @@ describe("agent, more flows", () => {
         "under the interrupt policy a newer turn cancels the running one (superseded)",
         LIMIT,
         async () => {
-            const tenant = await setupTenant(node);
+            const tenant = await setupTenant(mainNode());
             await tenant.rest.setTurnSettings(tenant.apiKey, tenant.channelId, {
                 turnPolicy: "enqueue",
                 turnPolicyOverrides: ["interrupt"],
             });
             const agent = await startedAgent(tenant.url, await tenant.agentToken());
-            const { conversationId, user } = await endUser(tenant);
+            const { conversationId, user } = await tenant.endUser();
             try {
                 await user.sendText("first");
                 const first = await nextTurn(agent);
@@ -949,7 +913,7 @@ describe("agent, more flows", () => {
     );
 
     test("an observer gets no turns, every frame of the channel as an event", LIMIT, async () => {
-        const tenant = await setupTenant(node);
+        const tenant = await setupTenant(mainNode());
         const observer = new Agent(tenant.url, await tenant.agentToken(), {
             backoff: FAST,
             logger: QUIET,
@@ -976,23 +940,21 @@ describe("agent, more flows", () => {
         "an agent of a draining node reconnects to another node, no sooner than retryAfterMs",
         LIMIT,
         async () => {
-            const draining = await startNode({}, { shareDatabaseOf: node });
-            const tenant = await setupTenant(node);
-            TestSocket.redirectPort = draining.port;
-            const agent = await startedAgent(node.baseUrl, await tenant.agentToken(), {
-                WebSocket: TestSocket,
-            });
+            const draining = await startNode({}, { shareDatabaseOf: mainNode() });
+            const tenant = await setupTenant(mainNode());
+            const proxy = await new Proxy().start(draining.port);
+            const agent = await startedAgent(proxy.url, await tenant.agentToken());
             const answered: number[] = [];
             const running = agent.run(async (turn) => {
                 await turn.reply(`#${turn.seq} ${turn.text}`);
                 answered.push(turn.seq);
             });
             try {
-                assert.equal(TestSocket.latest?.url.includes(`:${draining.port}/`), true);
                 // The node drains (SIGTERM); new connections reach the other node.
-                TestSocket.redirectPort = node.port;
+                proxy.retarget(mainNode().port);
                 draining.process.kill("SIGTERM");
                 await agent.waitConnected({ connections: 2, timeoutMs: WAIT_MS });
+                assert.equal(proxy.accepted, 2);
                 const closed = agent.lastDisconnect;
                 assert.equal(closed?.code, 1012);
                 const hint = closed?.retryAfterMs ?? 0;
@@ -1013,9 +975,9 @@ describe("agent, more flows", () => {
                     what: "the answer from the other node",
                 });
             } finally {
-                TestSocket.redirectPort = undefined;
                 agent.stop();
                 await running;
+                await proxy.close();
                 await draining.stop();
             }
         },
@@ -1023,21 +985,13 @@ describe("agent, more flows", () => {
 });
 
 describe("agent over a rate-limited node", () => {
-    let limited: Node;
-
-    before(async () => {
-        limited = await startNode({ CONVERGER_LIMITS__MAX_FRAMES_PER_SEC: "4" });
-    });
-
-    after(async () => {
-        await limited?.stop();
-    });
+    const limited = withNode({ CONVERGER_LIMITS__MAX_FRAMES_PER_SEC: "4" });
 
     test(
         "proactive frames refused as rate_limited are resent after retryAfterMs and stored once",
         LIMIT,
         async () => {
-            const tenant = await setupTenant(limited);
+            const tenant = await setupTenant(limited());
             const refusals: string[] = [];
             const agent = new Agent(tenant.url, await tenant.agentToken(), {
                 backoff: FAST,
@@ -1071,21 +1025,13 @@ describe("agent over a rate-limited node", () => {
 });
 
 describe("agent with short-lived tokens", () => {
-    let shortLived: Node;
-
-    before(async () => {
-        shortLived = await startNode({ CONVERGER_TOKEN_TTL_SECS: "2" });
-    });
-
-    after(async () => {
-        await shortLived?.stop();
-    });
+    const shortLived = withNode({ CONVERGER_TOKEN_TTL_SECS: "2" });
 
     test(
         "the refreshToken hook renews the token on the open socket, and after an expiry close",
         LIMIT,
         async () => {
-            const tenant = await setupTenant(shortLived);
+            const tenant = await setupTenant(shortLived());
             let calls = 0;
             const refreshed: number[] = [];
             const agent = new Agent(tenant.url, await tenant.agentToken(), {

@@ -7,29 +7,28 @@ import { type ChildProcess, spawn } from "node:child_process";
 import { readFileSync } from "node:fs";
 import path from "node:path";
 import { createInterface } from "node:readline";
-import { after, before, describe, test } from "node:test";
+import { describe, test } from "node:test";
 import { fileURLToPath } from "node:url";
 import type { StreamUpdate } from "../src/assembly.js";
-import { Conversation } from "../src/conversation.js";
+import type { Conversation } from "../src/conversation.js";
 import type { Message } from "../src/frames.js";
 import {
     eventually,
-    FAST,
     firstOf,
-    type Node,
+    fromBot,
+    LIMIT,
     PACKAGE_DIR,
     setupTenant,
-    startNode,
     type Tenant,
+    untilSince,
     WAIT_MS,
+    withNode,
 } from "./support.js";
 
 const EXAMPLES_DIR = path.join(PACKAGE_DIR, "examples");
 /** The compiled examples, beside the compiled tests (build/examples; tsconfig.test.json). */
 const COMPILED_DIR = path.join(path.dirname(fileURLToPath(import.meta.url)), "..", "examples");
 const EXAMPLES = ["echo-agent", "streaming-agent"];
-/** Every test ends within this, whatever hangs (each waits for observable events, bounded). */
-const LIMIT = { timeout: 30_000 };
 
 /** An example running as a child process, its stdout read line by line. */
 class Script {
@@ -82,15 +81,7 @@ class Script {
     }
 }
 
-let node: Node;
-
-before(async () => {
-    node = await startNode();
-});
-
-after(async () => {
-    await node?.stop();
-});
+const mainNode = withNode();
 
 /** Starts an example as a member of `group` and waits until its `since` has passed. */
 async function startExample(
@@ -107,8 +98,7 @@ async function startExample(
     });
     try {
         const ready = await script.line("ready ");
-        const since = Number(ready.split(" ")[2]);
-        await new Promise((resolve) => setTimeout(resolve, Math.max(since - Date.now() + 20, 0)));
+        await untilSince(Number(ready.split(" ")[2]));
     } catch (error) {
         script.kill();
         throw error;
@@ -120,15 +110,6 @@ async function stopExample(script: Script): Promise<void> {
     const code = await script.terminate();
     assert.equal(code, 0, script.errorText);
 }
-
-async function endUser(tenant: Tenant): Promise<Conversation> {
-    const { token } = await tenant.conversation();
-    const user = new Conversation(tenant.url, token, { backoff: FAST });
-    await user.connect();
-    return user;
-}
-
-const fromBot = (message: Message): boolean => message.from === "bot";
 
 /** The updates of the next streamed answer, up to its end, and its stored frame. */
 async function streamedAnswer(
@@ -145,9 +126,9 @@ async function streamedAnswer(
 
 describe("examples", () => {
     test("the echo agent answers with an echo and counts turns in the runtime", LIMIT, async () => {
-        const tenant = await setupTenant(node);
+        const tenant = await setupTenant(mainNode());
         const script = await startExample(tenant, "echo-agent", "echo");
-        const user = await endUser(tenant);
+        const { user } = await tenant.endUser();
         try {
             const events = user.events();
             await user.sendText("hello");
@@ -165,11 +146,11 @@ describe("examples", () => {
     });
 
     test("the echo agent streams its echo word by word when asked", LIMIT, async () => {
-        const tenant = await setupTenant(node);
+        const tenant = await setupTenant(mainNode());
         const script = await startExample(tenant, "echo-agent", "echo", {
             CONVERGER_ECHO_STREAM: "1",
         });
-        const user = await endUser(tenant);
+        const { user } = await tenant.endUser();
         try {
             await user.sendText("hello there");
             const { updates, stored } = await streamedAnswer(user);
@@ -194,11 +175,11 @@ describe("examples", () => {
         "the streaming agent streams a fake model's words, then commits the whole answer",
         LIMIT,
         async () => {
-            const tenant = await setupTenant(node);
+            const tenant = await setupTenant(mainNode());
             const script = await startExample(tenant, "streaming-agent", "llm", {
                 CONVERGER_WORD_DELAY_MS: "10",
             });
-            const user = await endUser(tenant);
+            const { user } = await tenant.endUser();
             try {
                 await user.sendText("what is streaming?");
                 const { updates, stored } = await streamedAnswer(user);

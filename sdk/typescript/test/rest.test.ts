@@ -2,24 +2,16 @@
 // conversation list, stopping a turn, and the typed errors.
 
 import assert from "node:assert/strict";
-import { after, before, describe, test } from "node:test";
+import { describe, test } from "node:test";
 import { AuthenticationError, NotFoundError, RestError } from "../src/errors.js";
 import { RestClient } from "../src/rest.js";
-import { type Node, RawAgent, setupTenant, startNode } from "./support.js";
+import { LIMIT, RawAgent, setupTenant, withNode } from "./support.js";
 
-let node: Node;
-
-before(async () => {
-    node = await startNode();
-});
-
-after(async () => {
-    await node.stop();
-});
+const mainNode = withNode();
 
 describe("RestClient", () => {
-    test("tenants, channels and tokens", async () => {
-        const tenant = await setupTenant(node);
+    test("tenants, channels and tokens", LIMIT, async () => {
+        const tenant = await setupTenant(mainNode());
         const channels = await tenant.rest.listChannels(tenant.apiKey);
         assert.deepEqual(
             channels.map((channel) => channel.id),
@@ -38,8 +30,8 @@ describe("RestClient", () => {
         assert.ok(await tenant.rest.ready());
     });
 
-    test("history pages: activities after a watermark, page by page", async () => {
-        const tenant = await setupTenant(node);
+    test("history pages: activities after a watermark, page by page", LIMIT, async () => {
+        const tenant = await setupTenant(mainNode());
         const { conversationId, token } = await tenant.conversation("alice");
         for (const text of ["one", "two", "three", "four", "five"]) {
             await tenant.rest.postActivity(token, conversationId, text);
@@ -79,8 +71,8 @@ describe("RestClient", () => {
         assert.equal(last.hasMore, false);
     });
 
-    test("the tenant's conversations, stopping a turn, closing", async () => {
-        const tenant = await setupTenant(node);
+    test("the tenant's conversations, stopping a turn, closing", LIMIT, async () => {
+        const tenant = await setupTenant(mainNode());
         const agent = await RawAgent.connect(tenant.url, await tenant.agentToken());
         try {
             const { conversationId, token } = await tenant.conversation("bob");
@@ -90,7 +82,7 @@ describe("RestClient", () => {
                 [conversationId],
             );
             const one = await tenant.rest.getConversation(tenant.apiKey, conversationId);
-            assert.equal(one.id, conversationId);
+            assert.deepEqual([one.id, one.userId, one.status], [conversationId, "bob", "open"]);
 
             assert.deepEqual(await tenant.rest.stopTurn(token, conversationId), {
                 stopped: false,
@@ -105,13 +97,15 @@ describe("RestClient", () => {
 
             const closed = await tenant.rest.closeConversation(token, conversationId, "done");
             assert.ok(JSON.stringify(closed).includes("closed"));
+            const reread = await tenant.rest.getConversation(tenant.apiKey, conversationId);
+            assert.equal(reread.status, "closed");
         } finally {
             await agent.close();
         }
     });
 
-    test("errors are typed by status, with the body's code", async () => {
-        const tenant = await setupTenant(node);
+    test("errors are typed by status, with the body's code", LIMIT, async () => {
+        const tenant = await setupTenant(mainNode());
         await assert.rejects(tenant.rest.listChannels("cvg_key_wrong"), (error: unknown) => {
             assert.ok(error instanceof AuthenticationError);
             assert.equal(error.status, 401);

@@ -9,10 +9,12 @@ import net from "node:net";
 import { tmpdir } from "node:os";
 import path from "node:path";
 import { createInterface } from "node:readline";
+import { after, before } from "node:test";
 import { fileURLToPath } from "node:url";
 import { WebSocket } from "ws";
 import { Backoff } from "../src/backoff.js";
 import { SUBPROTOCOL, wsUrl } from "../src/connection.js";
+import { Conversation } from "../src/conversation.js";
 import { type Message, parseMessage } from "../src/frames.js";
 import { asInt, asObject, asString, type JsonObject, parseObject } from "../src/json.js";
 import { RestClient } from "../src/rest.js";
@@ -37,6 +39,8 @@ export const DEFAULT_DATABASE_URL = "postgres://postgres@127.0.0.1:5432/postgres
 export const WAIT_MS = 15_000;
 const NODE_START_TIMEOUT_MS = 60_000;
 const SETTLE_MS = 300;
+/** Every test against a node ends within this, whatever hangs (each wait is bounded). */
+export const LIMIT = { timeout: 30_000 };
 /** Faults are injected on purpose: come back quickly. */
 export const FAST = new Backoff({ initialMs: 50, maximumMs: 300 });
 
@@ -295,6 +299,26 @@ export async function startNode(
     );
 }
 
+/**
+ * Registers a `before` that starts a node with `env` (see {@link startNode}) and an `after` that
+ * stops it, in the enclosing suite (or file); returns the getter of that node.
+ */
+export function withNode(env: Record<string, string> = {}): () => Node {
+    let node: Node | undefined;
+    before(async () => {
+        node = await startNode(env);
+    });
+    after(async () => {
+        await node?.stop();
+    });
+    return () => {
+        if (node === undefined) {
+            throw new Error("the node is not started (withNode's before did not run)");
+        }
+        return node;
+    };
+}
+
 // --- A tenant and a channel -----------------------------------------------------------------
 
 /** A node with a tenant and one channel, and a REST client for it. */
@@ -321,6 +345,19 @@ export class Tenant {
         return { conversationId: created.conversationId, token: created.token };
     }
 
+    /**
+     * An end user's connected Conversation on a new conversation of `userId`, through `url`
+     * (the node's, unless a proxy's is given).
+     */
+    async endUser(
+        options: { url?: string; userId?: string } = {},
+    ): Promise<{ conversationId: string; token: string; user: Conversation }> {
+        const { conversationId, token } = await this.conversation(options.userId);
+        const user = new Conversation(options.url ?? this.url, token, { backoff: FAST });
+        await user.connect();
+        return { conversationId, token, user };
+    }
+
     /** Every stored frame of the conversation (agent view, over REST). */
     async frames(conversationId: string): Promise<Message[]> {
         return this.rest.allActivities(await this.agentToken(), conversationId);
@@ -342,6 +379,18 @@ export async function setupTenant(node: Node): Promise<Tenant> {
 }
 
 // --- Waiting for things ---------------------------------------------------------------------
+
+/**
+ * Resolves once `since` (a member's `welcome.since`, ms since the epoch) has passed on this
+ * machine's clock. A member owns nothing committed before its `since` (unless it is alone in
+ * its group); the node signals nothing when it passes, so this is a wait for a server-given
+ * instant, not a guessed delay.
+ */
+export async function untilSince(since: number | undefined): Promise<void> {
+    if (since !== undefined && since > Date.now()) {
+        await new Promise((resolve) => setTimeout(resolve, since - Date.now() + 20));
+    }
+}
 
 /** Polls an observable condition (sync or async) until it holds. */
 export async function eventually(
@@ -387,6 +436,9 @@ export async function firstOf<T>(
         }
     }
 }
+
+/** Whether a persistent frame is an agent's (group member's) answer. */
+export const fromBot = (message: Message): boolean => message.from === "bot";
 
 /**
  * The turn a delivered user frame is (its `meta.turn`): an edit is a frame of its own, with
@@ -457,11 +509,7 @@ export class RawAgent {
                 agent.frames.push(frame);
             }
         });
-        // A member owns nothing committed before its `since` (unless alone in its group).
-        const since = asInt(welcome.since);
-        if (since !== undefined && since > Date.now()) {
-            await new Promise((resolve) => setTimeout(resolve, since - Date.now() + 20));
-        }
+        await untilSince(asInt(welcome.since));
         return agent;
     }
 
@@ -546,17 +594,20 @@ export class RawAgent {
  * Forwards 127.0.0.1:<port> to a node and breaks the connections on demand: `pause()` stops
  * forwarding (both directions, or only `"downstream"`, node → client: a lost ack), bytes then
  * wait in the proxy; `resume()` delivers them and goes on; `cut()` resets every open
- * connection (what waits is lost); `accepting = false` refuses new connections.
+ * connection (what waits is lost); `accepting = false` refuses new connections; `retarget()`
+ * sends new connections to another node.
  */
 export class Proxy {
     accepting = true;
     accepted = 0;
     #server: net.Server | undefined;
+    #targetPort = 0;
     #paused: "both" | "downstream" | undefined;
     readonly #pairs = new Set<{ client: net.Socket; upstream: net.Socket }>();
 
     async start(targetPort: number): Promise<this> {
-        this.#server = net.createServer((client) => this.#serve(client, targetPort));
+        this.#targetPort = targetPort;
+        this.#server = net.createServer((client) => this.#serve(client, this.#targetPort));
         const server = this.#server;
         await new Promise<void>((resolve) => server.listen(0, "127.0.0.1", resolve));
         return this;
@@ -596,6 +647,11 @@ export class Proxy {
         };
         client.on("error", end).on("close", end);
         upstream.on("error", end).on("close", end);
+    }
+
+    /** New connections go to `targetPort` from now on (open ones stay where they are). */
+    retarget(targetPort: number): void {
+        this.#targetPort = targetPort;
     }
 
     /** Stops forwarding: what is written waits here until `resume()` (or is lost by `cut()`). */

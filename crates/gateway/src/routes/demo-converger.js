@@ -97,6 +97,7 @@ var Converger = (() => {
     asStringArray: () => asStringArray,
     byteLength: () => byteLength,
     defaultWebSocket: () => defaultWebSocket,
+    disconnectOf: () => disconnectOf,
     frameOf: () => frameOf,
     framesOf: () => framesOf,
     isForwardedType: () => isForwardedType,
@@ -233,8 +234,7 @@ var Converger = (() => {
   var TurnConflict = class extends ServerError {
     /** The seqs of the committed answer (`details.seqs`). */
     get committedSeqs() {
-      const seqs = this.details.seqs;
-      return Array.isArray(seqs) ? seqs.filter((seq) => asInt(seq) !== void 0) : [];
+      return asIntArray(this.details.seqs);
     }
   };
   var TurnSuperseded = class extends ServerError {
@@ -617,9 +617,10 @@ var Converger = (() => {
         frame.turn = turn;
       }
       frame[field] = content;
-      const size = host.envelopeBytes(this.conversationId, frame);
+      const text = stringify({ conversationId: this.conversationId, frame });
+      const size = byteLength(text);
       if (size > host.maxFrameBytes) throw new FrameTooLarge(size, host.maxFrameBytes);
-      if (!await host.writeEnvelope(this.conversationId, frame)) {
+      if (!await host.writeText(text)) {
         throw this.#fail(
           new StreamInterrupted(this.conversationId, this.streamId, "the connection dropped")
         );
@@ -703,6 +704,14 @@ var Converger = (() => {
     const parsed = parseObject(reason);
     return parsed === void 0 ? void 0 : asInt(parsed.retryAfterMs);
   }
+  function disconnectOf(close, earlierHintMs) {
+    return {
+      code: close.code,
+      reason: close.reason,
+      retryAfterMs: retryHintOfReason(close.reason) ?? earlierHintMs,
+      at: Date.now()
+    };
+  }
   var Connection = class {
     socket;
     /** Resolves when the socket closed, with the server's close (1006 when it sent none). */
@@ -752,6 +761,18 @@ var Converger = (() => {
     /** `Date.now()` when the last message arrived (for the idle watchdog). */
     get lastReceived() {
       return this.#lastReceived;
+    }
+    /**
+     * The silence watchdog: gives the connection up ({@link abandon}) when nothing arrived for
+     * {@link silenceLimitMs} of `heartbeatIntervalMs`, the sign of a network path that died
+     * without a close. True when it did.
+     */
+    abandonIfSilent(heartbeatIntervalMs) {
+      if (Date.now() - this.#lastReceived <= silenceLimitMs(heartbeatIntervalMs)) {
+        return false;
+      }
+      this.abandon("no heartbeat");
+      return true;
     }
     /** Sets the handler of every following frame, after handing it the buffered ones. */
     onMessage(handler) {
@@ -971,7 +992,6 @@ var Converger = (() => {
     };
   }
   function parseAck(frame) {
-    const stopped = frame.stopped;
     return {
       clientId: asString(frame.clientId),
       id: asString(frame.id),
@@ -979,18 +999,16 @@ var Converger = (() => {
       timestamp: asInt(frame.timestamp),
       duplicate: frame.duplicate === true,
       turn: parseTurnRef(frame.turn),
-      stopped: typeof stopped === "boolean" ? stopped : void 0,
+      stopped: asBoolean(frame.stopped),
       raw: frame
     };
   }
   function parseReplyAck(frame) {
-    const ids = Array.isArray(frame.ids) ? frame.ids.filter((id) => typeof id === "string") : [];
-    const seqs = Array.isArray(frame.seqs) ? frame.seqs.filter((seq) => asInt(seq) !== void 0) : [];
     return {
       clientId: asString(frame.clientId),
       turn: parseTurnRef(frame.turn),
-      ids,
-      seqs,
+      ids: asStringArray(frame.ids),
+      seqs: asIntArray(frame.seqs),
       timestamp: asInt(frame.timestamp),
       duplicate: frame.duplicate === true,
       raw: frame
@@ -1252,6 +1270,58 @@ var Converger = (() => {
       }
     }
   };
+  var Listeners = class {
+    #sets = /* @__PURE__ */ new Map();
+    #failed;
+    constructor(failed) {
+      this.#failed = failed;
+    }
+    /** Adds `listener` for `kind`; returns the function that removes it. */
+    on(kind, listener) {
+      let set = this.#sets.get(kind);
+      if (set === void 0) {
+        set = /* @__PURE__ */ new Set();
+        this.#sets.set(kind, set);
+      }
+      const stored = listener;
+      set.add(stored);
+      return () => {
+        set.delete(stored);
+      };
+    }
+    /** Whether any listener of `kind` is set. */
+    has(kind) {
+      return (this.#sets.get(kind)?.size ?? 0) > 0;
+    }
+    /** Calls every listener of `kind` with `value`. */
+    emit(kind, value) {
+      const set = this.#sets.get(kind);
+      if (set === void 0 || set.size === 0) {
+        return;
+      }
+      for (const listener of [...set]) {
+        try {
+          listener(value);
+        } catch (error) {
+          this.#failed(kind, error);
+        }
+      }
+    }
+  };
+  async function waitUntil(changed, ready, timeoutMs, timeoutError) {
+    const deadline = Date.now() + timeoutMs;
+    for (; ; ) {
+      const value = ready();
+      if (value !== void 0) {
+        return value;
+      }
+      const remaining = deadline - Date.now();
+      if (remaining <= 0) {
+        throw timeoutError();
+      }
+      await within(changed.next(), remaining, timeoutError).catch(() => void 0);
+    }
+  }
   function delay(ms) {
     return new Promise((resolve) => setTimeout(resolve, Math.max(ms, 0)));
   }
@@ -1391,21 +1461,11 @@ var Converger = (() => {
       }
     }
     #touch(conversationId) {
-      const known = this.#conversations.get(conversationId);
-      if (known !== void 0) {
-        this.#conversations.delete(conversationId);
-        this.#conversations.set(conversationId, known);
-        return known;
-      }
-      const seen = { highestSeq: 0, turns: /* @__PURE__ */ new Map() };
-      this.#conversations.set(conversationId, seen);
-      while (this.#conversations.size > this.#capacity) {
-        const oldest = this.#conversations.keys().next().value;
-        if (oldest === void 0) {
-          break;
-        }
-        this.#conversations.delete(oldest);
-      }
+      const seen = this.#conversations.get(conversationId) ?? {
+        highestSeq: 0,
+        turns: /* @__PURE__ */ new Map()
+      };
+      touch(this.#conversations, conversationId, seen, this.#capacity);
       return seen;
     }
     /** Records a delivered persistent frame's seq. */
@@ -1421,22 +1481,14 @@ var Converger = (() => {
       if (known !== void 0 && deliveryAtLeast(known, delivery)) {
         return false;
       }
-      seen.turns.delete(seq);
-      seen.turns.set(seq, delivery);
-      while (seen.turns.size > TURNS_PER_CONVERSATION) {
-        const oldest = seen.turns.keys().next().value;
-        if (oldest === void 0) {
-          break;
-        }
-        seen.turns.delete(oldest);
-      }
+      touch(seen.turns, seq, delivery, TURNS_PER_CONVERSATION);
       return true;
     }
     /** Forgets a handed-out turn revision (its handler failed), so a replay brings it again. */
     forgetDelivery(conversationId, seq, revision) {
-      const known = this.#conversations.get(conversationId)?.turns.get(seq);
-      if (known !== void 0 && known[0] === revision) {
-        this.#conversations.get(conversationId)?.turns.delete(seq);
+      const turns = this.#conversations.get(conversationId)?.turns;
+      if (turns?.get(seq)?.[0] === revision) {
+        turns.delete(seq);
       }
     }
     /** The highest seq of each conversation, the `limit` most recently active. */
@@ -1690,7 +1742,7 @@ var Converger = (() => {
       return result;
     }
   };
-  var Agent = class {
+  var Agent = class _Agent {
     url;
     group;
     claim;
@@ -1708,7 +1760,9 @@ var Converger = (() => {
     #outboxEmpty = new ChangeSignal();
     #turnQueue = new AsyncQueue();
     #eventQueue;
-    #listeners = /* @__PURE__ */ new Map();
+    #listeners = new Listeners((kind, error) => {
+      this.#log("error", `a ${String(kind)} listener failed: ${String(error)}`);
+    });
     #connection;
     #welcome;
     #changed = new ChangeSignal();
@@ -1769,7 +1823,7 @@ var Converger = (() => {
         },
         requireAlive: () => this.#requireAlive(),
         writeEnvelope: (conversationId, frame) => this.#writeEnvelope(conversationId, frame),
-        envelopeBytes: (conversationId, frame) => byteLength(stringify({ conversationId, frame })),
+        writeText: (text) => this.#write(text),
         forgetStream: (stream) => this.#forgetStream(stream),
         warn: (message) => this.#log("warn", message)
       };
@@ -1818,25 +1872,19 @@ var Converger = (() => {
      */
     async waitConnected(options = {}) {
       const wanted = options.connections ?? 1;
-      const deadline = Date.now() + (options.timeoutMs ?? 3e4);
-      while (this.#connection === void 0 || this.#connections < wanted) {
-        if (this.#fatal !== void 0) {
-          throw this.#fatal;
-        }
-        if (this.#closed) {
-          throw new ClientClosed("the agent is closed");
-        }
-        const left = deadline - Date.now();
-        if (left <= 0) {
-          throw new ConvergerError(
-            `not connected (${wanted} connections) within ${options.timeoutMs ?? 3e4} ms`
-          );
-        }
-        await within(this.#changed.next(), left, () => new ConvergerError("timeout")).catch(
-          () => void 0
-        );
-      }
-      return this.welcome;
+      const timeoutMs = options.timeoutMs ?? 3e4;
+      return waitUntil(
+        this.#changed,
+        () => {
+          if (this.#connection !== void 0 && this.#connections >= wanted) {
+            return this.welcome;
+          }
+          this.#requireAlive();
+          return void 0;
+        },
+        timeoutMs,
+        () => new ConvergerError(`not connected (${wanted} connections) within ${timeoutMs} ms`)
+      );
     }
     /**
      * Waits until this member's `welcome.since` has passed on this machine's clock.
@@ -2055,8 +2103,10 @@ var Converger = (() => {
      * (`resume`, `abort`, …), end users' typing, read receipts and presence, and other parties'
      * persistent frames. Events are kept from the first call on; earlier ones are dropped.
      */
-    async *events() {
-      const queue = this.#events();
+    events() {
+      return _Agent.#drain(this.#events());
+    }
+    static async *#drain(queue) {
       for (; ; ) {
         const next = await queue.next();
         if (next.done === true) {
@@ -2076,29 +2126,7 @@ var Converger = (() => {
     }
     /** Calls `listener` for each `kind` (see {@link AgentEventMap}); returns the unsubscribe. */
     on(kind, listener) {
-      let listeners = this.#listeners.get(kind);
-      if (listeners === void 0) {
-        listeners = /* @__PURE__ */ new Set();
-        this.#listeners.set(kind, listeners);
-      }
-      const stored = listener;
-      listeners.add(stored);
-      return () => {
-        this.#listeners.get(kind)?.delete(stored);
-      };
-    }
-    #emit(kind, value) {
-      const listeners = this.#listeners.get(kind);
-      if (listeners === void 0) {
-        return;
-      }
-      for (const listener of [...listeners]) {
-        try {
-          listener(value);
-        } catch (error) {
-          this.#log("error", `a ${kind} listener failed: ${String(error)}`);
-        }
-      }
+      return this.#listeners.on(kind, listener);
     }
     // --- sending -----------------------------------------------------------------------
     /**
@@ -2353,7 +2381,7 @@ var Converger = (() => {
       this.#watch(opened.connection, welcome.limits.heartbeatIntervalMs);
       this.#scheduleTokenRefresh(welcome.expiresAt);
       this.#changed.notify();
-      this.#emit("connected", welcome);
+      this.#listeners.emit("connected", welcome);
       for (const entry of [...this.#outbox.values()]) {
         this.#transmit(entry);
       }
@@ -2372,9 +2400,8 @@ var Converger = (() => {
         if (connection !== this.#connection) {
           return;
         }
-        if (Date.now() - connection.lastReceived > silenceMs) {
+        if (connection.abandonIfSilent(heartbeatIntervalMs)) {
           this.#log("warn", `no heartbeat for ${silenceMs} ms; reconnecting`);
-          connection.abandon("no heartbeat");
         }
       }, WATCHDOG_TICK_MS);
     }
@@ -2415,14 +2442,9 @@ var Converger = (() => {
     }
     /** Reads how a connection ended; returns the reconnect hint or throws {@link FatalClose}. */
     async #onClosed(close) {
-      const hint = retryHintOfReason(close.reason) ?? this.#lastHintMs;
-      this.#lastDisconnect = {
-        code: close.code,
-        reason: close.reason,
-        retryAfterMs: hint,
-        at: Date.now()
-      };
-      this.#emit("disconnected", this.#lastDisconnect);
+      this.#lastDisconnect = disconnectOf(close, this.#lastHintMs);
+      const hint = this.#lastDisconnect.retryAfterMs;
+      this.#listeners.emit("disconnected", this.#lastDisconnect);
       if (FATAL_CLOSE_CODES.has(close.code)) {
         const fatal = new FatalClose(close.code, close.reason, this.#lastError);
         const expired = this.#tokenExpired || fatal.tokenExpired;
@@ -2569,13 +2591,12 @@ var Converger = (() => {
       if (this.#stopping) {
         return;
       }
-      const listening = this.#listeners.get("event")?.size ?? 0;
-      if (this.#eventQueue === void 0 && listening === 0) {
+      if (this.#eventQueue === void 0 && !this.#listeners.has("event")) {
         return;
       }
       const event = parseAgentEvent(conversationId, frame);
       this.#eventQueue?.push(event);
-      this.#emit("event", event);
+      this.#listeners.emit("event", event);
     }
     #onTurn(turn) {
       if (this.#stopping) {
@@ -2651,7 +2672,7 @@ var Converger = (() => {
       } else {
         this.#log("warn", `error in conversation ${conversationId}: ${error.message}`);
       }
-      this.#emit("error", error);
+      this.#listeners.emit("error", error);
     }
     #onConnectionError(error) {
       this.#lastError = error;
@@ -2678,7 +2699,7 @@ var Converger = (() => {
         const data = asObject(message.data);
         this.#log("info", "token refreshed");
         this.#scheduleTokenRefresh(asInt(data.expiresAt));
-        this.#emit("tokenRefreshed", data);
+        this.#listeners.emit("tokenRefreshed", data);
         return;
       }
       if (kind !== "heartbeat" && kind !== "welcome") {
@@ -2879,22 +2900,15 @@ var Converger = (() => {
     #events;
     #streamUpdates;
     #streams = new StreamAssembly();
-    #listeners = {
-      message: /* @__PURE__ */ new Set(),
-      streamUpdate: /* @__PURE__ */ new Set(),
-      event: /* @__PURE__ */ new Set(),
-      state: /* @__PURE__ */ new Set(),
-      ack: /* @__PURE__ */ new Set(),
-      stopped: /* @__PURE__ */ new Set()
-    };
+    #listeners = new Listeners((kind, error) => {
+      console.error(`converger: a "${String(kind)}" handler failed`, error);
+    });
     /** Notified on every connection change (welcomed, lost, closed, stopped). */
     #changed = new ChangeSignal();
     #lifetime = new AbortController();
     #connection;
     #welcome;
-    #generation = 0;
     #connections = 0;
-    #started = false;
     #closed = false;
     #closing;
     #connecting;
@@ -2977,27 +2991,21 @@ var Converger = (() => {
     async waitConnected(options = {}) {
       const timeoutMs = options.timeoutMs ?? this.#openTimeoutMs;
       const wanted = options.connections ?? 1;
-      const deadline = Date.now() + timeoutMs;
-      for (; ; ) {
-        if (this.#fatal !== void 0) {
-          throw this.#fatal;
-        }
-        if (this.#closed) {
-          throw new ClientClosed("the conversation is closed");
-        }
-        if (this.#connection !== void 0 && this.#welcome !== void 0 && this.#connections >= wanted) {
-          return this.#welcome;
-        }
-        const remaining = deadline - Date.now();
-        if (remaining <= 0) {
-          throw new ConvergerError(`not connected within ${timeoutMs} ms`);
-        }
-        await within(
-          this.#changed.next(),
-          remaining,
-          () => new ConvergerError("timeout")
-        ).catch(noop);
-      }
+      return waitUntil(
+        this.#changed,
+        () => {
+          if (this.#fatal !== void 0) {
+            throw this.#fatal;
+          }
+          if (this.#closed) {
+            throw new ClientClosed("the conversation is closed");
+          }
+          const connected = this.#connection !== void 0 && this.#connections >= wanted;
+          return connected ? this.#welcome : void 0;
+        },
+        timeoutMs,
+        () => new ConvergerError(`not connected within ${timeoutMs} ms`)
+      );
     }
     // --- listening -----------------------------------------------------------------------
     /**
@@ -3005,21 +3013,7 @@ var Converger = (() => {
      * Handlers run synchronously in arrival order; an exception in one is logged, not rethrown.
      */
     on(kind, handler) {
-      const handlers = this.#listeners[kind];
-      handlers.add(handler);
-      return () => {
-        handlers.delete(handler);
-      };
-    }
-    #dispatch(kind, value) {
-      const handlers = this.#listeners[kind];
-      for (const handler of [...handlers]) {
-        try {
-          handler(value);
-        } catch (error) {
-          console.error(`converger: a "${kind}" handler failed`, error);
-        }
-      }
+      return this.#listeners.on(kind, handler);
     }
     // --- lifecycle -----------------------------------------------------------------------
     /**
@@ -3028,7 +3022,7 @@ var Converger = (() => {
      * the node refuses the hello for good and GaveUp when it cannot be reached.
      */
     connect() {
-      if (this.#started && this.#welcome !== void 0 && this.#fatal === void 0 && !this.#closed) {
+      if (this.#welcome !== void 0 && this.#fatal === void 0 && !this.#closed) {
         return Promise.resolve(this.#welcome);
       }
       this.#connecting ??= this.#connectOnce().finally(() => {
@@ -3064,7 +3058,6 @@ var Converger = (() => {
         opened.connection.close(1e3);
         throw new ClientClosed("the conversation was closed while connecting");
       }
-      this.#started = true;
       this.#attach(opened);
       this.#ticker = setInterval(() => this.#tick(), RESEND_TICK_MS);
       void this.#supervise();
@@ -3099,7 +3092,7 @@ var Converger = (() => {
     }
     async #closeOnce(timeoutMs) {
       const deadline = Date.now() + Math.max(timeoutMs, 0);
-      while (this.#outbox.size > 0 && this.#fatal === void 0 && this.#started && Date.now() < deadline) {
+      while (this.#outbox.size > 0 && this.#fatal === void 0 && this.#connections > 0 && Date.now() < deadline) {
         const settled = [...this.#outbox.values()].map(
           (entry) => entry.promise.then(noop, noop)
         );
@@ -3117,7 +3110,7 @@ var Converger = (() => {
       this.#endIterators();
       this.#changed.notify();
       if (this.#fatal === void 0) {
-        this.#dispatch("stopped", void 0);
+        this.#listeners.emit("stopped", void 0);
       }
     }
     #stopTicker() {
@@ -3345,12 +3338,12 @@ var Converger = (() => {
       const limit = this.#welcome?.limits.maxInFlight ?? 32;
       let inFlight = 0;
       for (const entry of this.#outbox.values()) {
-        if (entry.queued && entry.generation === this.#generation) {
+        if (entry.queued && entry.generation === this.#connections) {
           inFlight += 1;
         }
       }
-      for (const entry of [...this.#outbox.values()]) {
-        if (entry.generation === this.#generation) {
+      for (const entry of this.#outbox.values()) {
+        if (entry.generation === this.#connections) {
           continue;
         }
         if (entry.retryAt !== void 0 && now < entry.retryAt) {
@@ -3366,18 +3359,13 @@ var Converger = (() => {
       }
     }
     #transmit(entry) {
-      entry.generation = this.#generation;
+      entry.generation = this.#connections;
       entry.retryAt = void 0;
       entry.lastSent = Date.now();
       this.#connection?.send(entry.text);
     }
     #write(frame) {
       return this.#connection?.send(stringify(frame)) ?? false;
-    }
-    #settle(clientId) {
-      const entry = this.#outbox.get(clientId);
-      this.#outbox.delete(clientId);
-      return entry;
     }
     #failOutbox(error) {
       for (const entry of [...this.#outbox.values()]) {
@@ -3392,13 +3380,12 @@ var Converger = (() => {
         return;
       }
       const heartbeatMs = this.#welcome?.limits.heartbeatIntervalMs ?? 25e3;
-      if (Date.now() - connection.lastReceived > silenceLimitMs(heartbeatMs)) {
-        connection.abandon("no heartbeat");
+      if (connection.abandonIfSilent(heartbeatMs)) {
         return;
       }
       const now = Date.now();
-      for (const entry of [...this.#outbox.values()]) {
-        const stale = entry.generation === this.#generation && now - entry.lastSent >= this.#resendIntervalMs;
+      for (const entry of this.#outbox.values()) {
+        const stale = entry.generation === this.#connections && now - entry.lastSent >= this.#resendIntervalMs;
         if (stale) {
           this.#transmit(entry);
         }
@@ -3434,7 +3421,6 @@ var Converger = (() => {
       this.#welcome = welcome;
       this.#conversationId = welcome.conversationId ?? this.#conversationId;
       this.#connection = opened.connection;
-      this.#generation += 1;
       this.#connections += 1;
       this.#connectedAt = Date.now();
       this.#lastError = void 0;
@@ -3451,7 +3437,10 @@ var Converger = (() => {
     }
     #notifyState() {
       this.#changed.notify();
-      this.#dispatch("state", { connected: this.connected, connections: this.#connections });
+      this.#listeners.emit("state", {
+        connected: this.connected,
+        connections: this.#connections
+      });
     }
     #detach() {
       if (this.#connection === void 0) {
@@ -3491,13 +3480,7 @@ var Converger = (() => {
     }
     /** Records how a connection ended; the server's delay hint. Throws for a fatal close. */
     #afterClose(closed) {
-      const hintMs = retryHintOfReason(closed.reason) ?? this.#lastHintMs;
-      this.#lastDisconnect = {
-        code: closed.code,
-        reason: closed.reason,
-        retryAfterMs: hintMs,
-        at: Date.now()
-      };
+      this.#lastDisconnect = disconnectOf(closed, this.#lastHintMs);
       if (FATAL_CLOSE_CODES.has(closed.code)) {
         const fatal = new FatalClose(closed.code, closed.reason, this.#lastError);
         if (!(fatal.tokenExpired && this.#refreshHook !== void 0)) {
@@ -3505,7 +3488,7 @@ var Converger = (() => {
         }
         this.#tokenExpired = true;
       }
-      return hintMs;
+      return this.#lastDisconnect.retryAfterMs;
     }
     async #renewToken() {
       const hook = this.#refreshHook;
@@ -3564,7 +3547,7 @@ var Converger = (() => {
       this.#failOutbox(error);
       this.#notifyState();
       this.#endIterators();
-      this.#dispatch("stopped", error);
+      this.#listeners.emit("stopped", error);
     }
     #endIterators() {
       this.#messages.close();
@@ -3573,11 +3556,11 @@ var Converger = (() => {
     }
     #emit(event) {
       this.#events.push(event);
-      this.#dispatch("event", event);
+      this.#listeners.emit("event", event);
     }
     #emitUpdate(update) {
       this.#streamUpdates.push(update);
-      this.#dispatch("streamUpdate", update);
+      this.#listeners.emit("streamUpdate", update);
     }
     // --- receiving -----------------------------------------------------------------------
     /**
@@ -3654,7 +3637,7 @@ var Converger = (() => {
       const entry = message.clientId === void 0 ? void 0 : this.#outbox.get(message.clientId);
       if (entry !== void 0) {
         this.#tracker.observe(message.seq);
-        const ack = {
+        this.#acked(entry, {
           clientId: message.clientId,
           id: message.id,
           seq: message.seq,
@@ -3663,18 +3646,14 @@ var Converger = (() => {
           turn: void 0,
           stopped: void 0,
           raw: message.raw
-        };
-        this.#settle(entry.clientId);
-        entry.resolve(ack);
-        this.#dispatch("ack", ack);
-        this.#pump();
+        });
         return;
       }
       if (!this.#tracker.observe(message.seq)) {
         return;
       }
       this.#messages.push(message);
-      this.#dispatch("message", message);
+      this.#listeners.emit("message", message);
       const ended = this.#streams.applyMessage(message);
       if (ended !== void 0) {
         this.#emitUpdate({
@@ -3691,12 +3670,17 @@ var Converger = (() => {
       if (ack.clientId === void 0) {
         return;
       }
-      const entry = this.#settle(ack.clientId);
+      const entry = this.#outbox.get(ack.clientId);
       if (entry === void 0) {
         return;
       }
+      this.#acked(entry, ack);
+    }
+    /** Settles `entry` with `ack`; its place in flight goes to the next waiting send. */
+    #acked(entry, ack) {
+      this.#outbox.delete(entry.clientId);
       entry.resolve(ack);
-      this.#dispatch("ack", ack);
+      this.#listeners.emit("ack", ack);
       this.#pump();
     }
     #onError(data, frame) {
@@ -3709,7 +3693,7 @@ var Converger = (() => {
           entry.retryAt = retryAt;
           return;
         }
-        this.#settle(entry.clientId);
+        this.#outbox.delete(entry.clientId);
         entry.reject(error);
         this.#pump();
         return;
