@@ -485,6 +485,7 @@ async fn a_batch_reads_through_indexes_on_an_empty_and_on_a_large_table() {
         acquire_timeout: Duration::from_secs(5),
         statement_timeout: Duration::from_secs(5),
         commit_workers: 1,
+        notify_in_commit: true,
     })
     .await
     .unwrap();

@@ -42,6 +42,8 @@ async fn migrations_apply_on_an_empty_database_then_are_no_ops() {
 async fn the_commit_functions_notify_on_the_stores_channel() {
     let db = TestDb::create().await;
     // The plpgsql functions name the channel themselves; the bus listens on NOTIFY_CHANNEL.
+    // `converger_notify` is the one the statements call; `converger_notify_committed` packs a
+    // batch's notifications (both skip it under `converger.notify = off`, ADR 0033).
     let expected = format!("'{}'", converger_store::NOTIFY_CHANNEL);
     let mut connection = db.connect().await;
     let bodies_naming_it: Vec<String> = sqlx::query_scalar(
@@ -51,5 +53,8 @@ async fn the_commit_functions_notify_on_the_stores_channel() {
     .fetch_all(&mut connection)
     .await
     .unwrap();
-    assert_eq!(bodies_naming_it, vec!["converger_notify_committed"]);
+    assert_eq!(
+        bodies_naming_it,
+        vec!["converger_notify", "converger_notify_committed"]
+    );
 }

@@ -10,6 +10,7 @@ pub mod browser;
 pub mod cluster;
 pub mod load;
 pub mod mekik;
+pub mod nats;
 pub mod proxy;
 pub mod schemas;
 pub mod tab;
@@ -118,12 +119,19 @@ impl TestDb {
 
     /// A store connected to this database.
     pub async fn store(&self) -> Store {
+        self.store_for(true).await
+    }
+
+    /// A store whose committing statements notify, or not (a node on another bus than
+    /// `postgres`).
+    pub async fn store_for(&self, notify_in_commit: bool) -> Store {
         Store::connect(&StoreOptions {
             url: self.url.clone(),
             max_connections: 4,
             acquire_timeout: Duration::from_secs(5),
             statement_timeout: Duration::from_secs(5),
             commit_workers: 2,
+            notify_in_commit,
         })
         .await
         .expect("connect to the test database")
@@ -267,7 +275,8 @@ impl TestNode {
             admin_token: config.admin_token.clone(),
         };
         let admin_token = config.admin_token.clone();
-        let server = Server::bind(config, db.store().await, credentials)
+        let notify = config.bus.notifies_in_commit();
+        let server = Server::bind(config, db.store_for(notify).await, credentials)
             .await
             .expect("bind")
             .spawn()
@@ -296,7 +305,8 @@ impl TestNode {
             secret_key: config.secret_key.clone().into_bytes(),
             admin_token: config.admin_token.clone(),
         };
-        Server::bind(config, self.db.store().await, credentials)
+        let notify = config.bus.notifies_in_commit();
+        Server::bind(config, self.db.store_for(notify).await, credentials)
             .await
             .expect("bind")
             .spawn()

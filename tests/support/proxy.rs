@@ -1,7 +1,8 @@
 //! A TCP proxy in front of a node, for network faults a real client must survive: `cut` drops
 //! every proxied connection at once (no close frame, like a lost network), and
 //! `hold_downstream` keeps what the node writes from reaching the client (an ack lost on the
-//! way) until `release_downstream` or the cut.
+//! way) until `release_downstream` or the cut; `refuse` cuts and keeps refusing new
+//! connections (a network partition) until `admit`.
 
 use std::net::SocketAddr;
 
@@ -15,6 +16,7 @@ use tokio::task::JoinHandle;
 struct Faults {
     cuts: u64,
     downstream_held: bool,
+    refusing: bool,
 }
 
 /// The proxy; stops accepting (and drops its connections) when dropped.
@@ -33,6 +35,10 @@ impl Proxy {
         let watcher = faults.clone();
         let acceptor = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
+                if watcher.borrow().refusing {
+                    drop(client);
+                    continue;
+                }
                 let Ok(server) = TcpStream::connect(target).await else {
                     continue;
                 };
@@ -54,6 +60,19 @@ impl Proxy {
     /// Drops every connection open now; new ones are forwarded again.
     pub fn cut(&self) {
         self.faults.send_modify(|faults| faults.cuts += 1);
+    }
+
+    /// Drops every connection open now and every new one until [`Proxy::admit`].
+    pub fn refuse(&self) {
+        self.faults.send_modify(|faults| {
+            faults.cuts += 1;
+            faults.refusing = true;
+        });
+    }
+
+    /// Forwards new connections again after [`Proxy::refuse`].
+    pub fn admit(&self) {
+        self.faults.send_modify(|faults| faults.refusing = false);
     }
 
     /// From now on, bytes from the node wait in the proxy instead of reaching the client.

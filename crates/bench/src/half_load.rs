@@ -71,6 +71,8 @@ fn turns_args(args: &HalfLoadArgs, users: usize, rate: Option<f64>) -> TurnsArgs
         database_url: args.database_url.clone(),
         binary: args.binary.clone(),
         rate,
+        bus: "postgres".into(),
+        nats_url: String::new(),
     }
 }
 

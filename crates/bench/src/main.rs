@@ -10,6 +10,7 @@ mod gateway_metrics;
 mod half_load;
 mod idle;
 mod machine;
+mod memory;
 mod peers;
 mod pipelined_agent;
 mod plot;
@@ -33,6 +34,8 @@ struct Cli {
 enum Command {
     /// K idle conversation sessions: gateway RSS per connection.
     Idle(idle::IdleArgs),
+    /// N conversations touched once each and left idle: the nodes' RSS against idle.
+    Memory(memory::MemoryArgs),
     /// U users in closed loop (or paced with `--rate`), A agents answering: turns/s and latencies.
     Turns(turns::TurnsArgs),
     /// The latency goal in one run: the maximum turns/s, then p99 at half of it, paced.
@@ -60,6 +63,7 @@ async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Idle(args) => idle::run(args).await,
+        Command::Memory(args) => memory::run(args).await,
         Command::Turns(args) => turns::run(args).await,
         Command::HalfLoad(args) => half_load::run(args).await,
         Command::Flood(args) => flood::run(args).await,

@@ -43,6 +43,13 @@ pub struct TurnsArgs {
     /// Without it, each user sends its next turn as soon as the last one is answered.
     #[arg(long, value_parser = parse_rate)]
     pub rate: Option<f64>,
+    /// The node's cluster bus: `postgres` (commits notify) or `nats` (commits published on
+    /// `--nats-url` after they committed; ADR 0033).
+    #[arg(long, default_value = "postgres")]
+    pub bus: String,
+    /// NATS server for `--bus nats`.
+    #[arg(long, default_value = "nats://127.0.0.1:4222")]
+    pub nats_url: String,
 }
 
 /// `--rate`: a finite rate of at least 0.01 turns per second.
@@ -120,6 +127,8 @@ pub async fn figures(args: &TurnsArgs) -> anyhow::Result<TurnsFigures> {
         ("CONVERGER_GROUP_SETTLE_MS", "100".to_owned()),
         ("CONVERGER_LIMITS__MAX_FRAMES_PER_SEC", "100000".to_owned()),
         ("CONVERGER_DATABASE__MAX_CONNECTIONS", "32".to_owned()),
+        ("CONVERGER_BUS", args.bus.clone()),
+        ("CONVERGER_NATS__SERVERS", args.nats_url.clone()),
     ];
     let gateway = Gateway::start(&binary, &args.database_url, &env).await?;
     let outcome = measure(args, &gateway).await;
@@ -429,6 +438,8 @@ mod tests {
             database_url: String::new(),
             binary: None,
             rate,
+            bus: "postgres".into(),
+            nats_url: String::new(),
         }
     }
 

@@ -29,6 +29,7 @@ impl Database {
             acquire_timeout: Duration::from_millis(config.database.acquire_timeout_ms),
             statement_timeout: Duration::from_millis(config.database.statement_timeout_ms),
             commit_workers: config.database.commit_workers,
+            notify_in_commit: config.bus.notifies_in_commit(),
         };
         let store = match Store::connect(&options).await {
             Ok(store) => store,

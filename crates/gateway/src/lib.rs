@@ -6,7 +6,7 @@ pub mod actors;
 mod agent_url;
 mod answers;
 pub mod auth;
-mod bus_bridge;
+pub mod bus;
 mod chat_history;
 pub mod config;
 pub mod error;

@@ -33,7 +33,7 @@ pub(crate) async fn change_status(
     {
         tracing::info!(%conversation_id, status = change.to(), reason, "conversation status changed");
         crate::publish::committed(
-            &state.hub,
+            state,
             conversation.channel_id,
             conversation_id,
             [Arc::new(frame.clone())],

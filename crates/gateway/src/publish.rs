@@ -1,8 +1,8 @@
 //! Publishing what this node committed or relays, the two ways it happens everywhere:
 //!
 //! - a committed frame goes to this node's hub at once (the conversation's sessions and the
-//!   channel's actor); the other nodes hear of it from the commit's own notification, so
-//!   nothing more is sent for them;
+//!   channel's actor); the other nodes hear of it from the commit's own notification (the
+//!   `postgres` bus) or from the bus's publication after the commit (`nats`, ADR 0033);
 //! - a transient frame (typing, receipts, presence, relayed agent frames, forwarded client
 //!   frames) goes to this node's hub and, through the bus, to every other node.
 
@@ -16,16 +16,20 @@ use uuid::Uuid;
 use crate::hub::{Hub, HubEvent};
 use crate::state::AppState;
 
-/// Hands newly committed frames of a conversation to this node's sessions and channel actor.
+/// Hands newly committed frames of a conversation to this node's sessions and channel actor,
+/// and announces them on the bus (for the buses that do not announce in the commit).
 pub(crate) fn committed(
-    hub: &Hub,
+    state: &AppState,
     channel_id: Uuid,
     conversation_id: Uuid,
     activities: impl IntoIterator<Item = Arc<Activity>>,
 ) {
-    for activity in activities {
-        hub.publish_to_all(channel_id, conversation_id, HubEvent::committed(activity));
+    let activities: Vec<Arc<Activity>> = activities.into_iter().collect();
+    for activity in &activities {
+        let event = HubEvent::committed(Arc::clone(activity));
+        state.hub.publish_to_all(channel_id, conversation_id, event);
     }
+    state.bus.committed(channel_id, &activities);
 }
 
 /// Commits a frame and, when it is new (not a repeated idempotency key), publishes it.
@@ -41,7 +45,7 @@ pub(crate) async fn commit_frame(
     let activity = Arc::new(activity);
     if !duplicate {
         committed(
-            &state.hub,
+            state,
             channel_id,
             new.conversation_id,
             [Arc::clone(&activity)],
@@ -63,14 +67,8 @@ pub(crate) async fn regenerated(
     let event = HubEvent::Regenerated { turn, revision };
     state.hub.publish_to_all(channel_id, conversation_id, event);
     if let Err(error) = state
-        .store
-        .publish_regenerated(
-            state.hub.node_id(),
-            channel_id,
-            conversation_id,
-            seq,
-            revision,
-        )
+        .bus
+        .regenerated(channel_id, conversation_id, seq, revision)
         .await
     {
         tracing::warn!(%error, "regenerated turn not published to other nodes");
@@ -141,7 +139,7 @@ impl Transient {
     pub(crate) async fn publish_elsewhere(self, state: &AppState) {
         let audience = self.audience;
         let transient = self.for_other_nodes(state.hub.node_id());
-        if let Err(error) = state.store.publish_transient(&transient).await {
+        if let Err(error) = state.bus.transient(&transient).await {
             tracing::warn!(%error, ?audience, "transient frame not published to other nodes");
         }
     }

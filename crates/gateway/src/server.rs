@@ -44,6 +44,9 @@ pub enum GatewayError {
     /// Gossip could not start.
     #[error("cluster membership: {0}")]
     Cluster(#[from] converger_cluster::ClusterError),
+    /// The cluster bus could not start.
+    #[error("cluster bus: {0}")]
+    Bus(#[from] crate::bus::BusError),
 }
 
 /// A bound, not yet serving, node.
@@ -79,9 +82,10 @@ impl Server {
             config.http.clone(),
         );
         let hub = Arc::new(Hub::new(node_id.clone()));
+        let bus = Arc::new(crate::bus::Bus::open(&config, store.clone(), &node_id).await?);
         let streams = crate::streams::LiveStreams::start(
             &node_id,
-            store.clone(),
+            Arc::clone(&bus),
             converger_core::streams::StreamLimits {
                 max_stream_bytes: config.limits.max_stream_bytes,
                 max_streams_per_owner: config.limits.max_streams_per_connection,
@@ -104,6 +108,7 @@ impl Server {
             metrics: crate::metrics::install_recorder(),
             draining: Arc::new(AtomicBool::new(false)),
             hub,
+            bus,
             streams,
             actors,
             cluster,
@@ -137,10 +142,7 @@ impl Server {
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), GatewayError> {
         let app = crate::routes::router(self.state.clone());
-        let (events, listening) = self
-            .state
-            .store
-            .spawn_bus_listener(self.state.hub.node_id());
+        let (events, listening) = self.state.bus.listen();
         // Serve once this node hears other nodes' commits (or give up waiting and let the
         // catch-up cover the start).
         if tokio::time::timeout(std::time::Duration::from_secs(5), listening)
@@ -149,7 +151,7 @@ impl Server {
         {
             tracing::warn!("event bus not listening yet; serving anyway");
         }
-        crate::bus_bridge::spawn(
+        crate::bus::door::spawn(
             self.state.store.clone(),
             Arc::clone(&self.state.hub),
             Arc::clone(&self.state.streams),

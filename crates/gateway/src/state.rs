@@ -32,6 +32,8 @@ pub struct AppState {
     pub draining: Arc<AtomicBool>,
     /// Live frames and open sessions of this node.
     pub hub: Arc<Hub>,
+    /// The cluster bus (ADR 0033).
+    pub bus: Arc<crate::bus::Bus>,
     /// Streamed answers open on this node and replicated from the others.
     pub streams: Arc<LiveStreams>,
     /// The channel actors of this node (agent groups).

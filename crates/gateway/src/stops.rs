@@ -10,7 +10,7 @@ use std::time::Duration;
 use converger_core::streams::StreamTurn;
 use converger_protocol::StopReason;
 use converger_store::bus::TurnStop;
-use converger_store::{Settlement, StopOutcome, StoppedAnswer, StoppedTurn, Store, StoreError};
+use converger_store::{Settlement, StopOutcome, StoppedAnswer, StoppedTurn, StoreError};
 use tokio::task::JoinHandle;
 use uuid::Uuid;
 
@@ -65,14 +65,10 @@ pub(crate) async fn announce(
     let stop = turn_stop(state, channel_id, conversation_id, turn, reason);
     spread(state, &stop).await;
     let grace = Duration::from_millis(state.config.turns.stop_grace_ms);
-    let (store, hub, streams) = (
-        state.store.clone(),
-        Arc::clone(&state.hub),
-        Arc::clone(&state.streams),
-    );
+    let state = state.clone();
     tokio::spawn(async move {
         tokio::time::sleep(grace).await;
-        settle(&store, &hub, &streams, &stop).await;
+        settle(&state, &stop).await;
     });
 }
 
@@ -99,7 +95,7 @@ pub(crate) async fn tell_closed(
 /// leaves their agents untold; the settlement still comes, and ends what is open then.
 async fn spread(state: &AppState, stop: &TurnStop) {
     apply(&state.hub, &state.streams, stop);
-    if let Err(error) = state.store.publish_turn_stop(stop).await {
+    if let Err(error) = state.bus.turn_stop(stop).await {
         tracing::warn!(%error, conversation_id = %stop.conversation_id, seq = stop.seq, "stop not announced to the other nodes");
     }
 }
@@ -141,14 +137,15 @@ pub(crate) fn apply(hub: &Hub, streams: &LiveStreams, stop: &TurnStop) {
 /// Settles a stopped turn that no answer completed: the text its stream had when it was
 /// stopped (as this node holds it), else an empty answer, committed as the turn's result with
 /// status `stopped`.
-async fn settle(store: &Store, hub: &Hub, streams: &LiveStreams, stop: &TurnStop) {
+async fn settle(state: &AppState, stop: &TurnStop) {
+    let (store, streams) = (&state.store, &state.streams);
     let turn = StreamTurn {
         seq: stop.seq,
         revision: stop.revision,
     };
     // A stream its agent opened as the stop committed (it passed the opening check before)
     // is still open: it ends now, here and on every node, with what it had.
-    streams.stop_turn(hub, stop.conversation_id, turn, &stop.reason, true);
+    streams.stop_turn(&state.hub, stop.conversation_id, turn, &stop.reason, true);
     let streamed = streams.take_stopped(stop.conversation_id, turn);
     let answer = StoppedAnswer {
         stream_id: streamed.as_ref().map(|text| text.stream_id.clone()),
@@ -163,7 +160,7 @@ async fn settle(store: &Store, hub: &Hub, streams: &LiveStreams, stop: &TurnStop
             metrics::counter!("converger_stops_settled_total").increment(1);
             tracing::info!(conversation_id = %stop.conversation_id, seq = stop.seq, chars = answer.text.len(), "stopped turn settled by the gateway");
             crate::publish::committed(
-                hub,
+                state,
                 stop.channel_id,
                 stop.conversation_id,
                 [Arc::new(*activity)],
@@ -218,7 +215,7 @@ pub(crate) fn spawn_sweep(state: AppState) -> JoinHandle<()> {
                     at_ms: 0,
                     reason: overdue.reason,
                 };
-                settle(&state.store, &state.hub, &state.streams, &stop).await;
+                settle(&state, &stop).await;
             }
         }
     })

@@ -63,6 +63,10 @@ pub struct StoreOptions {
     pub statement_timeout: Duration,
     /// Group-commit batches in progress at once (at least 1).
     pub commit_workers: usize,
+    /// Whether committing statements announce their commits with `pg_notify` (the `postgres`
+    /// bus). Off for a node whose bus publishes its commits itself after they committed: its
+    /// connections carry `converger.notify = off` (ADR 0033).
+    pub notify_in_commit: bool,
 }
 
 /// Handle to the database; cheap to clone.
@@ -74,6 +78,8 @@ pub struct Store {
     group_commit: group_commit::GroupCommit,
     /// Which database host the pool uses, and the search for another after a failure.
     follower: primary::Follower,
+    /// Whether committing statements notify (`StoreOptions::notify_in_commit`).
+    notify_in_commit: bool,
 }
 
 /// What `Store::migrate` did.
@@ -84,6 +90,11 @@ pub struct MigrationReport {
 }
 
 impl Store {
+    /// Whether committing statements announce their commits with `pg_notify`.
+    pub fn notifies_in_commit(&self) -> bool {
+        self.notify_in_commit
+    }
+
     /// The database's clock now, in ms since the epoch (commit times are on this clock).
     pub async fn database_now_ms(&self) -> Result<i64, StoreError> {
         self.timed("database_now", async {
@@ -102,9 +113,14 @@ impl Store {
             url.parse::<PgConnectOptions>()
                 .map_err(|source| StoreError::Config(format!("invalid database url: {source}")))
                 .map(|parsed| {
-                    parsed
+                    let parsed = parsed
                         .application_name("converger")
-                        .options([("statement_timeout", statement_timeout_ms.as_str())])
+                        .options([("statement_timeout", statement_timeout_ms.as_str())]);
+                    if options.notify_in_commit {
+                        parsed
+                    } else {
+                        parsed.options([("converger.notify", "off")])
+                    }
                 })
         };
         let host_list = hosts::split_hosts(&options.url)?;
@@ -138,6 +154,7 @@ impl Store {
             pool,
             query_deadline,
             follower,
+            notify_in_commit: options.notify_in_commit,
         })
     }
 

@@ -9,7 +9,7 @@ use uuid::Uuid;
 use crate::activities::{ACTIVITY_COLUMNS, Activity};
 use crate::conversations::Conversation;
 use crate::turns::StoppedTurn;
-use crate::{NOTIFY_CHANNEL, Store, StoreError};
+use crate::{Store, StoreError};
 
 /// Sender id (and role) of the frames the gateway itself writes.
 pub const SYSTEM_SENDER: &str = "system";
@@ -102,7 +102,7 @@ fn status_change_sql() -> String {
              INSERT INTO outbox (conversation_id, seq_from, seq_to)
              SELECT conversation_id, seq, seq FROM act RETURNING id, conversation_id, seq_from
          ), notified AS (
-             SELECT pg_notify('{NOTIFY_CHANNEL}',
+             SELECT converger_notify(
                     json_build_object('k', 'c', 'e', event.id, 'c', event.conversation_id,
                                       's', event.seq_from, 'h', conv.channel_id)::text)::text
              FROM event, conv

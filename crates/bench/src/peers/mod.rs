@@ -24,7 +24,7 @@ use crate::turns::{self, TurnsArgs};
 pub use crate::stats::Samples;
 
 /// Arguments of `peers`.
-#[derive(Debug, clap::Args)]
+#[derive(Debug, Clone, clap::Args)]
 pub struct PeersArgs {
     /// End users, each in its own conversation, in closed loop (and pgbench clients).
     #[arg(long, default_value_t = 64)]
@@ -36,8 +36,13 @@ pub struct PeersArgs {
     #[arg(long, default_value_t = 10)]
     duration: u64,
     /// Measure only these systems; all by default.
-    #[arg(long, value_delimiter = ',', value_parser = ["pgbench", "store", "converger", "redis", "jetstream"])]
+    #[arg(long, value_delimiter = ',', value_parser = ["pgbench", "store", "converger", "converger_nats", "redis", "jetstream"])]
     only: Vec<String>,
+    /// Run Postgres as a primary with a synchronous standby (the failover pair, started from
+    /// the machine's server binaries) for pgbench, the store and converger, instead of
+    /// `--database-url`.
+    #[arg(long)]
+    sync_standby: bool,
     /// Postgres server for converger's database and for pgbench.
     #[arg(long, default_value = DEFAULT_DATABASE_URL)]
     database_url: String,
@@ -177,8 +182,32 @@ impl Interrupt {
 }
 
 /// Runs every system in turn and prints a table and one JSON line.
-pub async fn run(args: PeersArgs) -> anyhow::Result<()> {
+pub async fn run(mut args: PeersArgs) -> anyhow::Result<()> {
     let _ = rlimit::increase_nofile_limit(u64::MAX);
+    let pair = match args.sync_standby {
+        true => {
+            let dir =
+                std::env::temp_dir().join(format!("converger-peers-pair-{}", std::process::id()));
+            let pair = converger_embedded::ReplicatedPair::start(&dir)
+                .await
+                .context("starting a primary and a synchronous standby")?;
+            args.database_url =
+                pair.member_url(converger_embedded::PairMember::Primary, "postgres");
+            Some(pair)
+        }
+        false => None,
+    };
+    let outcome = run_systems(&args).await;
+    if let Some(pair) = pair {
+        pair.stop()
+            .await
+            .context("stopping the primary and standby")?;
+    }
+    outcome
+}
+
+async fn run_systems(args: &PeersArgs) -> anyhow::Result<()> {
+    let args = args.clone();
     let interrupt = Interrupt::listen();
     let settings = LoopSettings {
         users: args.users,
@@ -218,7 +247,15 @@ pub async fn run(args: PeersArgs) -> anyhow::Result<()> {
         &args,
         "converger",
         format!("converger: {loop_label}"),
-        measure_converger(&args, interrupt.clone()),
+        measure_converger(&args, "postgres", interrupt.clone()),
+    )
+    .await;
+    stop_if_interrupted(&interrupt)?;
+    let converger_nats = measure_if(
+        &args,
+        "converger_nats",
+        format!("converger on the NATS bus: {loop_label}"),
+        measure_converger(&args, "nats", interrupt.clone()),
     )
     .await;
     stop_if_interrupted(&interrupt)?;
@@ -241,6 +278,7 @@ pub async fn run(args: PeersArgs) -> anyhow::Result<()> {
 
     let systems = [
         ("converger", &converger),
+        ("converger_nats", &converger_nats),
         ("store", &store),
         ("redis", &redis),
         ("jetstream", &jetstream),
@@ -249,6 +287,7 @@ pub async fn run(args: PeersArgs) -> anyhow::Result<()> {
     let ratios = ratios(
         &converger,
         &[
+            ("converger_nats", &converger_nats),
             ("store", &store),
             ("redis", &redis),
             ("jetstream", &jetstream),
@@ -286,6 +325,7 @@ pub async fn run(args: PeersArgs) -> anyhow::Result<()> {
         "users": args.users,
         "agents": args.agents,
         "duration_secs": args.duration,
+        "sync_standby": args.sync_standby,
         "systems": system_figures,
         "ratios": ratios,
         "limit": format!(
@@ -301,6 +341,7 @@ pub async fn run(args: PeersArgs) -> anyhow::Result<()> {
     let failed: Vec<&str> = [
         ("pgbench", &pgbench),
         ("converger", &converger),
+        ("converger_nats", &converger_nats),
         ("store", &store),
         ("redis", &redis),
         ("jetstream", &jetstream),
@@ -343,7 +384,8 @@ fn stop_if_interrupted(interrupt: &Interrupt) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn measure_converger(args: &PeersArgs, mut interrupt: Interrupt) -> Outcome {
+/// converger end to end on `bus` (`converger_nats`: the same on the NATS bus, `--nats-url`).
+async fn measure_converger(args: &PeersArgs, bus: &str, mut interrupt: Interrupt) -> Outcome {
     let turns_args = TurnsArgs {
         users: args.users,
         agents: args.agents,
@@ -351,6 +393,8 @@ async fn measure_converger(args: &PeersArgs, mut interrupt: Interrupt) -> Outcom
         database_url: args.database_url.clone(),
         binary: args.binary.clone(),
         rate: None,
+        bus: bus.to_owned(),
+        nats_url: args.nats_url.clone(),
     };
     let figures = tokio::select! {
         figures = turns::figures(&turns_args) => figures,

@@ -60,6 +60,7 @@ async fn run(url: &str, settings: LoopSettings) -> anyhow::Result<serde_json::Va
             .ok()
             .and_then(|workers| workers.parse().ok())
             .unwrap_or(2),
+        notify_in_commit: true,
     })
     .await?;
     store.migrate().await?;

@@ -15,6 +15,7 @@ use tokio::time::Instant;
 use converger_embedded::{PairMember, ReplicatedPair};
 
 use super::load::{Agents, Counters, Load};
+use super::nats::NatsCluster;
 use super::nodes::Cluster;
 
 /// Longest a database call of the injector may take.
@@ -31,6 +32,10 @@ enum Fault {
     TerminateBackends,
     /// Cut one or all live client connections of a node's proxy (no close frame).
     DropSockets,
+    /// `--bus nats`: SIGKILL a NATS server, wait, start it again on the same ports.
+    KillNats,
+    /// `--bus nats`: cut every node connection through one NATS server's proxy.
+    CutNats,
 }
 
 const FAULTS: [Fault; 4] = [
@@ -38,6 +43,16 @@ const FAULTS: [Fault; 4] = [
     Fault::KillNode,
     Fault::TerminateBackends,
     Fault::DropSockets,
+];
+
+/// The faults of a soak on the NATS bus.
+const FAULTS_WITH_NATS: [Fault; 6] = [
+    Fault::KillAgent,
+    Fault::KillNode,
+    Fault::TerminateBackends,
+    Fault::DropSockets,
+    Fault::KillNats,
+    Fault::CutNats,
 ];
 
 /// How often and how hard.
@@ -85,6 +100,10 @@ pub struct FaultCounts {
     pub socket_drops: u64,
     /// Client connections cut in all.
     pub sockets_dropped: u64,
+    /// NATS servers killed (and restarted).
+    pub nats_killed: u64,
+    /// Times the nodes' connections to a NATS server were cut.
+    pub nats_cuts: u64,
     /// Postgres failovers, in order.
     pub failovers: Vec<FailoverFigures>,
     /// Faults that could not be carried out (logged).
@@ -98,6 +117,8 @@ impl FaultCounts {
             + self.nodes_killed
             + self.backend_terminations
             + self.socket_drops
+            + self.nats_killed
+            + self.nats_cuts
             + self.failovers.len() as u64
     }
 
@@ -112,6 +133,8 @@ impl FaultCounts {
             "listen_backends_terminated": self.listen_backends_terminated,
             "drop_sockets": self.socket_drops,
             "sockets_dropped": self.sockets_dropped,
+            "kill_nats": self.nats_killed,
+            "cut_nats": self.nats_cuts,
             "failovers": self.failovers.len(),
             "failover_to_first_ack_ms": self
                 .failovers
@@ -133,7 +156,7 @@ impl FaultCounts {
 pub async fn inject(
     cluster: &mut Cluster,
     agents: &mut Agents,
-    mut pair: Option<&mut ReplicatedPair>,
+    (mut pair, mut nats): (Option<&mut ReplicatedPair>, Option<&mut NatsCluster>),
     load: &Load,
     plan: &FaultPlan,
     rng: &mut StdRng,
@@ -165,7 +188,11 @@ pub async fn inject(
             continue;
         }
         next_fault = Instant::now() + pause_between(every_ms, rng);
-        let fault = FAULTS[rng.random_range(0..FAULTS.len())];
+        let kinds: &[Fault] = match nats {
+            Some(_) => &FAULTS_WITH_NATS,
+            None => &FAULTS,
+        };
+        let fault = kinds[rng.random_range(0..kinds.len())];
         match fault {
             Fault::KillAgent => {
                 if agents.len() == 0 {
@@ -175,6 +202,42 @@ pub async fn inject(
                 tracing::info!(fault = "kill_agent", slot, "killing an agent");
                 agents.replace(slot);
                 counts.agents_killed += 1;
+            }
+            Fault::KillNats => {
+                let Some(nats) = nats.as_deref_mut() else {
+                    continue;
+                };
+                let index = rng.random_range(0..nats.len());
+                let node_down_ms = plan.node_down.as_millis().max(2) as u64;
+                let down = Duration::from_millis(
+                    node_down_ms / 2 + rng.random_range(0..=node_down_ms / 2),
+                );
+                tracing::info!(
+                    fault = "kill_nats",
+                    server = index,
+                    down_ms = down.as_millis() as u64,
+                    "kill -9 a NATS server"
+                );
+                nats.kill(index).await;
+                counts.nats_killed += 1;
+                tokio::time::sleep(down).await;
+                nats.restart(index)
+                    .await
+                    .with_context(|| format!("restart NATS server {index}"))?;
+            }
+            Fault::CutNats => {
+                let Some(nats) = nats.as_deref_mut() else {
+                    continue;
+                };
+                let index = rng.random_range(0..nats.len());
+                let cut = nats.cut(index);
+                tracing::info!(
+                    fault = "cut_nats",
+                    server = index,
+                    cut,
+                    "NATS connections cut"
+                );
+                counts.nats_cuts += 1;
             }
             Fault::KillNode => {
                 let index = rng.random_range(0..cluster.len());

@@ -11,6 +11,7 @@
 mod faults;
 mod load;
 mod metrics;
+mod nats;
 mod nodes;
 mod proxy;
 mod report;
@@ -37,6 +38,7 @@ use uuid::Uuid;
 
 use self::faults::{FailoverPlan, FaultPlan};
 use self::load::{Agents, Counters, Load, LoadSettings, Phase};
+use self::nats::NatsCluster;
 use self::nodes::{Cluster, NodeSettings};
 use self::report::{Printed, print_report};
 use crate::gateway::{ADMIN_TOKEN, DEFAULT_DATABASE_URL, create_database, default_binary};
@@ -107,6 +109,14 @@ pub struct SoakArgs {
     /// The `converger` binary (default: next to this one).
     #[arg(long)]
     binary: Option<PathBuf>,
+    /// The nodes' cluster bus: `postgres`, or `nats` (a cluster of `--nats-servers` real
+    /// `nats-server` processes, each behind a proxy, and two more fault kinds: a NATS server
+    /// killed and restarted, the nodes' connections to one cut).
+    #[arg(long, default_value = "postgres")]
+    bus: String,
+    /// NATS servers in the soak's NATS cluster (`--bus nats`).
+    #[arg(long, default_value_t = 3)]
+    nats_servers: usize,
 }
 
 /// Runs the soak, prints a table and one JSON line, and fails on a breach.
@@ -167,6 +177,16 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
         // Both hosts: the nodes follow the promotions by themselves.
         env.push(("CONVERGER_DATABASE_URL", pair.url_for(&database)));
     }
+    let mut nats = match args.bus.as_str() {
+        "postgres" => None,
+        "nats" => {
+            let servers = NatsCluster::start(args.nats_servers.max(1), &logs_dir).await?;
+            env.push(("CONVERGER_BUS", "nats".to_owned()));
+            env.push(("CONVERGER_NATS__SERVERS", servers.urls()));
+            Some(servers)
+        }
+        other => bail!("--bus {other}: postgres or nats"),
+    };
     let settings = NodeSettings {
         binary,
         server_url: server_url.clone(),
@@ -181,7 +201,7 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
             return Err(error.context("starting the nodes"));
         }
     };
-    let outcome = soak(&args, seed, &mut cluster, pair.as_mut()).await;
+    let outcome = soak(&args, seed, &mut cluster, pair.as_mut(), nats.as_mut()).await;
     let keep = args.keep || !matches!(&outcome, Ok(report) if report.breaches.is_empty());
     let logs = cluster.logs_dir().to_owned();
     let database_url = cluster.database_url();
@@ -255,6 +275,7 @@ async fn soak(
     seed: u64,
     cluster: &mut Cluster,
     pair: Option<&mut ReplicatedPair>,
+    nats: Option<&mut NatsCluster>,
 ) -> anyhow::Result<Report> {
     let effects = Effects::start().await?;
     let rest = RestClient::new(cluster.base_url(0))?;
@@ -309,7 +330,16 @@ async fn soak(
     };
     let mut rng = StdRng::seed_from_u64(seed);
     let until = started + Duration::from_secs(args.duration);
-    let injected = faults::inject(cluster, &mut agents, pair, &load, &plan, &mut rng, until).await;
+    let injected = faults::inject(
+        cluster,
+        &mut agents,
+        (pair, nats),
+        &load,
+        &plan,
+        &mut rng,
+        until,
+    )
+    .await;
     progress.abort();
     let faults = match injected {
         Ok(faults) => faults,

@@ -52,6 +52,11 @@ impl Proxy {
         })
     }
 
+    /// The proxy's listening address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
     /// Forwards new connections to `upstream` from now on.
     pub fn set_upstream(&self, upstream: SocketAddr) {
         *lock(&self.upstream) = upstream;

@@ -61,8 +61,14 @@ pub(super) fn print_report(printed: &Printed<'_>) {
     };
 
     println!(
-        "converger soak: {} nodes, {} users, {} agents (lease mode, lease {} ms), {:.0} s of faults every ~{} ms, seed {seed}",
-        args.nodes, args.users, args.agents, args.lease_ms, loaded_secs, args.fault_every_ms
+        "converger soak: {} nodes on the {} bus, {} users, {} agents (lease mode, lease {} ms), {:.0} s of faults every ~{} ms, seed {seed}",
+        args.nodes,
+        args.bus,
+        args.users,
+        args.agents,
+        args.lease_ms,
+        loaded_secs,
+        args.fault_every_ms
     );
     println!(
         "settle: {} in {settle_secs:.1} s (pending turns {}, users behind {}, users waiting {})",
@@ -255,6 +261,7 @@ pub(super) fn print_report(printed: &Printed<'_>) {
         "bench": "soak",
         "machine": machine::describe(),
         "nodes": args.nodes,
+        "bus": args.bus,
         "users": args.users,
         "agents": args.agents,
         "duration_secs": loaded_secs,

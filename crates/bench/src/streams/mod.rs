@@ -70,6 +70,10 @@ pub struct StreamsArgs {
     /// Measure converger only (no Redis or NATS peers).
     #[arg(long)]
     skip_peers: bool,
+    /// The cluster buses converger's nodes run on, each measured in turn with the first client
+    /// (comma-separated: `postgres`, `nats`; the NATS bus uses `--nats-url`).
+    #[arg(long, value_delimiter = ',', default_value = "postgres")]
+    buses: Vec<String>,
 }
 
 /// The nodes' stream budgets (per channel, per node): 4 GiB.
@@ -293,14 +297,29 @@ pub async fn run(args: StreamsArgs) -> anyhow::Result<()> {
     };
     // Phase 2 paces every client at the first one's rate (half its phase 1, unless --rate), so
     // their latencies are read under the same load.
+    let Some(first_bus) = args.buses.first().cloned() else {
+        bail!("--buses names no bus");
+    };
     let mut by_client: Vec<(tabs::Client, Value)> = Vec::new();
     for &client in &args.clients {
         let paced = by_client
             .first()
             .and_then(|(_, first)| first["settings_paced_rate"].as_f64());
-        by_client.push((client, measure_converger(&args, client, paced).await?));
+        by_client.push((
+            client,
+            measure_converger(&args, client, &first_bus, paced).await?,
+        ));
     }
     let converger = by_client[0].1.clone();
+    // The other buses, with the first client, paced as the first.
+    let mut by_bus: Vec<(String, Value)> = vec![(first_bus.clone(), converger.clone())];
+    for bus in args.buses.iter().skip(1) {
+        let paced = converger["settings_paced_rate"].as_f64();
+        by_bus.push((
+            bus.clone(),
+            measure_converger(&args, first_client, bus, paced).await?,
+        ));
+    }
     let half = converger["chunks_per_sec"].as_f64().unwrap_or(0.0) / 2.0;
     let rate = if args.rate > 0.0 { args.rate } else { half };
     let skipped = || json!({"failed": "skipped (--skip-peers)"});
@@ -324,10 +343,23 @@ pub async fn run(args: StreamsArgs) -> anyhow::Result<()> {
         true => json!(converger["chunks_per_sec"].as_f64().unwrap_or(0.0) / faster_peer),
         false => Value::Null,
     };
+    let ratios_by_bus: serde_json::Map<String, Value> = by_bus
+        .iter()
+        .map(|(bus, figures)| {
+            let ratio = match faster_peer > 0.0 {
+                true => json!(figures["chunks_per_sec"].as_f64().unwrap_or(0.0) / faster_peer),
+                false => Value::Null,
+            };
+            (bus.clone(), ratio)
+        })
+        .collect();
     let mut rows: Vec<(String, &Value)> = by_client
         .iter()
         .map(|(client, figures)| (format!("converger/{}", client.name()), figures))
         .collect();
+    for (bus, figures) in by_bus.iter().skip(1) {
+        rows.push((format!("converger/{}@{bus}", first_client.name()), figures));
+    }
     rows.push(("redis".into(), &redis));
     rows.push(("nats".into(), &nats));
     println!("system              chunks/s   paced/s   same p50/p99 ms   cross p50/p99 ms");
@@ -382,6 +414,9 @@ pub async fn run(args: StreamsArgs) -> anyhow::Result<()> {
          Redis pub/sub and NATS core keep nothing"
     );
     line["ratio_to_faster_peer"] = ratio;
+    line["bus"] = json!(first_bus);
+    line["buses"] = Value::Object(by_bus.iter().cloned().collect());
+    line["ratio_to_faster_peer_by_bus"] = Value::Object(ratios_by_bus);
     line["client"] = json!(first_client.name());
     line["clients"] = Value::Object(clients);
     line["ratio_to_first_client"] = Value::Object(ratios);
@@ -393,10 +428,13 @@ pub async fn run(args: StreamsArgs) -> anyhow::Result<()> {
 async fn measure_converger(
     args: &StreamsArgs,
     client: tabs::Client,
+    bus: &str,
     paced: Option<f64>,
 ) -> anyhow::Result<Value> {
     let binary = args.binary.clone().unwrap_or_else(default_binary);
     let env = [
+        ("CONVERGER_BUS", bus.to_owned()),
+        ("CONVERGER_NATS__SERVERS", args.nats_url.clone()),
         ("CONVERGER_LIMITS__MAX_FRAMES_PER_SEC", "1000000".to_owned()),
         (
             "CONVERGER_LIMITS__MAX_STREAMS_PER_CONNECTION",
@@ -430,7 +468,16 @@ async fn measure_converger(
         let database = first.database_name().to_owned();
         second = Some(Gateway::start_on(&binary, &args.database_url, &database, &with_seed).await?);
     }
-    let outcome = converger_phases(args, client, paced, &first, second.as_ref()).await;
+    // The NATS server's CPU is part of converger's cost on that bus (Postgres's is not counted
+    // on either).
+    let bus_processes = match bus {
+        "nats" => pid_of("nats-server")
+            .map(|pid| vec![("nats-server".to_owned(), pid)])
+            .unwrap_or_default(),
+        _ => Vec::new(),
+    };
+    let nodes = (&first, second.as_ref());
+    let outcome = converger_phases(args, client, paced, nodes, bus_processes).await;
     if let Some(second) = second {
         second.kill().await;
     }
@@ -470,8 +517,8 @@ async fn converger_phases(
     args: &StreamsArgs,
     client: tabs::Client,
     paced: Option<f64>,
-    first: &Gateway,
-    second: Option<&Gateway>,
+    (first, second): (&Gateway, Option<&Gateway>),
+    bus_processes: Vec<(String, u32)>,
 ) -> anyhow::Result<Value> {
     let rest = RestClient::new(&first.base_url)?;
     let (channel, agent_token) =
@@ -565,6 +612,7 @@ async fn converger_phases(
     if let Some(second) = second {
         processes.push(("node_2".to_owned(), second.pid()));
     }
+    processes.extend(bus_processes);
     let mut cpu = Value::Null;
     let mut paced_rate = 0.0;
     for phase in 0..2u8 {
@@ -631,7 +679,8 @@ async fn converger_phases(
         json!(per_stream(rss_after_burst));
     figures["round_trip"] = json!(
         "agent streamChunk on node 1 → gateway registry → hub → tab socket (same node); → \
-         coalesced pg_notify → node 2 → tab socket (cross node)"
+         the cluster bus (coalesced pg_notify, or packed NATS messages) → node 2 → tab \
+         socket (cross node)"
     );
     Ok(figures)
 }

@@ -2,7 +2,10 @@
 //! environment variables by the binary, validated before anything starts. The sections are in
 //! `sections.rs`.
 
+mod bus;
 mod sections;
+
+pub use bus::{BusKind, NatsConfig};
 
 pub use sections::{
     AdminConfig, ConversationsConfig, DatabaseConfig, DemoConfig, DemoPage, DrainConfig,
@@ -86,6 +89,10 @@ pub struct Config {
     pub http_agents: HttpAgentsConfig,
     /// The demo chat page.
     pub demo: DemoConfig,
+    /// Which bus carries events between nodes: `postgres`, `nats` or `local` (ADR 0033).
+    pub bus: BusKind,
+    /// The NATS servers, when `bus = "nats"`.
+    pub nats: NatsConfig,
 }
 
 impl Default for Config {
@@ -121,6 +128,8 @@ impl Default for Config {
             frontends: FrontendsConfig::default(),
             http_agents: HttpAgentsConfig::default(),
             demo: DemoConfig::default(),
+            bus: BusKind::default(),
+            nats: NatsConfig::default(),
         }
     }
 }
@@ -183,6 +192,9 @@ impl Config {
         }
         if !self.admin_token.is_empty() && self.admin_token.len() < 16 {
             return Err("admin_token must be at least 16 bytes".into());
+        }
+        if self.bus == BusKind::Nats {
+            self.nats.validate()?;
         }
         if self.cluster_id.is_empty() {
             return Err("cluster_id must not be empty".into());

@@ -349,7 +349,7 @@ async fn commit_and_publish(
     let result = match outcome {
         Ok(AnswerOutcome::Committed { activities, .. }) => {
             publish::committed(
-                &state.hub,
+                &state,
                 channel_id,
                 answer.conversation_id,
                 activities.into_iter().map(Arc::new),

@@ -127,8 +127,8 @@ pub(crate) async fn disconnect(
         reason,
         issued_ms: chrono::Utc::now().timestamp_millis(),
     };
-    // Every node, this one included, carries the order out when its listener hears it.
-    state.store.publish_disconnect(&order).await?;
+    // Every node, this one included, carries the order out when its bus hands it over.
+    state.bus.disconnect(&order).await?;
     tracing::info!(request_id = %order.request_id, tenant_id = %order.tenant_id, "disconnect ordered");
     let deadline = tokio::time::Instant::now() + DISCONNECT_REPORT_WAIT;
     let reports = loop {

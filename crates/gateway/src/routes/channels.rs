@@ -204,12 +204,8 @@ pub(crate) async fn update(
         // Close this node's sockets now; the other nodes hear it from the bus.
         state
             .hub
-            .close_channel(channel.id, crate::bus_bridge::channel_inactive_close());
-        if let Err(error) = state
-            .store
-            .publish_channel_status(state.hub.node_id(), channel.id, &channel.status)
-            .await
-        {
+            .close_channel(channel.id, crate::bus::door::channel_inactive_close());
+        if let Err(error) = state.bus.channel_status(channel.id, &channel.status).await {
             tracing::warn!(%error, channel_id = %channel.id, "channel deactivation not published to other nodes");
         }
     }

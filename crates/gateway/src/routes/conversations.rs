@@ -325,7 +325,7 @@ pub(crate) async fn commit_user_message(
     let activity = Arc::new(outcome.activity);
     if !outcome.duplicate {
         crate::publish::committed(
-            &state.hub,
+            state,
             conversation.channel_id,
             conversation.id,
             [Arc::clone(&activity)],

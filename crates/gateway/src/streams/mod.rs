@@ -10,6 +10,7 @@
 mod packed;
 mod relay;
 
+use std::borrow::Cow;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -18,16 +19,12 @@ use converger_core::streams::{
     Accepted, ChunkIn, ChunkRefusal, OpenStream, StreamLimits, StreamRegistry, StreamTurn,
 };
 use converger_protocol::{Profile, StopReason, end_user_chunk};
-use converger_store::Store;
-use serde::Serialize;
 use serde_json::Value;
 use tokio::sync::{mpsc, oneshot};
 use uuid::Uuid;
 
 pub use self::packed::PackedChunks;
-use self::relay::{
-    Backlog, RELAY_TIMEOUT, RelayOrder, RelayedChunk, RelayedEnd, content_from_wire, turn_from_wire,
-};
+use self::relay::{Backlog, RELAY_TIMEOUT, RelayOrder, RelayedChunk, RelayedEnd, RelayedEvent};
 use crate::hub::{Hub, HubEvent, lock};
 pub use crate::stream_event::{ChunkBody, StreamChange, StreamEvent};
 
@@ -116,19 +113,17 @@ impl std::fmt::Debug for LiveStreams {
 }
 
 impl LiveStreams {
-    /// The streams of node `node_id`, relaying through `store`'s notifications once per
-    /// `relay_window` at most.
+    /// The streams of node `node_id`, relaying through `bus` once per `relay_window` at most.
     pub fn start(
         node_id: &str,
-        store: Store,
+        bus: Arc<crate::bus::Bus>,
         limits: StreamLimits,
         relay_window: Duration,
     ) -> Arc<LiveStreams> {
         let (relay, orders) = mpsc::unbounded_channel();
         let relay_backlog = Arc::new(Backlog::default());
         tokio::spawn(relay::run(
-            store,
-            node_id.to_owned(),
+            bus,
             relay_window,
             Arc::clone(&relay_backlog),
             orders,
@@ -196,16 +191,16 @@ impl LiveStreams {
             return Ok(());
         };
         metrics::counter!("converger_stream_chunks_total").increment(1);
-        self.relay_event(&RelayedChunk {
+        self.relay_event(&RelayedEvent::Chunk(RelayedChunk {
             c: chunk.conversation_id,
-            s: chunk.stream_id,
+            s: Cow::Borrowed(chunk.stream_id),
             i: chunk.index,
             t: (turn.seq, turn.revision),
             x: chunk.fence,
-            o: chunk.owner,
+            o: Cow::Borrowed(chunk.owner),
             b: (&body.content).into(),
-            f: &body.from,
-        });
+            f: Cow::Borrowed(&body.from),
+        }));
         hub.publish(
             chunk.conversation_id,
             HubEvent::Stream(StreamEvent::new(StreamChange::Chunk {
@@ -390,42 +385,48 @@ impl LiveStreams {
             "stream events from another node"
         );
         for event in events {
-            self.apply_remote_event(hub, node, &event);
+            self.apply_remote_event(hub, node, event);
         }
     }
 
-    fn apply_remote_event(&self, hub: &Hub, node: &str, event: &Value) {
-        let (Some(conversation_id), Some(stream_id)) = (
-            event
-                .get("c")
-                .and_then(Value::as_str)
-                .and_then(|c| Uuid::parse_str(c).ok()),
-            event.get("s").and_then(Value::as_str),
-        ) else {
-            return;
-        };
-        if let Some(ending) = event.get("e") {
-            let aborted = ending.as_str().map(str::to_owned);
-            let ended = lock(&self.registry).end(&conversation_id, stream_id);
-            if let Some(stream) = ended {
-                if aborted.as_deref().is_some_and(is_stop_reason) {
-                    self.keep_stopped(conversation_id, stream_id, &stream);
-                }
-                publish_end(hub, conversation_id, stream_id.to_owned(), aborted);
+    fn apply_remote_event(&self, hub: &Hub, node: &str, event: Value) {
+        let event = match serde_json::from_value::<RelayedEvent<'static>>(event) {
+            Ok(event) => event,
+            Err(error) => {
+                tracing::warn!(%error, node, "stream event from another node unreadable");
+                return;
             }
-            return;
-        }
-        let (Some(index), Some(turn), Some(owner), Some(content)) = (
-            event.get("i").and_then(Value::as_u64),
-            event.get("t").and_then(turn_from_wire),
-            event.get("o").and_then(Value::as_str),
-            event.get("b").and_then(content_from_wire),
-        ) else {
-            return;
         };
+        let chunk = match event {
+            RelayedEvent::Chunk(chunk) => chunk,
+            RelayedEvent::End(end) => {
+                let (conversation_id, stream_id) = (end.c, end.s.as_ref());
+                let aborted = end.e.map(Cow::into_owned);
+                let ended = lock(&self.registry).end(&conversation_id, stream_id);
+                if let Some(stream) = ended {
+                    if aborted.as_deref().is_some_and(is_stop_reason) {
+                        self.keep_stopped(conversation_id, stream_id, &stream);
+                    }
+                    publish_end(hub, conversation_id, stream_id.to_owned(), aborted);
+                }
+                return;
+            }
+        };
+        let turn = chunk.turn();
+        let RelayedChunk {
+            c: conversation_id,
+            s: stream_id,
+            i: index,
+            x: fence,
+            o: owner,
+            b: content,
+            f: from,
+            ..
+        } = chunk;
+        let (stream_id, owner) = (stream_id.as_ref(), owner.as_ref());
         let body = Arc::new(ChunkBody {
-            content,
-            from: Arc::new(event.get("f").cloned().unwrap_or(Value::Null)),
+            content: content.into(),
+            from: Arc::new(from.into_owned()),
         });
         // The owner's node applied the stream's own limits; here only the node's budget holds.
         let replica_limits = StreamLimits {
@@ -441,7 +442,7 @@ impl LiveStreams {
                 pool: node,
                 index,
                 turn: Some(turn),
-                fence: event.get("x").and_then(Value::as_i64),
+                fence,
                 payload: Arc::clone(&body),
                 bytes: body.content.size(),
             },
@@ -495,14 +496,14 @@ impl LiveStreams {
     }
 
     fn relay_end(&self, conversation_id: Uuid, stream_id: &str, aborted: Option<&str>) {
-        self.relay_event(&RelayedEnd {
+        self.relay_event(&RelayedEvent::End(RelayedEnd {
             c: conversation_id,
-            s: stream_id,
-            e: aborted,
-        });
+            s: Cow::Borrowed(stream_id),
+            e: aborted.map(Cow::Borrowed),
+        }));
     }
 
-    fn relay_event(&self, event: &impl Serialize) {
+    fn relay_event(&self, event: &RelayedEvent<'_>) {
         match serde_json::to_string(event) {
             Ok(text) => {
                 // Counted before it is sent, so the relay never takes away what was not added.

@@ -3,14 +3,14 @@
 //! statement of `pg_notify` calls, so a node costs at most one transaction per window however
 //! many chunks it relays.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use converger_core::streams::StreamTurn;
 use converger_protocol::StreamContent;
-use converger_store::Store;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use tokio::sync::{mpsc, oneshot};
 use uuid::Uuid;
@@ -29,13 +29,24 @@ pub(super) enum RelayOrder {
     Flush(oneshot::Sender<()>),
 }
 
+/// A stream event as it travels between nodes: the one type the sending node encodes (borrowing
+/// what it relays) and the receiving nodes decode (owned).
+#[derive(Debug, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub(super) enum RelayedEvent<'a> {
+    /// A chunk (tried first: an end has none of its `i`, `t`, `o`, `b`, `f`).
+    Chunk(RelayedChunk<'a>),
+    /// A stream's end.
+    End(RelayedEnd<'a>),
+}
+
 /// A chunk as the other nodes receive it.
-#[derive(Serialize)]
+#[derive(Debug, PartialEq, Serialize, Deserialize)]
 pub(super) struct RelayedChunk<'a> {
     /// The conversation.
     pub c: Uuid,
     /// The stream.
-    pub s: &'a str,
+    pub s: Cow<'a, str>,
     /// The chunk's index.
     pub i: u64,
     /// The turn, as `[seq, revision]`.
@@ -43,56 +54,60 @@ pub(super) struct RelayedChunk<'a> {
     /// The delivery's lease fence, when any.
     pub x: Option<i64>,
     /// The writing connection.
-    pub o: &'a str,
+    pub o: Cow<'a, str>,
     /// The content.
     pub b: RelayedContent<'a>,
     /// The writing agent as `{id, role}`.
-    pub f: &'a Value,
+    pub f: Cow<'a, Value>,
+}
+
+impl RelayedChunk<'_> {
+    /// The turn the chunk answers.
+    pub(super) fn turn(&self) -> StreamTurn {
+        StreamTurn {
+            seq: self.t.0,
+            revision: self.t.1,
+        }
+    }
 }
 
 /// A chunk's content on the relay: `{"text": …}` or `{"chunk": …}`.
-#[derive(Serialize)]
+#[derive(Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub(super) enum RelayedContent<'a> {
     /// A text delta.
-    Text(&'a str),
+    Text(Cow<'a, str>),
     /// A UI chunk.
-    Chunk(&'a Value),
+    Chunk(Cow<'a, Value>),
 }
 
 impl<'a> From<&'a StreamContent> for RelayedContent<'a> {
     fn from(content: &'a StreamContent) -> Self {
         match content {
-            StreamContent::Text(text) => RelayedContent::Text(text),
-            StreamContent::Chunk(chunk) => RelayedContent::Chunk(chunk),
+            StreamContent::Text(text) => RelayedContent::Text(Cow::Borrowed(text)),
+            StreamContent::Chunk(chunk) => RelayedContent::Chunk(Cow::Borrowed(chunk)),
+        }
+    }
+}
+
+impl From<RelayedContent<'_>> for StreamContent {
+    fn from(content: RelayedContent<'_>) -> Self {
+        match content {
+            RelayedContent::Text(text) => StreamContent::Text(text.into_owned()),
+            RelayedContent::Chunk(chunk) => StreamContent::Chunk(chunk.into_owned()),
         }
     }
 }
 
 /// A stream's end on the relay: `e` is the abort reason, `null` when committed.
-#[derive(Serialize)]
+#[derive(Debug, PartialEq, Serialize, Deserialize)]
 pub(super) struct RelayedEnd<'a> {
     /// The conversation.
     pub c: Uuid,
     /// The stream.
-    pub s: &'a str,
+    pub s: Cow<'a, str>,
     /// Why it was aborted; `None` when committed.
-    pub e: Option<&'a str>,
-}
-
-/// A relayed content back from the wire.
-pub(super) fn content_from_wire(wire: &Value) -> Option<StreamContent> {
-    if let Some(text) = wire.get("text").and_then(Value::as_str) {
-        return Some(StreamContent::Text(text.to_owned()));
-    }
-    wire.get("chunk").cloned().map(StreamContent::Chunk)
-}
-
-/// A relayed turn back from the wire.
-pub(super) fn turn_from_wire(wire: &Value) -> Option<StreamTurn> {
-    let seq = wire.get(0)?.as_i64()?;
-    let revision = i32::try_from(wire.get(1)?.as_i64()?).ok()?;
-    Some(StreamTurn { seq, revision })
+    pub e: Option<Cow<'a, str>>,
 }
 
 /// Bytes of encoded events queued for the relay and not sent (or given up) yet: they count
@@ -123,8 +138,7 @@ impl Backlog {
 /// Sends queued stream events to the other nodes: from the first event queued, whatever else
 /// comes within `window` (or until a flush is asked for) goes in the same statement.
 pub(super) async fn run(
-    store: Store,
-    node_id: String,
+    bus: Arc<crate::bus::Bus>,
     window: Duration,
     backlog: Arc<Backlog>,
     mut orders: mpsc::UnboundedReceiver<RelayOrder>,
@@ -148,8 +162,7 @@ pub(super) async fn run(
                 .flatten();
         }
         if !events.is_empty() {
-            let sent =
-                tokio::time::timeout(RELAY_TIMEOUT, store.publish_streams(&node_id, &events)).await;
+            let sent = tokio::time::timeout(RELAY_TIMEOUT, bus.streams(&events)).await;
             match sent {
                 Ok(Ok(())) => {
                     metrics::counter!("converger_stream_relay_flushes_total").increment(1)
@@ -179,42 +192,44 @@ mod tests {
         let conversation = Uuid::now_v7();
         let from = json!({"id": "bot", "role": "agent"});
         let content = StreamContent::Text("Hel\"lo".into());
-        let chunk = RelayedChunk {
+        let chunk = RelayedEvent::Chunk(RelayedChunk {
             c: conversation,
-            s: "s-1",
+            s: Cow::Borrowed("s-1"),
             i: 3,
             t: (7, 1),
             x: None,
-            o: "conn-1",
+            o: Cow::Borrowed("conn-1"),
             b: (&content).into(),
-            f: &from,
-        };
+            f: Cow::Borrowed(&from),
+        });
         let wire: Value = serde_json::from_str(&serde_json::to_string(&chunk).unwrap()).unwrap();
-        assert_eq!(wire["c"], json!(conversation));
-        assert_eq!(wire["i"], json!(3));
-        assert_eq!(wire["x"], Value::Null);
+        let back: RelayedEvent<'static> = serde_json::from_value(wire).unwrap();
+        assert_eq!(back, chunk);
+        let RelayedEvent::Chunk(back) = back else {
+            panic!("a chunk reads back as a chunk");
+        };
         assert_eq!(
-            turn_from_wire(&wire["t"]),
-            Some(StreamTurn {
+            back.turn(),
+            StreamTurn {
                 seq: 7,
                 revision: 1
-            })
+            }
         );
-        assert_eq!(content_from_wire(&wire["b"]), Some(content));
-        assert_eq!(wire["f"], from);
+        assert_eq!(StreamContent::from(back.b), content);
         let ui = StreamContent::Chunk(json!({"type": "card"}));
         let wire = serde_json::to_value(RelayedContent::from(&ui)).unwrap();
-        assert_eq!(content_from_wire(&wire), Some(ui));
-        let end = serde_json::to_value(RelayedEnd {
-            c: conversation,
-            s: "s-1",
-            e: None,
-        })
-        .unwrap();
-        assert_eq!(
-            end.get("e"),
-            Some(&Value::Null),
-            "a committed end names no reason"
-        );
+        let back: RelayedContent<'static> = serde_json::from_value(wire).unwrap();
+        assert_eq!(StreamContent::from(back), ui);
+        for aborted in [None, Some(Cow::Borrowed("stopped"))] {
+            let end = RelayedEvent::End(RelayedEnd {
+                c: conversation,
+                s: Cow::Borrowed("s-1"),
+                e: aborted,
+            });
+            let wire = serde_json::to_value(&end).unwrap();
+            assert!(wire.get("e").is_some(), "an end always names its reason");
+            let back: RelayedEvent<'static> = serde_json::from_value(wire).unwrap();
+            assert_eq!(back, end);
+        }
     }
 }

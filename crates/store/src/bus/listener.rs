@@ -14,8 +14,9 @@ use crate::{NOTIFY_CHANNEL, Store, StoreError};
 
 impl Store {
     /// Events of the last `window` (by the database clock) that a catch-up replays: the
-    /// highest committed seq per conversation, and channel status changes.
-    async fn events_since(&self, window: Duration) -> Result<Vec<BusEvent>, StoreError> {
+    /// highest committed seq per conversation, channel status changes and disconnect orders,
+    /// read from the outbox (which every commit writes, whatever the bus).
+    pub async fn events_since(&self, window: Duration) -> Result<Vec<BusEvent>, StoreError> {
         let rows: Vec<(Option<Uuid>, Option<i64>, Option<Value>)> = self
             .timed("outbox_catch_up", async {
                 sqlx::query_as(
@@ -68,6 +69,16 @@ impl Store {
             .await?
             .flatten();
         Ok(payload.and_then(|payload| serde_json::from_value(payload).ok()))
+    }
+
+    /// Hands every batch this store's workers commit to `events`, as node `node_id`'s, before
+    /// its writers hear the outcome: for a bus that publishes commits itself (ADR 0033). False
+    /// when commits were handed elsewhere before (the first stays).
+    pub fn hand_commits_to(&self, node_id: &str, events: mpsc::UnboundedSender<BusEvent>) -> bool {
+        self.group_commit.announce_locally(LocalCommits {
+            node: node_id.to_owned(),
+            events,
+        })
     }
 
     /// Starts node `node_id`'s listener; events arrive on the returned channel until it is

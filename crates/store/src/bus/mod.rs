@@ -11,6 +11,8 @@
 mod listener;
 mod publish;
 
+pub use publish::encode_streams;
+
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -310,6 +312,66 @@ fn committed(event: CommittedEvent) -> BusEvent {
         seq: event.seq,
         channel_id: event.channel_id,
         frames: event.frames,
+    }
+}
+
+/// The text of `event` as it travels on a bus other than Postgres (NATS, ADR 0033); `None` for
+/// stream events, which travel packed (`encode_streams`). Commits name their range and carry
+/// their frames when they have them.
+pub fn encode(event: &BusEvent) -> Option<String> {
+    let payload = match event.clone() {
+        BusEvent::Streams { .. } => return None,
+        BusEvent::Committed {
+            conversation_id,
+            first_seq,
+            seq,
+            channel_id,
+            frames,
+        } => Payload::Committed(CommittedEvent {
+            conversation_id,
+            first_seq: Some(first_seq),
+            seq,
+            channel_id,
+            frames,
+        }),
+        BusEvent::Transient(transient) => Payload::Transient(transient),
+        BusEvent::Regenerated {
+            node,
+            channel_id,
+            conversation_id,
+            seq,
+            revision,
+        } => Payload::Regenerated {
+            node,
+            channel_id,
+            conversation_id,
+            seq,
+            revision,
+        },
+        BusEvent::ChannelStatus {
+            node,
+            channel_id,
+            status,
+        } => Payload::ChannelStatus {
+            node,
+            channel_id,
+            status,
+        },
+        BusEvent::Disconnect(order) => Payload::Disconnect(order),
+        BusEvent::TurnStopped(stop) => Payload::TurnStopped(stop),
+    };
+    serde_json::to_string(&payload).ok()
+}
+
+/// The events of a text `encode` or `encode_streams` wrote; none when it does not read (it is
+/// logged), or when it refers to an outbox row (only the `postgres` bus writes those).
+pub fn decode(text: &[u8]) -> Vec<BusEvent> {
+    match serde_json::from_slice::<Payload>(text) {
+        Ok(payload) => to_events(payload),
+        Err(error) => {
+            tracing::warn!(%error, "event bus: unreadable message");
+            Vec::new()
+        }
     }
 }
 

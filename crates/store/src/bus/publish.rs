@@ -149,10 +149,10 @@ impl Store {
         let stored =
             serde_json::to_value(payload).map_err(|error| StoreError::Config(error.to_string()))?;
         self.timed(operation, async {
-            sqlx::query(sqlx::AssertSqlSafe(format!(
+            sqlx::query(
                 "WITH event AS (INSERT INTO outbox (payload) VALUES ($1) RETURNING payload)
-                 SELECT pg_notify('{NOTIFY_CHANNEL}', payload::text)::text FROM event"
-            )))
+                 SELECT converger_notify(payload::text)::text FROM event",
+            )
             .bind(stored)
             .execute(&self.pool)
             .await
@@ -242,14 +242,32 @@ enum Packed {
     Outbox(String),
 }
 
+/// Stream events (each a JSON text), in order, packed into as few texts of at most `limit`
+/// bytes as fit (an event larger than `limit` alone), for a bus other than Postgres.
+pub fn encode_streams(node: &str, events: &[String], limit: usize) -> Vec<String> {
+    pack_stream_events_within(node, events, limit)
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(Packed::Inline(text) | Packed::Outbox(text))| text)
+        .collect()
+}
+
 /// Packs stream events (each a JSON text), in order, into as few `Payload::Streams` texts as
 /// the notification size allows.
 fn pack_stream_events(node: &str, events: &[String]) -> Result<Vec<Packed>, StoreError> {
+    pack_stream_events_within(node, events, INLINE_PAYLOAD_LIMIT)
+}
+
+fn pack_stream_events_within(
+    node: &str,
+    events: &[String],
+    limit: usize,
+) -> Result<Vec<Packed>, StoreError> {
     let node_json =
         serde_json::to_string(node).map_err(|error| StoreError::Config(error.to_string()))?;
     let head = format!(r#"{{"k":"st","n":{node_json},"e":["#);
     let tail = "]}";
-    let fits = |body: usize| head.len() + body + tail.len() <= INLINE_PAYLOAD_LIMIT;
+    let fits = |body: usize| head.len() + body + tail.len() <= limit;
     let mut packed = Vec::new();
     let mut current = String::new();
     for text in events {

@@ -4,7 +4,7 @@ use serde_json::{Value, json};
 use uuid::Uuid;
 
 use crate::activities::{ACTIVITY_COLUMNS, Activity};
-use crate::{NOTIFY_CHANNEL, Store, StoreError};
+use crate::{Store, StoreError};
 
 /// A new revision of a turn (edit or regenerate).
 #[derive(Debug, Clone, PartialEq)]
@@ -160,7 +160,7 @@ impl Store {
                  INSERT INTO outbox (conversation_id, seq_from, seq_to)
                  SELECT conversation_id, seq, seq FROM act RETURNING id, conversation_id, seq_from
              ), notified AS (
-                 SELECT pg_notify('{NOTIFY_CHANNEL}',
+                 SELECT converger_notify(
                         json_build_object('k', 'c', 'e', event.id, 'c', event.conversation_id, 's', event.seq_from, 'h', conv.channel_id)::text)::text
                  FROM event, conv
              )

@@ -13,7 +13,7 @@ use super::answers::{AnswerRow, answer_outcome};
 use super::{lock_open, unanswered_turns};
 use crate::activities::{Activity, Sender, SenderRole, stored_extra};
 use crate::lifecycle::SYSTEM_SENDER;
-use crate::{AnswerFrame, AnswerOutcome, NOTIFY_CHANNEL, Store, StoreError, TurnAnswer};
+use crate::{AnswerFrame, AnswerOutcome, Store, StoreError, TurnAnswer};
 
 /// A turn a stop names: the key and the turn frame's commit time (owners are decided at it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
@@ -299,16 +299,16 @@ impl Store {
                     transaction.commit().await?;
                     return Ok(None);
                 };
-                sqlx::query(sqlx::AssertSqlSafe(format!(
+                sqlx::query(
                     "WITH event AS (
                          INSERT INTO outbox (conversation_id, seq_from, seq_to)
                          VALUES ($1, $2, $2) RETURNING id
                      )
-                     SELECT pg_notify('{NOTIFY_CHANNEL}',
+                     SELECT converger_notify(
                             json_build_object('k', 'c', 'e', event.id, 'c', $1::uuid,
                                               's', $2::bigint)::text)
-                     FROM event"
-                )))
+                     FROM event",
+                )
                 .bind(conversation_id)
                 .bind(activity.seq)
                 .execute(&mut *transaction)

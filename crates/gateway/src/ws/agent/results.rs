@@ -132,7 +132,7 @@ fn reply_to(
                 .collect();
             let seqs = activities.iter().map(|activity| activity.seq).collect();
             publish::committed(
-                &state.hub,
+                state,
                 channel_id,
                 conversation_id,
                 activities.into_iter().map(Arc::new),

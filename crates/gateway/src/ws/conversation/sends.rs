@@ -161,7 +161,7 @@ impl<'a> Session<'a> {
             metrics::counter!("converger_frames_committed_total").increment(1);
             self.own_seqs.insert(activity.seq);
             publish::committed(
-                &self.state.hub,
+                self.state,
                 self.channel_id,
                 self.conversation_id,
                 [Arc::clone(&activity)],
@@ -260,7 +260,7 @@ impl<'a> Session<'a> {
                     // The edit is a persistent frame: everyone but this connection sees it.
                     self.own_seqs.insert(stored.seq);
                     publish::committed(
-                        &self.state.hub,
+                        self.state,
                         self.channel_id,
                         self.conversation_id,
                         [Arc::clone(stored)],

@@ -1,4 +1,12 @@
-//! Feeds the node-local hub from the cross-node event bus.
+//! The door into the node's hub for everything the bus hands over: other nodes' commits,
+//! stream events, transient frames and orders, this node's own committed batches, and what a
+//! catch-up or a sweep reads back from the outbox.
+//!
+//! The de-duplication rule, stated once: a commit event whose last seq is at or below the
+//! highest seq this door already let in for its conversation is dropped here; anything else
+//! goes in, and every receiver (a session's replay cursor, a channel actor's decider, a
+//! frontend's follower) drops the frames it already has and reads any gap from `activities`.
+//! So a repeated, late, reordered or lost event costs a read or some latency, never a frame.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -16,8 +24,10 @@ use crate::streams::LiveStreams;
 /// frame or an answer of a few frames); a longer range is left to the sessions' gap reads.
 const MAX_READ_BACK: i64 = 1_024;
 
-/// Conversations whose channel the bridge remembers; past this it forgets them all at once.
-const REMEMBERED_CHANNELS: usize = 65_536;
+/// Conversations whose channel (and highest seq let in) the door remembers; past this it
+/// forgets them all at once (a forgotten conversation's repeated events go to the receivers,
+/// which drop them).
+const REMEMBERED_CONVERSATIONS: usize = 65_536;
 
 /// Consumes bus events until the bus closes.
 pub fn spawn(
@@ -28,6 +38,7 @@ pub fn spawn(
 ) {
     tokio::spawn(async move {
         let mut channels = ChannelsOf::default();
+        let mut seen = HighestSeen::default();
         while let Some(event) = events.recv().await {
             if let BusEvent::Streams { node, events } = event {
                 streams.apply_remote(&hub, &node, events);
@@ -40,7 +51,16 @@ pub fn spawn(
                 }
                 continue;
             }
-            dispatch(&store, &hub, &mut channels, event).await;
+            if let BusEvent::Committed {
+                conversation_id,
+                seq,
+                ..
+            } = &event
+                && seen.already(*conversation_id, *seq)
+            {
+                continue;
+            }
+            dispatch(&store, &hub, &mut channels, &mut seen, event).await;
         }
     });
 }
@@ -69,7 +89,7 @@ impl ChannelsOf {
             .ok()
             .flatten()
             .map(|conversation| conversation.channel_id)?;
-        if self.looked_up.len() >= REMEMBERED_CHANNELS {
+        if self.looked_up.len() >= REMEMBERED_CONVERSATIONS {
             self.looked_up.clear();
         }
         self.looked_up.insert(conversation_id, channel_id);
@@ -77,7 +97,36 @@ impl ChannelsOf {
     }
 }
 
-async fn dispatch(store: &Store, hub: &Hub, channels: &mut ChannelsOf, event: BusEvent) {
+/// The highest seq the door let in per conversation (bounded as the channels are).
+#[derive(Default)]
+struct HighestSeen {
+    seqs: HashMap<Uuid, i64>,
+}
+
+impl HighestSeen {
+    /// True when `seq` of `conversation_id` was let in before.
+    fn already(&self, conversation_id: Uuid, seq: i64) -> bool {
+        self.seqs
+            .get(&conversation_id)
+            .is_some_and(|&highest| highest >= seq)
+    }
+
+    fn let_in(&mut self, conversation_id: Uuid, seq: i64) {
+        if self.seqs.len() >= REMEMBERED_CONVERSATIONS {
+            self.seqs.clear();
+        }
+        let highest = self.seqs.entry(conversation_id).or_insert(seq);
+        *highest = (*highest).max(seq);
+    }
+}
+
+async fn dispatch(
+    store: &Store,
+    hub: &Hub,
+    channels: &mut ChannelsOf,
+    seen: &mut HighestSeen,
+    event: BusEvent,
+) {
     match event {
         // Handled by the caller, which holds the streams.
         BusEvent::Streams { .. } | BusEvent::TurnStopped(_) => {}
@@ -89,6 +138,11 @@ async fn dispatch(store: &Store, hub: &Hub, channels: &mut ChannelsOf, event: Bu
             frames,
         } => {
             let channel_id = channels.channel(store, conversation_id, channel_id).await;
+            // Let in only with its channel known: without it the channel's agents miss it, and
+            // a later event of the same commit must still reach them.
+            if channel_id.is_some() {
+                seen.let_in(conversation_id, seq);
+            }
             let for_agents = channel_id.is_some_and(|channel_id| hub.has_agents(channel_id));
             if !for_agents && !hub.wants_committed(conversation_id, seq) {
                 return;

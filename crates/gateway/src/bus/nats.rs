@@ -1,0 +1,402 @@
+//! The NATS transport (ADR 0033): core NATS, no persistence in NATS; Postgres stays the log.
+//!
+//! Subjects, under `nats.subject_prefix` (`<p>`):
+//! - `<p>.c.<conversation>`: a commit (`{conversation, seq range, channel, frames}`), published
+//!   by the committing node after its transaction committed;
+//! - `<p>.s.<node>`: one node's stream events, in the order it accepted them, packed;
+//! - `<p>.e`: transient frames, regenerated and stopped turns, channel status, disconnects.
+//!
+//! The connection uses `no_echo`, so a node never hears its own publications. Publishing goes
+//! through one task per node, in order, each publication bounded by a timeout; a message that
+//! cannot go out is dropped (counted), because the outbox has it: every node reads the outbox
+//! back after its own connection was lost or its subscription overflowed (from the moment of
+//! the trouble), and sweeps the last moments of it every `nats.sweep_ms`, for a node that died
+//! between its commit and its publish.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use async_nats::{ConnectOptions, Event, ServerAddr};
+use converger_store::Store;
+use converger_store::bus::{BusEvent, encode, encode_streams};
+use futures_util::StreamExt;
+use tokio::sync::{Notify, mpsc, oneshot};
+
+use super::BusError;
+use crate::config::NatsConfig;
+
+/// Publications waiting for the publishing task at most; past this they are dropped (the
+/// outbox has every commit, and transient frames may be lost).
+const OUTGOING_QUEUE: usize = 65_536;
+
+/// Longest wait for one publication to enter the client's buffer.
+const PUBLISH_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Largest message this node publishes (NATS servers accept 1 MiB by default); stream events
+/// are packed up to it.
+const MESSAGE_LIMIT: usize = 256 * 1024;
+
+/// Extra history read back after trouble, for commits in flight when it began.
+const CATCH_UP_MARGIN: Duration = Duration::from_secs(5);
+
+/// Messages a subscription buffers before NATS's client drops them (a slow consumer, which
+/// triggers a catch-up).
+const SUBSCRIPTION_CAPACITY: usize = 262_144;
+
+/// One publication: a subject and its payload.
+struct Outgoing {
+    subject: String,
+    payload: bytes::Bytes,
+}
+
+/// This node's NATS connection and its publishing queue.
+pub(super) struct Link {
+    client: async_nats::Client,
+    prefix: String,
+    sweep: Duration,
+    outgoing: mpsc::Sender<Outgoing>,
+    /// Set by the connection's events when it was lost or a subscription overflowed; the
+    /// catch-up task reads the outbox back since then.
+    trouble: Arc<Trouble>,
+}
+
+/// Trouble on the connection, and when it began.
+#[derive(Default)]
+struct Trouble {
+    pending: AtomicBool,
+    since: std::sync::Mutex<Option<Instant>>,
+    wake: Notify,
+}
+
+impl Trouble {
+    fn begin(&self) {
+        if let Ok(mut since) = self.since.lock() {
+            since.get_or_insert_with(Instant::now);
+        }
+    }
+
+    /// The connection is back (or never left): read back from when the trouble began.
+    fn recovered(&self) {
+        self.pending.store(true, Ordering::Release);
+        self.wake.notify_one();
+    }
+
+    /// How far back to read after trouble, when the connection recovered from it.
+    fn window(&self) -> Option<Duration> {
+        if !self.pending.swap(false, Ordering::AcqRel) {
+            return None;
+        }
+        let began = self.since.lock().ok().and_then(|since| *since)?;
+        Some(began.elapsed() + CATCH_UP_MARGIN)
+    }
+
+    /// The read back over the trouble succeeded.
+    fn settled(&self) {
+        if let Ok(mut since) = self.since.lock() {
+            *since = None;
+        }
+    }
+
+    /// The read back failed: the next tick tries again over the same trouble.
+    fn retry(&self) {
+        self.pending.store(true, Ordering::Release);
+    }
+}
+
+impl Link {
+    /// Connects to one of `config.servers` (failing after `connect_timeout_ms`), as `node_id`.
+    pub(super) async fn connect(config: &NatsConfig, node_id: &str) -> Result<Link, BusError> {
+        let servers = config
+            .servers
+            .iter()
+            .map(|server| {
+                server
+                    .parse::<ServerAddr>()
+                    .map_err(|error| BusError::Nats(format!("server {server}: {error}")))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let trouble = Arc::new(Trouble::default());
+        let events = Arc::clone(&trouble);
+        let mut options = ConnectOptions::new()
+            .name(format!("converger {node_id}"))
+            .no_echo()
+            .require_tls(config.require_tls)
+            .connection_timeout(Duration::from_millis(config.connect_timeout_ms))
+            .subscription_capacity(SUBSCRIPTION_CAPACITY)
+            .event_callback(move |event| {
+                let trouble = Arc::clone(&events);
+                async move { on_event(&trouble, event) }
+            });
+        if !config.user.is_empty() {
+            options = options.user_and_password(config.user.clone(), config.password.clone());
+        }
+        if !config.token.is_empty() {
+            options = options.token(config.token.clone());
+        }
+        let wait = Duration::from_millis(config.connect_timeout_ms);
+        let client = tokio::time::timeout(wait, options.connect(servers))
+            .await
+            .map_err(|_| BusError::Nats(format!("no server answered within {wait:?}")))?
+            .map_err(|error| BusError::Nats(error.to_string()))?;
+        let (outgoing, queue) = mpsc::channel(OUTGOING_QUEUE);
+        tokio::spawn(publish_in_order(client.clone(), queue));
+        Ok(Link {
+            client,
+            prefix: config.subject_prefix.clone(),
+            sweep: Duration::from_millis(config.sweep_ms),
+            outgoing,
+            trouble,
+        })
+    }
+
+    /// Subscribes to every subject of the prefix and starts the catch-up and the sweep; the
+    /// node's own committed batches (`own_commits`) are published and handed on. Every event
+    /// goes to `events`. The oneshot fires once the subscription is in place.
+    pub(super) fn listen(
+        &self,
+        store: Store,
+        events: mpsc::UnboundedSender<BusEvent>,
+        mut own_commits: mpsc::UnboundedReceiver<BusEvent>,
+    ) -> oneshot::Receiver<()> {
+        let (listening, ready) = oneshot::channel();
+        let (client, subject) = (self.client.clone(), format!("{}.>", self.prefix));
+        let heard = events.clone();
+        tokio::spawn(async move {
+            let mut subscription = match client.subscribe(subject.clone()).await {
+                Ok(subscription) => subscription,
+                Err(error) => {
+                    tracing::error!(%error, subject, "nats bus: cannot subscribe");
+                    return;
+                }
+            };
+            // The subscription is registered once the server saw it; a flush waits for that.
+            if let Err(error) = client.flush().await {
+                tracing::warn!(%error, "nats bus: flush after subscribe failed");
+            }
+            tracing::info!(subject, "nats bus listening");
+            let _ = listening.send(());
+            while let Some(message) = subscription.next().await {
+                metrics::counter!("converger_bus_messages_received_total").increment(1);
+                for event in converger_store::bus::decode(&message.payload) {
+                    if heard.send(event).is_err() {
+                        return;
+                    }
+                }
+            }
+        });
+        let (outgoing, prefix) = (self.outgoing.clone(), self.prefix.clone());
+        let own = events.clone();
+        tokio::spawn(async move {
+            while let Some(event) = own_commits.recv().await {
+                if let Some(message) = committed_message(&prefix, &event) {
+                    enqueue(&outgoing, message);
+                }
+                if own.send(event).is_err() {
+                    return;
+                }
+            }
+        });
+        tokio::spawn(read_back(
+            store,
+            events,
+            Arc::clone(&self.trouble),
+            self.sweep,
+        ));
+        ready
+    }
+
+    /// Publishes a commit on its conversation's subject.
+    pub(super) fn publish_committed(&self, event: BusEvent) {
+        if let Some(outgoing) = committed_message(&self.prefix, &event) {
+            enqueue(&self.outgoing, outgoing);
+        }
+    }
+
+    /// Publishes an event on the events subject.
+    pub(super) fn publish_event(&self, event: &BusEvent) {
+        let Some(text) = encode(event) else { return };
+        enqueue(
+            &self.outgoing,
+            Outgoing {
+                subject: format!("{}.e", self.prefix),
+                payload: text.into(),
+            },
+        );
+    }
+
+    /// Publishes this node's stream events, in order, packed into as few messages as fit.
+    pub(super) fn publish_streams(&self, node_id: &str, events: &[String]) {
+        let subject = format!("{}.s.{}", self.prefix, subject_token(node_id));
+        for text in encode_streams(node_id, events, MESSAGE_LIMIT) {
+            enqueue(
+                &self.outgoing,
+                Outgoing {
+                    subject: subject.clone(),
+                    payload: text.into(),
+                },
+            );
+        }
+    }
+}
+
+/// The commit's message on `<prefix>.c.<conversation>`; `None` for any other event.
+fn committed_message(prefix: &str, event: &BusEvent) -> Option<Outgoing> {
+    let BusEvent::Committed {
+        conversation_id, ..
+    } = event
+    else {
+        return None;
+    };
+    let mut text = encode(event)?;
+    if text.len() > MESSAGE_LIMIT {
+        // Too large to carry its frames: receivers read them back.
+        let BusEvent::Committed {
+            conversation_id,
+            first_seq,
+            seq,
+            channel_id,
+            ..
+        } = event.clone()
+        else {
+            return None;
+        };
+        text = encode(&BusEvent::Committed {
+            conversation_id,
+            first_seq,
+            seq,
+            channel_id,
+            frames: Vec::new(),
+        })?;
+    }
+    Some(Outgoing {
+        subject: format!("{prefix}.c.{conversation_id}"),
+        payload: text.into(),
+    })
+}
+
+/// A node id as one subject token (NATS splits subjects at dots and reserves `*`, `>` and
+/// white space).
+fn subject_token(node_id: &str) -> String {
+    node_id
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
+/// Queues a publication; when the queue is full (NATS away for long) it is dropped.
+fn enqueue(outgoing: &mpsc::Sender<Outgoing>, message: Outgoing) {
+    if outgoing.try_send(message).is_err() {
+        metrics::counter!("converger_bus_publications_dropped_total").increment(1);
+    }
+}
+
+/// Publishes queued messages in order. While the connection is down, and for a message that
+/// cannot enter the client's buffer in time, the message is dropped at once: the outbox has
+/// the commits, and a stream chunk that arrives late is of no use to a viewer.
+async fn publish_in_order(client: async_nats::Client, mut queue: mpsc::Receiver<Outgoing>) {
+    let mut dropping = false;
+    while let Some(Outgoing { subject, payload }) = queue.recv().await {
+        let sent = if client.connection_state() == async_nats::connection::State::Connected {
+            tokio::time::timeout(PUBLISH_TIMEOUT, client.publish(subject, payload))
+                .await
+                .map_err(|_| ())
+                .and_then(|published| published.map_err(|_| ()))
+        } else {
+            Err(())
+        };
+        match sent {
+            Ok(()) => {
+                metrics::counter!("converger_bus_messages_published_total").increment(1);
+                if dropping {
+                    tracing::info!("nats bus: publishing again");
+                    dropping = false;
+                }
+            }
+            Err(()) => {
+                metrics::counter!("converger_bus_publications_dropped_total").increment(1);
+                if !dropping {
+                    tracing::warn!("nats bus: publications dropped (the outbox keeps the commits)");
+                    dropping = true;
+                }
+            }
+        }
+    }
+}
+
+/// What the connection's events mean for the catch-up.
+fn on_event(trouble: &Trouble, event: Event) {
+    match event {
+        Event::Disconnected => {
+            tracing::warn!("nats bus: disconnected");
+            metrics::gauge!("converger_bus_connected").set(0.0);
+            metrics::counter!("converger_bus_reconnects_total").increment(1);
+            trouble.begin();
+        }
+        Event::Connected => {
+            tracing::info!("nats bus: connected");
+            metrics::gauge!("converger_bus_connected").set(1.0);
+            trouble.recovered();
+        }
+        Event::SlowConsumer(_) => {
+            // Messages were dropped just now: read back what they announced.
+            tracing::warn!("nats bus: slow consumer; reading the outbox back");
+            trouble.begin();
+            trouble.recovered();
+        }
+        Event::LameDuckMode => tracing::info!("nats bus: server entering lame duck mode"),
+        other => tracing::debug!(event = %other, "nats bus event"),
+    }
+}
+
+/// Reads the outbox back: over the trouble once the connection recovered, and over the last
+/// moments every `sweep` (commits only: the orders were carried out when first heard).
+async fn read_back(
+    store: Store,
+    events: mpsc::UnboundedSender<BusEvent>,
+    trouble: Arc<Trouble>,
+    sweep: Duration,
+) {
+    let mut ticks = tokio::time::interval(sweep);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        let window = tokio::select! {
+            _ = ticks.tick() => trouble.window(),
+            () = trouble.wake.notified() => trouble.window(),
+        };
+        if events.is_closed() {
+            return;
+        }
+        let (window, sweeping) = match window {
+            Some(window) => (window, false),
+            None => (sweep * 2 + CATCH_UP_MARGIN, true),
+        };
+        let read = match store.events_since(window).await {
+            Ok(read) => read,
+            Err(error) => {
+                tracing::warn!(%error, "nats bus: outbox read back failed");
+                if !sweeping {
+                    trouble.retry();
+                }
+                continue;
+            }
+        };
+        if !sweeping {
+            trouble.settled();
+        }
+        for event in read {
+            if sweeping && !matches!(event, BusEvent::Committed { .. }) {
+                continue;
+            }
+            if events.send(event).is_err() {
+                return;
+            }
+        }
+    }
+}

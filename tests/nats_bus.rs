@@ -1,0 +1,307 @@
+//! The NATS bus (ADR 0033) against real `nats-server` processes: commits, streams and transient
+//! frames cross nodes over NATS with no `pg_notify` at all; a NATS server killed and restarted,
+//! a node cut off from NATS while the database stays up, and a NATS cluster losing the server a
+//! node uses lose no committed frame, and streams work again afterwards.
+
+mod support;
+
+use std::time::Duration;
+
+use converger_gateway::Config;
+use converger_gateway::config::BusKind;
+use serde_json::{Value, json};
+use sqlx::postgres::PgListener;
+use support::nats::NatsServer;
+use support::proxy::Proxy;
+use support::tab::Tab;
+use support::ws::WsClient;
+use support::{TestNode, stream_chunk, turn_in_progress};
+
+/// Sweeps far apart: whatever crosses nodes within a test came over NATS.
+const NO_SWEEP_MS: u64 = 600_000;
+
+/// Sweeps often: a commit whose publication was lost reaches the other nodes quickly.
+const FAST_SWEEP_MS: u64 = 200;
+
+fn on_nats(servers: Vec<String>, sweep_ms: u64) -> impl Fn(&mut Config) + Clone {
+    move |config: &mut Config| {
+        config.group_settle_ms = 100;
+        config.bus = BusKind::Nats;
+        config.nats.servers = servers.clone();
+        config.nats.sweep_ms = sweep_ms;
+        config.nats.connect_timeout_ms = 2_000;
+    }
+}
+
+fn result(conversation: &str, seq: i64, stream: &str, text: &str) -> Value {
+    json!({"conversationId": conversation, "frame": {
+        "type": "turnResult", "clientId": format!("r-{seq}-{stream}"), "turn": {"seq": seq},
+        "frames": [{"type": "text", "streamId": stream, "data": {"text": text}}]}})
+}
+
+/// Streams `count` chunks of `stream` for turn `seq`, then commits `text` as its answer.
+async fn stream_and_answer(
+    agent: &mut WsClient,
+    conversation: &str,
+    seq: i64,
+    stream: &str,
+    count: u64,
+    text: &str,
+) {
+    for index in 0..count {
+        agent
+            .send(stream_chunk(
+                conversation,
+                stream,
+                index,
+                seq,
+                &format!("{index} "),
+            ))
+            .await;
+    }
+    agent.send(result(conversation, seq, stream, text)).await;
+}
+
+/// Reads `client` until `stream` ended and `answer` is among the stored answers; returns how
+/// many chunks of it arrived.
+async fn read_answer(tab: &mut Tab, client: &mut WsClient, stream: &str, answer: &str) -> usize {
+    tab.read_until(client, |tab| {
+        tab.answers().iter().any(|text| text == answer)
+            && (tab.ended.contains_key(stream) || tab.chunks_of(stream) == 0)
+    })
+    .await;
+    tab.chunks_of(stream)
+}
+
+/// Waits until the agent's typing reaches `to` over the bus: both nodes are connected to NATS
+/// and subscribed again. Each probe (typing on and off by turns, which no throttle holds back)
+/// waits a moment for its echo before the next.
+async fn until_typing_crosses(agent: &mut WsClient, conversation: &str, to: &mut WsClient) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let mut typing = true;
+    loop {
+        agent
+            .send(json!({"conversationId": conversation,
+                         "frame": {"type": "typing", "isTyping": typing}}))
+            .await;
+        typing = !typing;
+        while let Some(Ok(frame)) = to.poll_event(Duration::from_millis(300)).await {
+            if frame["type"] == "typing" {
+                return;
+            }
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "typing never crossed the NATS bus"
+        );
+    }
+}
+
+/// A text from `tab`, acked; returns its seq.
+async fn say(tab: &mut WsClient, client_id: &str, text: &str) -> i64 {
+    tab.send(json!({"type": "text", "clientId": client_id, "data": {"text": text}}))
+        .await;
+    let ack = tab.skip_to("ack").await;
+    ack["seq"].as_i64().expect("an ack with its seq")
+}
+
+/// Reads `client` until a stored frame with `text` arrived.
+async fn until_text(client: &mut WsClient, text: &str) -> Value {
+    loop {
+        let frame = client.recv().await;
+        if frame["data"]["text"] == text && frame["seq"].is_i64() {
+            return frame;
+        }
+    }
+}
+
+#[tokio::test]
+async fn commits_streams_and_typing_cross_nodes_over_nats_with_no_notification() {
+    let nats = NatsServer::start().await;
+    let adjust = on_nats(vec![nats.url()], NO_SWEEP_MS);
+    let node = TestNode::start_with(adjust.clone()).await;
+    let peer = node.start_peer_with(adjust).await;
+    let mut notifications = PgListener::connect(&node.db.url).await.unwrap();
+    notifications.listen("converger_events").await.unwrap();
+
+    let (node, _, token, mut agent, mut here, conversation, seq) = turn_in_progress(node).await;
+    let mut there = WsClient::connect(&support::peer_ws_url(&peer)).await;
+    there.hello(&token, json!({})).await;
+    until_typing_crosses(&mut agent, &conversation, &mut there).await;
+
+    // The agent's node streams; the tab on the other node sees every chunk once, in order,
+    // then the committed answer.
+    stream_and_answer(&mut agent, &conversation, seq, "s-1", 30, "all thirty").await;
+    let mut there_tab = Tab::default();
+    let chunks = read_answer(&mut there_tab, &mut there, "s-1", "all thirty").await;
+    assert_eq!(chunks, 30, "{there_tab:?}");
+    assert_eq!(there_tab.ended["s-1"], "committed");
+    let mut here_tab = Tab::default();
+    read_answer(&mut here_tab, &mut here, "s-1", "all thirty").await;
+    assert_eq!(here_tab.text, there_tab.text);
+
+    // A turn sent on the other node reaches the agent, and its frame the first node's tab.
+    let sent = say(&mut there, "q-2", "from the peer").await;
+    let (_, delivered, _) = support::next_turn(&mut agent).await;
+    assert_eq!(delivered, sent);
+    assert_eq!(until_text(&mut here, "from the peer").await["seq"], sent);
+
+    // Nothing went through Postgres's notifications: the first one this listener hears is
+    // the marker sent after everything above.
+    sqlx::query("SELECT pg_notify('converger_events', 'marker')")
+        .execute(&mut node.db.connect().await)
+        .await
+        .unwrap();
+    let first = notifications.recv().await.unwrap();
+    assert_eq!(first.payload(), "marker");
+    drop((node, peer, nats));
+}
+
+#[tokio::test]
+async fn a_nats_server_killed_and_restarted_loses_no_frame_and_streams_resume() {
+    let mut nats = NatsServer::start().await;
+    let adjust = on_nats(vec![nats.url()], FAST_SWEEP_MS);
+    let node = TestNode::start_with(adjust.clone()).await;
+    let peer = node.start_peer_with(adjust).await;
+    let (node, _, token, mut agent, mut here, conversation, seq) = turn_in_progress(node).await;
+    let mut there = WsClient::connect(&support::peer_ws_url(&peer)).await;
+    there.hello(&token, json!({})).await;
+    until_typing_crosses(&mut agent, &conversation, &mut there).await;
+    agent
+        .send(result(&conversation, seq, "s-0", "before"))
+        .await;
+    until_text(&mut there, "before").await;
+
+    nats.kill();
+    // With NATS down, commits still cross (read back from the outbox): a turn sent on the
+    // peer reaches the agent, and the first node's frames the peer's tab.
+    let sent = say(&mut there, "down-1", "while nats is down").await;
+    let (_, delivered, _) = support::next_turn(&mut agent).await;
+    assert_eq!(delivered, sent);
+    agent
+        .send(result(&conversation, sent, "s-1", "answered while down"))
+        .await;
+    until_text(&mut there, "answered while down").await;
+    let mine = say(&mut here, "down-2", "the first node, while down").await;
+    assert_eq!(
+        until_text(&mut there, "the first node, while down").await["seq"],
+        mine
+    );
+    let (_, delivered, _) = support::next_turn(&mut agent).await;
+    assert_eq!(delivered, mine);
+
+    nats.restart().await;
+    until_typing_crosses(&mut agent, &conversation, &mut there).await;
+    let sent = say(&mut here, "up-1", "nats is back").await;
+    let (_, delivered, _) = support::next_turn(&mut agent).await;
+    assert_eq!(delivered, sent);
+    stream_and_answer(&mut agent, &conversation, sent, "s-2", 20, "streamed again").await;
+    let mut there_tab = Tab::default();
+    let chunks = read_answer(&mut there_tab, &mut there, "s-2", "streamed again").await;
+    assert_eq!(chunks, 20, "{there_tab:?}");
+    assert_eq!(there_tab.ended["s-2"], "committed");
+    assert_no_gap(&node, &token).await;
+    drop((node, peer, nats));
+}
+
+#[tokio::test]
+async fn a_node_cut_off_from_nats_keeps_its_commits_flowing_and_streams_after_it_is_back() {
+    let nats = NatsServer::start().await;
+    let proxy = Proxy::start(nats.addr).await;
+    let node = TestNode::start_with(on_nats(
+        vec![format!("nats://{}", proxy.addr)],
+        FAST_SWEEP_MS,
+    ))
+    .await;
+    let peer = node
+        .start_peer_with(on_nats(vec![nats.url()], FAST_SWEEP_MS))
+        .await;
+    let (node, _, token, mut agent, _, conversation, seq) = turn_in_progress(node).await;
+    let mut there = WsClient::connect(&support::peer_ws_url(&peer)).await;
+    there.hello(&token, json!({})).await;
+    until_typing_crosses(&mut agent, &conversation, &mut there).await;
+
+    proxy.refuse();
+    // The agent's node is cut off from NATS, the database is up: its stream cannot reach the
+    // other node, but its committed answer does, and the other node's turns reach its agent.
+    stream_and_answer(
+        &mut agent,
+        &conversation,
+        seq,
+        "s-1",
+        10,
+        "answered while cut",
+    )
+    .await;
+    let mut cut_tab = Tab::default();
+    read_answer(&mut cut_tab, &mut there, "s-1", "answered while cut").await;
+    assert_eq!(
+        cut_tab.chunks_of("s-1"),
+        0,
+        "no chunk crossed the cut: {cut_tab:?}"
+    );
+    let sent = say(&mut there, "cut-1", "sent to a cut node's agent").await;
+    let (_, delivered, _) = support::next_turn(&mut agent).await;
+    assert_eq!(delivered, sent);
+
+    proxy.admit();
+    until_typing_crosses(&mut agent, &conversation, &mut there).await;
+    stream_and_answer(&mut agent, &conversation, sent, "s-2", 20, "after the cut").await;
+    let mut there_tab = Tab::default();
+    let chunks = read_answer(&mut there_tab, &mut there, "s-2", "after the cut").await;
+    assert_eq!(chunks, 20, "{there_tab:?}");
+    assert_no_gap(&node, &token).await;
+    drop((node, peer, proxy, nats));
+}
+
+#[tokio::test]
+async fn nodes_on_different_servers_of_a_nats_cluster_and_a_lost_server() {
+    let mut servers = NatsServer::cluster(3).await;
+    // Each node knows one server and learns the others from it.
+    let node = TestNode::start_with(on_nats(vec![servers[0].url()], NO_SWEEP_MS)).await;
+    let peer = node
+        .start_peer_with(on_nats(vec![servers[2].url()], NO_SWEEP_MS))
+        .await;
+    let (node, _, token, mut agent, mut here, conversation, seq) = turn_in_progress(node).await;
+    let mut there = WsClient::connect(&support::peer_ws_url(&peer)).await;
+    there.hello(&token, json!({})).await;
+    until_typing_crosses(&mut agent, &conversation, &mut there).await;
+    stream_and_answer(&mut agent, &conversation, seq, "s-1", 20, "across routes").await;
+    let mut there_tab = Tab::default();
+    let chunks = read_answer(&mut there_tab, &mut there, "s-1", "across routes").await;
+    assert_eq!(chunks, 20, "{there_tab:?}");
+
+    // The first node's server dies: it reconnects to another server of the cluster.
+    servers[0].kill();
+    until_typing_crosses(&mut agent, &conversation, &mut there).await;
+    let sent = say(&mut here, "q-2", "after a server died").await;
+    let (_, delivered, _) = support::next_turn(&mut agent).await;
+    assert_eq!(delivered, sent);
+    stream_and_answer(
+        &mut agent,
+        &conversation,
+        sent,
+        "s-2",
+        20,
+        "still streaming",
+    )
+    .await;
+    let chunks = read_answer(&mut there_tab, &mut there, "s-2", "still streaming").await;
+    assert_eq!(chunks, 20, "{there_tab:?}");
+    assert_no_gap(&node, &token).await;
+    drop((node, peer, servers));
+}
+
+/// A new tab replays the whole conversation: seqs 1..=n, each once.
+async fn assert_no_gap(node: &TestNode, token: &str) {
+    let mut fresh = WsClient::connect(&node.ws_url("")).await;
+    fresh.hello(token, json!({})).await;
+    let seqs: Vec<i64> = fresh
+        .barrier()
+        .await
+        .iter()
+        .filter_map(|frame| frame["seq"].as_i64())
+        .collect();
+    let expected: Vec<i64> = (1..=seqs.len() as i64).collect();
+    assert_eq!(seqs, expected);
+}

@@ -1,0 +1,131 @@
+//! Real `nats-server` processes for the NATS bus tests (ADR 0033): one server, or a cluster of
+//! servers joined by routes, on ephemeral loopback ports. `.ci/test-prerequisites` installs the
+//! server; `CONVERGER_NATS_SERVER` names another binary.
+
+use std::net::{SocketAddr, TcpListener};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use tokio::io::AsyncReadExt;
+
+/// One server; killed when dropped.
+pub struct NatsServer {
+    /// The client port.
+    pub addr: SocketAddr,
+    args: Vec<String>,
+    child: Option<Child>,
+}
+
+fn binary() -> String {
+    std::env::var("CONVERGER_NATS_SERVER").unwrap_or_else(|_| "nats-server".into())
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+impl NatsServer {
+    /// A server alone.
+    pub async fn start() -> NatsServer {
+        NatsServer::launch(free_port(), Vec::new()).await
+    }
+
+    /// `size` servers joined in one NATS cluster (every server routes to every other).
+    pub async fn cluster(size: usize) -> Vec<NatsServer> {
+        let route_ports: Vec<u16> = (0..size).map(|_| free_port()).collect();
+        let routes = route_ports
+            .iter()
+            .map(|port| format!("nats://127.0.0.1:{port}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        let mut servers = Vec::new();
+        for port in &route_ports {
+            let args = vec![
+                "--cluster_name".into(),
+                "converger-test".into(),
+                "--cluster".into(),
+                format!("nats://127.0.0.1:{port}"),
+                "--routes".into(),
+                routes.clone(),
+            ];
+            servers.push(NatsServer::launch(free_port(), args).await);
+        }
+        servers
+    }
+
+    async fn launch(port: u16, mut args: Vec<String>) -> NatsServer {
+        args.splice(
+            0..0,
+            [
+                "-a".into(),
+                "127.0.0.1".into(),
+                "-p".into(),
+                port.to_string(),
+            ],
+        );
+        let mut server = NatsServer {
+            addr: SocketAddr::from(([127, 0, 0, 1], port)),
+            args,
+            child: None,
+        };
+        server.restart().await;
+        server
+    }
+
+    /// The server's URL for `nats.servers`.
+    pub fn url(&self) -> String {
+        format!("nats://{}", self.addr)
+    }
+
+    /// Kills the server at once (no lame duck, no goodbye to clients).
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts the server (again, on the same ports) and waits until it greets a client.
+    pub async fn restart(&mut self) {
+        self.kill();
+        let child = Command::new(binary())
+            .args(&self.args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|error| {
+                panic!(
+                    "cannot start {} (install it with .ci/test-prerequisites): {error}",
+                    binary()
+                )
+            });
+        self.child = Some(child);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Ok(mut stream) = tokio::net::TcpStream::connect(self.addr).await {
+                let mut greeting = [0u8; 4];
+                let read =
+                    tokio::time::timeout(Duration::from_secs(2), stream.read_exact(&mut greeting))
+                        .await;
+                if matches!(read, Ok(Ok(_))) && &greeting == b"INFO" {
+                    return;
+                }
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "nats-server on {} did not start",
+                self.addr
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
