@@ -1,7 +1,8 @@
-//! The NATS bus (ADR 0033) against real `nats-server` processes: commits, streams and transient
-//! frames cross nodes over NATS with no `pg_notify` at all; a NATS server killed and restarted,
-//! a node cut off from NATS while the database stays up, and a NATS cluster losing the server a
-//! node uses lose no committed frame, and streams work again afterwards.
+//! The cluster buses other than Postgres (ADR 0033). Over real `nats-server` processes:
+//! commits, streams and transient frames cross nodes with no `pg_notify` at all; a NATS server
+//! killed and restarted, a node cut off from NATS while the database stays up, and a NATS
+//! cluster losing the server a node uses lose no committed frame, and streams work again
+//! afterwards. And a node alone on the `local` bus, which publishes nothing.
 
 mod support;
 
@@ -304,4 +305,32 @@ async fn assert_no_gap(node: &TestNode, token: &str) {
         .collect();
     let expected: Vec<i64> = (1..=seqs.len() as i64).collect();
     assert_eq!(seqs, expected);
+}
+
+#[tokio::test]
+async fn a_node_alone_on_the_local_bus_serves_turns_and_streams_with_no_notification() {
+    let node = TestNode::start_with(|config| {
+        config.group_settle_ms = 100;
+        config.bus = BusKind::Local;
+    })
+    .await;
+    let mut notifications = PgListener::connect(&node.db.url).await.unwrap();
+    notifications.listen("converger_events").await.unwrap();
+    let (node, _, token, mut agent, mut here, conversation, seq) = turn_in_progress(node).await;
+    let mut second_tab = WsClient::connect(&node.ws_url("")).await;
+    second_tab.hello(&token, json!({})).await;
+    stream_and_answer(&mut agent, &conversation, seq, "s-1", 10, "alone").await;
+    for tab in [&mut here, &mut second_tab] {
+        let mut seen = Tab::default();
+        assert_eq!(read_answer(&mut seen, tab, "s-1", "alone").await, 10);
+    }
+    let sent = say(&mut second_tab, "q-2", "again").await;
+    let (_, delivered, _) = support::next_turn(&mut agent).await;
+    assert_eq!(delivered, sent);
+    assert_eq!(until_text(&mut here, "again").await["seq"], sent);
+    sqlx::query("SELECT pg_notify('converger_events', 'marker')")
+        .execute(&mut node.db.connect().await)
+        .await
+        .unwrap();
+    assert_eq!(notifications.recv().await.unwrap().payload(), "marker");
 }

@@ -62,6 +62,10 @@ pub async fn run(args: MemoryArgs) -> anyhow::Result<()> {
         ("CONVERGER_BUS", args.bus.clone()),
         ("CONVERGER_NATS__SERVERS", args.nats_url.clone()),
         ("CONVERGER_GROUP_SETTLE_MS", "100".to_owned()),
+        // One agent answers every conversation's turn, over one connection (which may address
+        // only `max_conversations` of them, docs/protocol.md §4.7).
+        ("CONVERGER_LIMITS__MAX_FRAMES_PER_SEC", "100000".to_owned()),
+        ("CONVERGER_LIMITS__MAX_CONVERSATIONS", "1000000".to_owned()),
         (
             "CONVERGER_RATES__CONVERSATIONS_PER_MINUTE_PER_CHANNEL",
             "100000000".to_owned(),
@@ -71,7 +75,11 @@ pub async fn run(args: MemoryArgs) -> anyhow::Result<()> {
             "100000000".to_owned(),
         ),
     ];
-    let first = Gateway::start(&binary, &args.database_url, &env).await?;
+    let database = crate::gateway::create_database(&args.database_url).await?;
+    let log =
+        |node: usize| std::env::temp_dir().join(format!("converger-memory-{database}-{node}.log"));
+    let first =
+        Gateway::start_logged(&binary, &args.database_url, &database, &env, Some(log(1))).await?;
     let mut second = None;
     if args.nodes == 2 {
         let mut with_seed = env.clone();
@@ -79,12 +87,27 @@ pub async fn run(args: MemoryArgs) -> anyhow::Result<()> {
             "CONVERGER_SEEDS",
             first.gossip_addr.clone().unwrap_or_default(),
         ));
-        let database = first.database_name().to_owned();
-        second = Some(Gateway::start_on(&binary, &args.database_url, &database, &with_seed).await?);
+        second = Some(
+            Gateway::start_logged(
+                &binary,
+                &args.database_url,
+                &database,
+                &with_seed,
+                Some(log(2)),
+            )
+            .await?,
+        );
     }
+    eprintln!("node logs: {} and {}", log(1).display(), log(2).display());
     let outcome = measure(&args, &first, second.as_ref()).await;
     if let Some(second) = second {
         second.kill().await;
+    }
+    if outcome.is_err() {
+        // Kept for investigation, with the node logs.
+        first.kill().await;
+        eprintln!("kept database {database}");
+        return outcome;
     }
     first.stop().await?;
     outcome
@@ -198,13 +221,21 @@ async fn touch(
     let mut tasks = tokio::task::JoinSet::new();
     for index in 0..count {
         let permit = Arc::clone(&permits).acquire_owned().await?;
-        let created = rest.create_conversation(user_token).await?;
+        let (rest, user_token) = (rest.clone(), user_token.to_owned());
         let url = gateway.ws_url.clone();
         tasks.spawn(async move {
             let _permit = permit;
-            tokio::time::timeout(Duration::from_secs(30), once(url, created.token, index))
-                .await
-                .context("a touch took over 30 s")?
+            let created = rest.create_conversation(&user_token).await?;
+            let seen = Arc::new(Mutex::new(Vec::new()));
+            let touched = once(url, created.token, index, Arc::clone(&seen));
+            match tokio::time::timeout(Duration::from_secs(30), touched).await {
+                Ok(outcome) => outcome,
+                Err(_) => anyhow::bail!(
+                    "touching conversation {} took over 30 s; it received {:?}",
+                    created.conversation_id,
+                    seen.lock().map(|seen| seen.clone()).unwrap_or_default()
+                ),
+            }
         });
         while let Some(done) = tasks.try_join_next() {
             done??;
@@ -217,7 +248,12 @@ async fn touch(
 }
 
 /// One session: hello, one text, its ack and the answer, close.
-async fn once(url: String, token: String, index: usize) -> anyhow::Result<()> {
+async fn once(
+    url: String,
+    token: String,
+    index: usize,
+    seen: Arc<Mutex<Vec<String>>>,
+) -> anyhow::Result<()> {
     let (mut socket, _) = tokio_tungstenite::connect_async(url).await?;
     let hello = json!({"type": "hello", "protocol": "converger/1", "token": token});
     socket.send(Message::text(hello.to_string())).await?;
@@ -229,6 +265,9 @@ async fn once(url: String, token: String, index: usize) -> anyhow::Result<()> {
             continue;
         };
         let frame: serde_json::Value = serde_json::from_str(frame.as_str())?;
+        if let Ok(mut seen) = seen.lock() {
+            seen.push(frame["type"].as_str().unwrap_or_default().to_owned());
+        }
         match frame["type"].as_str() {
             Some("welcome") if !sent => {
                 socket.send(Message::text(text.to_string())).await?;
@@ -236,7 +275,10 @@ async fn once(url: String, token: String, index: usize) -> anyhow::Result<()> {
             }
             Some("ack") => acked = true,
             Some("text") if acked && frame["sender"]["role"] == "agent" => {
+                // The server closes the TCP connection first (RFC 6455), so the TIME_WAIT is
+                // its own: 100,000 touches would exhaust the bench's ephemeral ports.
                 socket.close(None).await?;
+                while let Some(Ok(_)) = socket.next().await {}
                 return Ok(());
             }
             _ => {}

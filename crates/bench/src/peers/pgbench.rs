@@ -117,6 +117,13 @@ async fn run(
     let threads = clients.clamp(1, 2);
     let log_prefix = workdir.join("txn");
     let mut command = tokio::process::Command::new("pgbench");
+    // A server with passwords (the failover pair of `--sync-standby`): pgbench reads it here.
+    if let Some(password) = reqwest::Url::parse(server_url)
+        .ok()
+        .and_then(|url| url.password().map(str::to_owned))
+    {
+        command.env("PGPASSWORD", password);
+    }
     command
         .arg("-n")
         .args(["-h", options.get_host()])

@@ -131,6 +131,8 @@ pub(super) fn print_report(printed: &Printed<'_>) {
         ("    of them LISTEN", faults.listen_backends_terminated),
         ("  drop sockets", faults.socket_drops),
         ("    connections cut", faults.sockets_dropped),
+        ("  kill -9 a NATS server", faults.nats_killed),
+        ("  cut NATS connections", faults.nats_cuts),
         ("  Postgres failovers", faults.failovers.len() as u64),
         ("  failed to inject", faults.failed),
     ] {

@@ -15,7 +15,6 @@
 pub(crate) mod door;
 mod nats;
 
-use std::collections::HashMap;
 use std::sync::Mutex;
 
 use converger_store::bus::{BusEvent, DisconnectOrder, TransientFrame, TurnStop};
@@ -24,10 +23,6 @@ use tokio::sync::{mpsc, oneshot};
 use uuid::Uuid;
 
 use crate::config::{BusKind, Config};
-
-/// Conversations whose last published seq the bus remembers; past this it forgets them all at
-/// once (a repeated publication costs a message, never a frame).
-const REMEMBERED_CONVERSATIONS: usize = 65_536;
 
 /// Why the bus could not start.
 #[derive(Debug, thiserror::Error)]
@@ -49,9 +44,6 @@ pub struct Bus {
     /// their receiver.
     loopback: mpsc::UnboundedSender<BusEvent>,
     receiver: Mutex<Option<mpsc::UnboundedReceiver<BusEvent>>>,
-    /// The highest seq published per conversation, so a commit announced both by its worker
-    /// and by its session goes out once.
-    published: Mutex<HashMap<Uuid, i64>>,
 }
 
 impl std::fmt::Debug for Bus {
@@ -90,7 +82,6 @@ impl Bus {
             transport,
             loopback,
             receiver: Mutex::new(Some(receiver)),
-            published: Mutex::new(HashMap::new()),
         })
     }
 
@@ -140,9 +131,6 @@ impl Bus {
         let (Some(first), Some(last)) = (activities.first(), activities.last()) else {
             return;
         };
-        if !self.claim(last.conversation_id, last.seq) {
-            return;
-        }
         link.publish_committed(BusEvent::Committed {
             conversation_id: last.conversation_id,
             first_seq: first.seq,
@@ -150,24 +138,6 @@ impl Bus {
             channel_id: Some(channel_id),
             frames: activities.iter().map(|frame| (**frame).clone()).collect(),
         });
-    }
-
-    /// True when `seq` of `conversation_id` was not published yet (and now counts as it).
-    fn claim(&self, conversation_id: Uuid, seq: i64) -> bool {
-        let Ok(mut published) = self.published.lock() else {
-            return true;
-        };
-        if published
-            .get(&conversation_id)
-            .is_some_and(|&last| last >= seq)
-        {
-            return false;
-        }
-        if published.len() >= REMEMBERED_CONVERSATIONS {
-            published.clear();
-        }
-        published.insert(conversation_id, seq);
-        true
     }
 
     /// Sends a transient frame to the other nodes (this node dispatched it already).

@@ -44,6 +44,10 @@ const CATCH_UP_MARGIN: Duration = Duration::from_secs(5);
 /// triggers a catch-up).
 const SUBSCRIPTION_CAPACITY: usize = 262_144;
 
+/// Conversations whose last published seq a node remembers; past this it forgets them all at
+/// once (a repeated publication costs a message, never a frame).
+const REMEMBERED_CONVERSATIONS: usize = 65_536;
+
 /// One publication: a subject and its payload.
 struct Outgoing {
     subject: String,
@@ -59,6 +63,42 @@ pub(super) struct Link {
     /// Set by the connection's events when it was lost or a subscription overflowed; the
     /// catch-up task reads the outbox back since then.
     trouble: Arc<Trouble>,
+    /// What this node published of each conversation.
+    published: Arc<Published>,
+}
+
+/// The highest seq published per conversation, so a commit announced both by its worker and
+/// by its session goes out once.
+#[derive(Default)]
+struct Published(std::sync::Mutex<std::collections::HashMap<uuid::Uuid, i64>>);
+
+impl Published {
+    /// True when the commit ending at `seq` of `conversation_id` was not published yet (it now
+    /// counts as published).
+    fn claim(&self, event: &BusEvent) -> bool {
+        let BusEvent::Committed {
+            conversation_id,
+            seq,
+            ..
+        } = event
+        else {
+            return true;
+        };
+        let Ok(mut published) = self.0.lock() else {
+            return true;
+        };
+        if published
+            .get(conversation_id)
+            .is_some_and(|&last| last >= *seq)
+        {
+            return false;
+        }
+        if published.len() >= REMEMBERED_CONVERSATIONS {
+            published.clear();
+        }
+        published.insert(*conversation_id, *seq);
+        true
+    }
 }
 
 /// Trouble on the connection, and when it began.
@@ -147,6 +187,7 @@ impl Link {
             sweep: Duration::from_millis(config.sweep_ms),
             outgoing,
             trouble,
+            published: Arc::default(),
         })
     }
 
@@ -186,10 +227,13 @@ impl Link {
             }
         });
         let (outgoing, prefix) = (self.outgoing.clone(), self.prefix.clone());
+        let published = Arc::clone(&self.published);
         let own = events.clone();
         tokio::spawn(async move {
             while let Some(event) = own_commits.recv().await {
-                if let Some(message) = committed_message(&prefix, &event) {
+                if published.claim(&event)
+                    && let Some(message) = committed_message(&prefix, &event)
+                {
                     enqueue(&outgoing, message);
                 }
                 if own.send(event).is_err() {
@@ -206,8 +250,11 @@ impl Link {
         ready
     }
 
-    /// Publishes a commit on its conversation's subject.
+    /// Publishes a commit on its conversation's subject, unless it was published before.
     pub(super) fn publish_committed(&self, event: BusEvent) {
+        if !self.published.claim(&event) {
+            return;
+        }
         if let Some(outgoing) = committed_message(&self.prefix, &event) {
             enqueue(&self.outgoing, outgoing);
         }
