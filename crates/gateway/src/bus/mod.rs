@@ -145,7 +145,7 @@ impl Bus {
         match &self.transport {
             Transport::Postgres => self.store.publish_transient(transient).await,
             Transport::Nats(link) => {
-                link.publish_event(&BusEvent::Transient(transient.clone()));
+                link.publish_event(BusEvent::Transient(transient.clone()));
                 Ok(())
             }
             Transport::Local => Ok(()),
@@ -167,7 +167,7 @@ impl Bus {
                     .await
             }
             Transport::Nats(link) => {
-                link.publish_event(&BusEvent::Regenerated {
+                link.publish_event(BusEvent::Regenerated {
                     node: self.node_id.clone(),
                     channel_id,
                     conversation_id,
@@ -185,7 +185,7 @@ impl Bus {
         match &self.transport {
             Transport::Postgres => self.store.publish_turn_stop(stop).await,
             Transport::Nats(link) => {
-                link.publish_event(&BusEvent::TurnStopped(stop.clone()));
+                link.publish_event(BusEvent::TurnStopped(stop.clone()));
                 Ok(())
             }
             Transport::Local => Ok(()),
@@ -225,7 +225,7 @@ impl Bus {
         match &self.transport {
             Transport::Postgres => {}
             Transport::Nats(link) => {
-                link.publish_event(&event);
+                link.publish_event(event.clone());
                 let _ = self.loopback.send(event);
             }
             Transport::Local => {

@@ -231,8 +231,9 @@ impl Link {
         let own = events.clone();
         tokio::spawn(async move {
             while let Some(event) = own_commits.recv().await {
+                // The door needs the event too: the copy is made only when it is published.
                 if published.claim(&event)
-                    && let Some(message) = committed_message(&prefix, &event)
+                    && let Some(message) = committed_message(&prefix, event.clone())
                 {
                     enqueue(&outgoing, message);
                 }
@@ -255,13 +256,13 @@ impl Link {
         if !self.published.claim(&event) {
             return;
         }
-        if let Some(outgoing) = committed_message(&self.prefix, &event) {
+        if let Some(outgoing) = committed_message(&self.prefix, event) {
             enqueue(&self.outgoing, outgoing);
         }
     }
 
     /// Publishes an event on the events subject.
-    pub(super) fn publish_event(&self, event: &BusEvent) {
+    pub(super) fn publish_event(&self, event: BusEvent) {
         let Some(text) = encode(event) else { return };
         enqueue(
             &self.outgoing,
@@ -287,34 +288,29 @@ impl Link {
     }
 }
 
-/// The commit's message on `<prefix>.c.<conversation>`; `None` for any other event.
-fn committed_message(prefix: &str, event: &BusEvent) -> Option<Outgoing> {
+/// The commit's message on `<prefix>.c.<conversation>`; `None` for any other event. A commit
+/// too large to carry its frames goes without them: receivers read them back.
+fn committed_message(prefix: &str, event: BusEvent) -> Option<Outgoing> {
     let BusEvent::Committed {
-        conversation_id, ..
+        conversation_id,
+        first_seq,
+        seq,
+        channel_id,
+        frames,
     } = event
     else {
         return None;
     };
-    let mut text = encode(event)?;
+    let without_frames = |frames| BusEvent::Committed {
+        conversation_id,
+        first_seq,
+        seq,
+        channel_id,
+        frames,
+    };
+    let mut text = encode(without_frames(frames))?;
     if text.len() > MESSAGE_LIMIT {
-        // Too large to carry its frames: receivers read them back.
-        let BusEvent::Committed {
-            conversation_id,
-            first_seq,
-            seq,
-            channel_id,
-            ..
-        } = event.clone()
-        else {
-            return None;
-        };
-        text = encode(&BusEvent::Committed {
-            conversation_id,
-            first_seq,
-            seq,
-            channel_id,
-            frames: Vec::new(),
-        })?;
+        text = encode(without_frames(Vec::new()))?;
     }
     Some(Outgoing {
         subject: format!("{prefix}.c.{conversation_id}"),

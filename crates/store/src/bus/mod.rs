@@ -318,8 +318,8 @@ fn committed(event: CommittedEvent) -> BusEvent {
 /// The text of `event` as it travels on a bus other than Postgres (NATS, ADR 0033); `None` for
 /// stream events, which travel packed (`encode_streams`). Commits name their range and carry
 /// their frames when they have them.
-pub fn encode(event: &BusEvent) -> Option<String> {
-    let payload = match event.clone() {
+pub fn encode(event: BusEvent) -> Option<String> {
+    let payload = match event {
         BusEvent::Streams { .. } => return None,
         BusEvent::Committed {
             conversation_id,
