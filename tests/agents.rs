@@ -1346,3 +1346,45 @@ async fn a_users_meta_and_hello_tools_reach_agents_and_are_never_shown_to_users(
     let replayed = other.recv_type("text").await;
     assert!(replayed.get("meta").is_none(), "{replayed}");
 }
+
+/// A channel's actor lives while agents of the channel are connected here: it ends with the
+/// last one, and the next agent starts a new actor, which hands it the turn sent meanwhile and
+/// the turns after.
+#[tokio::test]
+async fn a_channels_actor_ends_with_its_last_agent_and_the_next_agent_gets_what_came_meanwhile() {
+    let node = TestNode::start_with(fast_settle).await;
+    let acme = node.tenant_with_channel("acme").await;
+    let token = agent_token(&node, &acme).await;
+    let actors = &node.server.state().actors;
+    let (mut bot, welcome) = agent(&node, &token, Some("bot")).await;
+    support::settle(&welcome).await;
+    assert_eq!(actors.running(), 1);
+    let (mut alice, conversation_id) = user(&node, &acme, "alice").await;
+    let first = say(&mut alice, "a-1", "hello").await;
+    let (_, turn) = delivery(&mut bot, "text").await;
+    assert_eq!(turn["meta"]["turn"]["seq"], first);
+
+    bot.close().await;
+    eventually(
+        "the channel's actor ends",
+        Duration::from_secs(10),
+        || async { actors.running() == 0 },
+    )
+    .await;
+    let meanwhile = say(&mut alice, "a-2", "anyone?").await;
+
+    let (mut next_bot, welcome) = agent(&node, &token, Some("bot")).await;
+    assert_eq!(actors.running(), 1);
+    let (delivered_conversation, turn) = delivery(&mut next_bot, "text").await;
+    assert_eq!(delivered_conversation, conversation_id);
+    assert_eq!(
+        turn["meta"]["turn"]["seq"], first,
+        "the unanswered turn of the first agent is handed on"
+    );
+    let (_, turn) = delivery(&mut next_bot, "text").await;
+    assert_eq!(turn["meta"]["turn"]["seq"], meanwhile);
+    support::settle(&welcome).await;
+    let after = say(&mut alice, "a-3", "and now?").await;
+    let (_, turn) = delivery(&mut next_bot, "text").await;
+    assert_eq!(turn["meta"]["turn"]["seq"], after);
+}

@@ -334,3 +334,81 @@ async fn a_node_alone_on_the_local_bus_serves_turns_and_streams_with_no_notifica
         .unwrap();
     assert_eq!(notifications.recv().await.unwrap().payload(), "marker");
 }
+
+/// A node whose subscription overflows (a slow consumer: the NATS client drops what does not
+/// fit) reads the outbox back, so every tab on it gets every commit once, long before a sweep.
+/// Each conversation gets one frame, so a dropped message is the conversation's last one and
+/// no later frame would reveal the gap to the tab.
+#[tokio::test]
+async fn a_slow_consumer_reads_back_what_its_subscription_dropped() {
+    const CONVERSATIONS: usize = 40;
+    let nats = NatsServer::start().await;
+    let adjust = on_nats(vec![nats.url()], NO_SWEEP_MS);
+    let node = TestNode::start_with(adjust.clone()).await;
+    let peer = node
+        .start_peer_with(move |config| {
+            adjust(config);
+            config.nats.subscription_capacity = 1;
+        })
+        .await;
+    let acme = node.tenant_with_channel("acme").await;
+    let mut writers = Vec::new();
+    let mut tabs = Vec::new();
+    for index in 0..CONVERSATIONS {
+        let (_, token) = node.conversation(&acme, &format!("user-{index}")).await;
+        let mut tab = WsClient::connect(&support::peer_ws_url(&peer)).await;
+        tab.hello(&token, json!({})).await;
+        tabs.push(tab);
+        let mut writer = WsClient::connect(&node.ws_url("")).await;
+        writer.hello(&token, json!({})).await;
+        writers.push(writer);
+    }
+    let slow_consumers_before = slow_consumers(&node).await;
+
+    // All at once, so the commits reach the peer in bursts its one-message buffer cannot hold.
+    for (index, writer) in writers.iter_mut().enumerate() {
+        writer
+            .send(json!({"type": "text", "clientId": format!("burst-{index}"),
+                         "data": {"text": format!("burst {index}")}}))
+            .await;
+    }
+    for writer in &mut writers {
+        writer.skip_to("ack").await;
+    }
+    for (index, tab) in tabs.iter_mut().enumerate() {
+        let text = format!("burst {index}");
+        let frame = tokio::time::timeout(Duration::from_secs(20), until_text(tab, &text))
+            .await
+            .unwrap_or_else(|_| panic!("{text} never reached the slow node's tab"));
+        assert_eq!(frame["seq"], 1);
+        // Once: nothing else of the conversation follows.
+        while let Some(Ok(extra)) = tab.poll_event(Duration::from_millis(50)).await {
+            assert!(
+                extra["seq"].is_null(),
+                "{text}: a frame came twice: {extra}"
+            );
+        }
+    }
+    assert!(
+        slow_consumers(&node).await > slow_consumers_before,
+        "the subscription never overflowed: the test proved nothing"
+    );
+}
+
+/// `converger_bus_slow_consumers_total` as the process's metrics report it (every in-process
+/// node shares one recorder).
+async fn slow_consumers(node: &TestNode) -> f64 {
+    let text = node
+        .http
+        .get(node.url("/metrics"))
+        .send()
+        .await
+        .expect("metrics answer")
+        .text()
+        .await
+        .expect("metrics text");
+    text.lines()
+        .filter(|line| line.starts_with("converger_bus_slow_consumers_total"))
+        .filter_map(|line| line.split_whitespace().last()?.parse::<f64>().ok())
+        .sum()
+}

@@ -18,6 +18,7 @@ pub mod metrics;
 mod policies;
 mod presence;
 mod publish;
+mod recent;
 mod routes;
 pub mod server;
 pub mod state;

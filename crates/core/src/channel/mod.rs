@@ -15,6 +15,7 @@
 //! - a replay gives a connection what it owns of a conversation after its watermark.
 
 mod decision;
+mod handled;
 #[cfg(test)]
 mod simulation;
 
@@ -24,7 +25,10 @@ pub use decision::{
     CommittedPlan, Decision, FrameFacts, LocalAgent, PendingFacts, TurnId, TurnReason,
 };
 
+pub use handled::FORGET_AFTER_MS;
+
 use crate::groups::{GroupView, NOBODY, PassedTurns};
+use handled::HandledSeqs;
 
 /// Conversations remembered per group.
 pub const MEMORY_CONVERSATIONS: usize = 100_000;
@@ -50,8 +54,8 @@ pub struct ChannelDecider {
     agents: BTreeMap<String, LocalAgent>,
     views: BTreeMap<String, GroupView>,
     memories: BTreeMap<String, PassedTurns>,
-    /// Highest seq handled per conversation.
-    last_seq: HashMap<String, i64>,
+    /// Highest seq handled per conversation, for conversations handled lately.
+    handled: HandledSeqs,
     /// Turns whose stop arrived before their commit (the two come by different paths): they
     /// are never delivered. Bounded by [`MEMORY_STOPPED_AHEAD`].
     stopped_ahead: HashMap<String, BTreeSet<i64>>,
@@ -93,7 +97,7 @@ impl ChannelDecider {
             agents: BTreeMap::new(),
             views,
             memories: BTreeMap::new(),
-            last_seq: HashMap::new(),
+            handled: HandledSeqs::new(FORGET_AFTER_MS),
             stopped_ahead: HashMap::new(),
             joining: None,
             following_from_ms: None,
@@ -107,6 +111,21 @@ impl ChannelDecider {
     pub fn with_follow_margin(mut self, margin_ms: i64) -> Self {
         self.follow_margin_ms = margin_ms;
         self
+    }
+
+    /// The same decider forgetting idle conversations after another time (simulations).
+    pub fn with_forget_after(mut self, forget_after_ms: i64) -> Self {
+        self.handled = HandledSeqs::new(forget_after_ms);
+        self
+    }
+
+    /// Time passed (`now_ms`, any clock that moves forward): conversations handled more than
+    /// [`FORGET_AFTER_MS`] ago may be forgotten, so a long-lived channel's memory follows its
+    /// recent conversations rather than every conversation it ever saw. A forgotten
+    /// conversation's next frame reads back only what committed after the newest frame
+    /// forgotten (ADR 0034).
+    pub fn forget_idle(&mut self, now_ms: i64) {
+        self.handled.forget_idle(now_ms);
     }
 
     /// The local agent connection, if it is here.
@@ -152,7 +171,7 @@ impl ChannelDecider {
         if group.is_none() {
             // The registry is the whole truth now: holes in what this node followed before need
             // no reading back (that would hand turns out a second time, as if they were new).
-            self.last_seq.clear();
+            self.handled.clear();
             self.following_from_ms = read_at_ms;
         }
         for turn in pending {
@@ -322,7 +341,7 @@ impl ChannelDecider {
         seq: i64,
         frame_at_ms: Option<i64>,
     ) -> CommittedPlan {
-        let last = self.last_seq.get(conversation_id).copied();
+        let last = self.handled.get(conversation_id);
         if last.is_some_and(|last| seq <= last) {
             return CommittedPlan::Skip;
         }
@@ -333,13 +352,18 @@ impl ChannelDecider {
                 count: seq - after,
             };
         }
-        // A conversation new here since this node follows the channel: an earlier frame of it
-        // committed since then may be on its way still (another node's commit arrives after
-        // this node's own), and would be skipped once this one is handled. Read them all now.
-        if let Some(since_ms) = self
-            .following_from_ms
-            .map(|from_ms| from_ms - self.follow_margin_ms)
-            && last.is_none()
+        // A conversation new here since this node follows the channel (or forgotten since): an
+        // earlier frame of it committed since then may be on its way still (another node's
+        // commit arrives after this node's own), and would be skipped once this one is handled.
+        // Read them all now; a forgotten conversation's frames up to the newest frame forgotten
+        // were handled, so they are left out.
+        if let Some(since_ms) = self.following_from_ms.map(|from_ms| {
+            let following = from_ms - self.follow_margin_ms;
+            match self.handled.forgotten_up_to_ms() {
+                Some(forgotten_ms) => following.max(forgotten_ms + 1),
+                None => following,
+            }
+        }) && last.is_none()
             && seq > 1
             && frame_at_ms.is_none_or(|at_ms| at_ms >= since_ms)
         {
@@ -364,7 +388,8 @@ impl ChannelDecider {
         seq: i64,
         frames: &[FrameFacts<'_>],
     ) -> Vec<Decision> {
-        self.last_seq.insert(conversation_id.to_owned(), seq);
+        let newest_at_ms = frames.iter().map(|frame| frame.at_ms).max();
+        self.handled.record(conversation_id, seq, newest_at_ms);
         let mut decisions = Vec::new();
         for (index, frame) in frames.iter().enumerate() {
             self.decide_committed(index, frame, &mut decisions);
@@ -569,9 +594,13 @@ impl ChannelDecider {
             memory.answered(conversation_id, seq);
         }
         let handled = self
-            .last_seq
+            .handled
             .get(conversation_id)
-            .is_some_and(|last| seq <= *last);
+            .is_some_and(|last| seq <= last)
+            || self
+                .handled
+                .forgotten_up_to_ms()
+                .is_some_and(|forgotten_ms| at_ms <= forgotten_ms);
         if !handled {
             if self.stopped_ahead.len() >= MEMORY_STOPPED_AHEAD {
                 self.stopped_ahead.clear();

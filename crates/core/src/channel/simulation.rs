@@ -19,6 +19,9 @@ const ANSWER_LAG: i64 = 20;
 /// The longest a notification takes to reach another node: less than gossip takes to tell of a
 /// leave (30 ms here), as commit notifications (milliseconds) are faster than failure detection.
 const FEED_LAG_MAX: i64 = 29;
+/// How long a decider keeps an idle conversation's last seq: longer than any notification
+/// takes, short enough that runs forget and revisit conversations often.
+const FORGET_AFTER: i64 = 60;
 
 #[derive(Debug, Clone)]
 enum Step {
@@ -151,11 +154,21 @@ impl Cluster {
         Cluster {
             deciders: (0..NODES)
                 .map(|_| {
-                    ChannelDecider::with_memory(std::iter::empty(), 1_000, 2).with_follow_margin(3)
+                    ChannelDecider::with_memory(std::iter::empty(), 1_000, 2)
+                        .with_follow_margin(3)
+                        .with_forget_after(FORGET_AFTER)
                 })
                 .collect(),
             fed: vec![BTreeMap::new(); NODES],
             ..Cluster::default()
+        }
+    }
+
+    /// One millisecond passes: each node's channel may forget idle conversations.
+    fn pass_time(&mut self) {
+        self.now += 1;
+        for decider in &mut self.deciders {
+            decider.forget_idle(self.now);
         }
     }
 
@@ -594,7 +607,7 @@ proptest! {
     fn the_channel_rules_hold_across_nodes(steps in proptest::collection::vec(step(), 1..120)) {
         let mut cluster = Cluster::new();
         for step in steps {
-            cluster.now += 1;
+            cluster.pass_time();
             cluster.hear_feeds(false);
             cluster.hear_stops(false);
             cluster.hear_gossip(false);
@@ -624,7 +637,7 @@ proptest! {
                 Step::Tick(ms) => {
                     // A millisecond at a time, so that what is due earlier is heard earlier.
                     for _ in 0..ms {
-                        cluster.now += 1;
+                        cluster.pass_time();
                         cluster.hear_feeds(false);
                         cluster.hear_stops(false);
                         cluster.hear_gossip(false);

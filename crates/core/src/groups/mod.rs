@@ -144,8 +144,11 @@ pub struct Pass {
 pub struct PassedTurns {
     conversations: usize,
     per_conversation: usize,
-    entries: HashMap<String, Passed>,
-    order: VecDeque<String>,
+    /// Each conversation with something to remember, with its place in `order`.
+    entries: HashMap<String, (u64, Passed)>,
+    /// Conversations by the order they were first remembered in (oldest first).
+    order: BTreeMap<u64, String>,
+    next_place: u64,
 }
 
 /// A decision for the async shell: hand these turns of a conversation, if still unanswered in
@@ -167,7 +170,8 @@ impl PassedTurns {
             conversations: conversations.max(1),
             per_conversation: per_conversation.max(1),
             entries: HashMap::new(),
-            order: VecDeque::new(),
+            order: BTreeMap::new(),
+            next_place: 0,
         }
     }
 
@@ -176,15 +180,17 @@ impl PassedTurns {
     pub fn remember(&mut self, conversation_id: &str, owner: &str, seq: i64, at_ms: i64) {
         if !self.entries.contains_key(conversation_id) {
             if self.entries.len() >= self.conversations
-                && let Some(oldest) = self.order.pop_front()
+                && let Some((_, oldest)) = self.order.pop_first()
             {
                 self.entries.remove(&oldest);
             }
+            let place = self.next_place;
+            self.next_place += 1;
             self.entries
-                .insert(conversation_id.to_owned(), Passed::default());
-            self.order.push_back(conversation_id.to_owned());
+                .insert(conversation_id.to_owned(), (place, Passed::default()));
+            self.order.insert(place, conversation_id.to_owned());
         }
-        let Some(entry) = self.entries.get_mut(conversation_id) else {
+        let Some((_, entry)) = self.entries.get_mut(conversation_id) else {
             return;
         };
         entry.passes.retain(|pass| pass.seq != seq);
@@ -206,7 +212,7 @@ impl PassedTurns {
         let mut overflowed: Vec<(String, i64)> = self
             .entries
             .iter()
-            .filter_map(|(conversation_id, passed)| {
+            .filter_map(|(conversation_id, (_, passed))| {
                 Some((conversation_id.clone(), passed.evicted_up_to?))
             })
             .collect();
@@ -216,15 +222,32 @@ impl PassedTurns {
 
     /// Forgets an overflow once nothing at or below its seq is unanswered any more.
     pub fn clear_overflow(&mut self, conversation_id: &str) {
-        if let Some(entry) = self.entries.get_mut(conversation_id) {
+        if let Some((_, entry)) = self.entries.get_mut(conversation_id) {
             entry.evicted_up_to = None;
         }
+        self.forget_if_empty(conversation_id);
     }
 
     /// Forgets an answered turn: it is never taken over.
     pub fn answered(&mut self, conversation_id: &str, seq: i64) {
-        if let Some(entry) = self.entries.get_mut(conversation_id) {
+        if let Some((_, entry)) = self.entries.get_mut(conversation_id) {
             entry.passes.retain(|pass| pass.seq != seq);
+        }
+        self.forget_if_empty(conversation_id);
+    }
+
+    /// A conversation with no unanswered pass and no overflow is forgotten: it holds nothing a
+    /// takeover could need, and a channel sees far more answered conversations than open ones.
+    fn forget_if_empty(&mut self, conversation_id: &str) {
+        let empty = self
+            .entries
+            .get(conversation_id)
+            .is_some_and(|(_, passed)| passed.passes.is_empty() && passed.evicted_up_to.is_none());
+        if !empty {
+            return;
+        }
+        if let Some((place, _)) = self.entries.remove(conversation_id) {
+            self.order.remove(&place);
         }
     }
 
@@ -232,12 +255,12 @@ impl PassedTurns {
     pub fn contains(&self, conversation_id: &str, seq: i64) -> bool {
         self.entries
             .get(conversation_id)
-            .is_some_and(|passed| passed.passes.iter().any(|pass| pass.seq == seq))
+            .is_some_and(|(_, passed)| passed.passes.iter().any(|pass| pass.seq == seq))
     }
 
     /// What is remembered of a conversation.
     pub fn get(&self, conversation_id: &str) -> Option<&Passed> {
-        self.entries.get(conversation_id)
+        self.entries.get(conversation_id).map(|(_, passed)| passed)
     }
 
     /// Number of conversations remembered.
@@ -279,7 +302,7 @@ impl PassedTurns {
     /// Moves each remembered turn for which `moves(pass, owner now)` holds to its owner now.
     fn redecide(&mut self, view: &GroupView, moves: impl Fn(&Pass, &str) -> bool) -> Vec<TakeOver> {
         let mut decisions: BTreeMap<(String, String), Vec<i64>> = BTreeMap::new();
-        for (conversation_id, passed) in self.entries.iter_mut() {
+        for (conversation_id, (_, passed)) in self.entries.iter_mut() {
             for pass in passed.passes.iter_mut() {
                 let Some(new_owner) = view.owner(conversation_id, pass.at_ms) else {
                     continue;

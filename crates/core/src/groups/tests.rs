@@ -387,3 +387,33 @@ fn a_joiner_leaves_a_turn_with_a_member_of_its_own_node() {
             .is_empty()
     );
 }
+
+#[test]
+fn an_answered_conversation_is_forgotten_and_the_oldest_open_one_goes_first() {
+    let mut passed = PassedTurns::new(2, 4);
+    passed.remember("c1", "a", 1, 0);
+    passed.remember("c2", "a", 1, 0);
+    passed.answered("c1", 1);
+    assert!(passed.get("c1").is_none(), "nothing left to take over");
+    assert_eq!(passed.len(), 1);
+    passed.remember("c3", "a", 1, 0);
+    assert_eq!(passed.len(), 2, "the forgotten conversation made room");
+    assert!(passed.get("c2").is_some());
+    passed.remember("c4", "a", 1, 0);
+    assert!(
+        passed.get("c2").is_none(),
+        "the oldest open conversation goes first"
+    );
+    assert!(passed.get("c3").is_some() && passed.get("c4").is_some());
+}
+
+#[test]
+fn an_overflowed_conversation_is_kept_until_its_overflow_is_cleared() {
+    let mut passed = PassedTurns::new(10, 1);
+    passed.remember("c1", "a", 1, 0);
+    passed.remember("c1", "a", 2, 0);
+    passed.answered("c1", 2);
+    assert_eq!(passed.overflowed(), vec![("c1".to_owned(), 1)]);
+    passed.clear_overflow("c1");
+    assert!(passed.is_empty());
+}

@@ -24,6 +24,10 @@ const FRAMES_RETRY: Duration = Duration::from_secs(1);
 /// Frames read back at most, from a conversation new to this node since it follows the channel.
 const READ_SINCE_WINDOW: i64 = 1_000;
 
+/// How often the decider is told the time, to forget conversations idle for
+/// `converger_core::channel::FORGET_AFTER_MS`.
+const FORGET_TICK: Duration = Duration::from_secs(10);
+
 /// Unanswered turns older than this are not handed on when a node starts serving a channel.
 const PENDING_TURNS_HORIZON: Duration = Duration::from_secs(3_600);
 
@@ -63,12 +67,22 @@ impl ChannelActor {
         mut inbox: mpsc::UnboundedReceiver<ActorMessage>,
         mut feed: broadcast::Receiver<ChannelEvent>,
     ) {
+        // The decider's clock for forgetting idle conversations: only its progress matters.
+        let started = tokio::time::Instant::now();
+        let mut forget = tokio::time::interval(FORGET_TICK);
         loop {
             tokio::select! {
+                // Ends when the last agent connection of the channel here let go of its inbox
+                // (the registry keeps a weak one): the next one starts a new actor, which reads
+                // the channel's unanswered turns back first.
                 message = inbox.recv() => match message {
                     Some(message) => self.on_message(message).await,
                     None => return,
                 },
+                now = forget.tick() => {
+                    let elapsed = now.saturating_duration_since(started).as_millis();
+                    self.decider.forget_idle(i64::try_from(elapsed).unwrap_or(i64::MAX));
+                }
                 event = feed.recv() => match event {
                     Ok(event) => self.on_event(event).await,
                     Err(broadcast::error::RecvError::Lagged(missed)) => {

@@ -1,5 +1,6 @@
 //! The channel actors of this node: one per channel with agents connected here, started on
-//! first use, and the registry that seeds each with the members other nodes gossip.
+//! first use and ended when the channel's last agent connection here lets go of its inbox, and
+//! the registry that seeds each with the members other nodes gossip.
 //!
 //! Every decision an actor makes (who owns a turn, what a departed member's turns become, what
 //! a replay holds) is taken by `converger_core::channel::ChannelDecider`; the actor
@@ -112,7 +113,8 @@ struct RemoteMember {
 /// and the membership events forwarded to it never miss or repeat a change.
 #[derive(Default)]
 struct Registry {
-    inboxes: HashMap<Uuid, mpsc::UnboundedSender<ActorMessage>>,
+    /// Weak, so that an actor ends with its channel's last agent connection here.
+    inboxes: HashMap<Uuid, mpsc::WeakUnboundedSender<ActorMessage>>,
     /// Group members of other nodes, per channel.
     remote_members: HashMap<Uuid, HashMap<String, RemoteMember>>,
     /// Agent connections of other nodes (observers included), per channel.
@@ -150,9 +152,10 @@ impl Actors {
         if let Some(inbox) = registry
             .inboxes
             .get(&channel_id)
+            .and_then(mpsc::WeakUnboundedSender::upgrade)
             .filter(|inbox| !inbox.is_closed())
         {
-            return inbox.clone();
+            return inbox;
         }
         let (sender, receiver) = mpsc::unbounded_channel();
         let feed = hub.subscribe_channel(channel_id);
@@ -170,7 +173,7 @@ impl Actors {
             });
         let actor = channel::ChannelActor::new(channel_id, &sender, store.clone(), remote_members);
         tokio::spawn(actor.run(receiver, feed));
-        registry.inboxes.insert(channel_id, sender.clone());
+        registry.inboxes.insert(channel_id, sender.downgrade());
         sender
     }
 
@@ -225,9 +228,29 @@ impl Actors {
                 group,
             }
         };
-        if let Some(inbox) = registry.inboxes.get(&channel_id) {
-            let _ = inbox.send(message);
+        match registry
+            .inboxes
+            .get(&channel_id)
+            .map(|inbox| inbox.upgrade())
+        {
+            Some(Some(inbox)) => {
+                let _ = inbox.send(message);
+            }
+            // The actor ended: a new one is seeded from the registry.
+            Some(None) => {
+                registry.inboxes.remove(&channel_id);
+            }
+            None => {}
         }
+    }
+
+    /// Channel actors running on this node (one per channel with an agent connected here).
+    pub fn running(&self) -> usize {
+        self.registry()
+            .inboxes
+            .values()
+            .filter(|inbox| inbox.upgrade().is_some())
+            .count()
     }
 
     /// True when another node hosts an agent connection of the channel.
@@ -237,8 +260,13 @@ impl Actors {
 
     /// Tells every actor that this node's members stop owning turns (draining).
     pub fn withdraw_local(&self) {
-        for inbox in self.registry().inboxes.values() {
-            let _ = inbox.send(ActorMessage::WithdrawLocal);
-        }
+        let mut registry = self.registry();
+        registry.inboxes.retain(|_, inbox| match inbox.upgrade() {
+            Some(inbox) => {
+                let _ = inbox.send(ActorMessage::WithdrawLocal);
+                true
+            }
+            None => false,
+        });
     }
 }

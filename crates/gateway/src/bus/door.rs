@@ -8,7 +8,6 @@
 //! frontend's follower) drops the frames it already has and reads any gap from `activities`.
 //! So a repeated, late, reordered or lost event costs a read or some latency, never a frame.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use converger_protocol::{CloseCode, ErrorCode, ErrorFrame};
@@ -18,15 +17,16 @@ use tokio::sync::mpsc;
 use uuid::Uuid;
 
 use crate::hub::{Hub, HubEvent, SessionControl};
+use crate::recent::{RECENT_PERIOD, Recent};
 use crate::streams::LiveStreams;
 
 /// Most frames one committed event is read back with (a batch commits at most 128 writes, each a
 /// frame or an answer of a few frames); a longer range is left to the sessions' gap reads.
 const MAX_READ_BACK: i64 = 1_024;
 
-/// Conversations whose channel (and highest seq let in) the door remembers; past this it
-/// forgets them all at once (a forgotten conversation's repeated events go to the receivers,
-/// which drop them).
+/// Conversations whose channel (and highest seq let in) the door remembers per generation: it
+/// keeps those of the last minute or two (`Recent`). A forgotten conversation's repeated events
+/// go to the receivers, which drop them; its channel is read again.
 const REMEMBERED_CONVERSATIONS: usize = 65_536;
 
 /// Consumes bus events until the bus closes.
@@ -39,7 +39,19 @@ pub fn spawn(
     tokio::spawn(async move {
         let mut channels = ChannelsOf::default();
         let mut seen = HighestSeen::default();
-        while let Some(event) = events.recv().await {
+        let mut forget = tokio::time::interval(RECENT_PERIOD);
+        loop {
+            let event = tokio::select! {
+                event = events.recv() => match event {
+                    Some(event) => event,
+                    None => return,
+                },
+                now = forget.tick() => {
+                    channels.looked_up.forget_idle(now.into_std());
+                    seen.seqs.forget_idle(now.into_std());
+                    continue;
+                }
+            };
             if let BusEvent::Streams { node, events } = event {
                 streams.apply_remote(&hub, &node, events);
                 continue;
@@ -67,9 +79,16 @@ pub fn spawn(
 
 /// The channel of each conversation whose events arrived without it (this node's own commits,
 /// catch-ups): a conversation never changes channel, so one read per conversation is enough.
-#[derive(Default)]
 struct ChannelsOf {
-    looked_up: HashMap<Uuid, Uuid>,
+    looked_up: Recent<Uuid, Uuid>,
+}
+
+impl Default for ChannelsOf {
+    fn default() -> Self {
+        ChannelsOf {
+            looked_up: Recent::new(REMEMBERED_CONVERSATIONS, RECENT_PERIOD),
+        }
+    }
 }
 
 impl ChannelsOf {
@@ -89,18 +108,22 @@ impl ChannelsOf {
             .ok()
             .flatten()
             .map(|conversation| conversation.channel_id)?;
-        if self.looked_up.len() >= REMEMBERED_CONVERSATIONS {
-            self.looked_up.clear();
-        }
         self.looked_up.insert(conversation_id, channel_id);
         Some(channel_id)
     }
 }
 
-/// The highest seq the door let in per conversation (bounded as the channels are).
-#[derive(Default)]
+/// The highest seq the door let in per conversation (kept as the channels are).
 struct HighestSeen {
-    seqs: HashMap<Uuid, i64>,
+    seqs: Recent<Uuid, i64>,
+}
+
+impl Default for HighestSeen {
+    fn default() -> Self {
+        HighestSeen {
+            seqs: Recent::new(REMEMBERED_CONVERSATIONS, RECENT_PERIOD),
+        }
+    }
 }
 
 impl HighestSeen {
@@ -112,11 +135,8 @@ impl HighestSeen {
     }
 
     fn let_in(&mut self, conversation_id: Uuid, seq: i64) {
-        if self.seqs.len() >= REMEMBERED_CONVERSATIONS {
-            self.seqs.clear();
-        }
-        let highest = self.seqs.entry(conversation_id).or_insert(seq);
-        *highest = (*highest).max(seq);
+        let highest = self.seqs.get(&conversation_id).copied().unwrap_or(seq);
+        self.seqs.insert(conversation_id, highest.max(seq));
     }
 }
 

@@ -25,6 +25,7 @@ use tokio::sync::{Notify, mpsc, oneshot};
 
 use super::BusError;
 use crate::config::NatsConfig;
+use crate::recent::{RECENT_PERIOD, Recent};
 
 /// Publications waiting for the publishing task at most; past this they are dropped (the
 /// outbox has every commit, and transient frames may be lost).
@@ -40,12 +41,8 @@ const MESSAGE_LIMIT: usize = 256 * 1024;
 /// Extra history read back after trouble, for commits in flight when it began.
 const CATCH_UP_MARGIN: Duration = Duration::from_secs(5);
 
-/// Messages a subscription buffers before NATS's client drops them (a slow consumer, which
-/// triggers a catch-up).
-const SUBSCRIPTION_CAPACITY: usize = 262_144;
-
-/// Conversations whose last published seq a node remembers; past this it forgets them all at
-/// once (a repeated publication costs a message, never a frame).
+/// Conversations whose last published seq a node remembers per generation: those of the last
+/// minute or two (`Recent`); a repeated publication costs a message, never a frame.
 const REMEMBERED_CONVERSATIONS: usize = 65_536;
 
 /// One publication: a subject and its payload.
@@ -69,10 +66,25 @@ pub(super) struct Link {
 
 /// The highest seq published per conversation, so a commit announced both by its worker and
 /// by its session goes out once.
-#[derive(Default)]
-struct Published(std::sync::Mutex<std::collections::HashMap<uuid::Uuid, i64>>);
+struct Published(std::sync::Mutex<Recent<uuid::Uuid, i64>>);
+
+impl Default for Published {
+    fn default() -> Self {
+        Published(std::sync::Mutex::new(Recent::new(
+            REMEMBERED_CONVERSATIONS,
+            RECENT_PERIOD,
+        )))
+    }
+}
 
 impl Published {
+    /// Forgets conversations not published lately.
+    fn forget_idle(&self, now: Instant) {
+        if let Ok(mut published) = self.0.lock() {
+            published.forget_idle(now);
+        }
+    }
+
     /// True when the commit ending at `seq` of `conversation_id` was not published yet (it now
     /// counts as published).
     fn claim(&self, event: &BusEvent) -> bool {
@@ -92,9 +104,6 @@ impl Published {
             .is_some_and(|&last| last >= *seq)
         {
             return false;
-        }
-        if published.len() >= REMEMBERED_CONVERSATIONS {
-            published.clear();
         }
         published.insert(*conversation_id, *seq);
         true
@@ -163,7 +172,7 @@ impl Link {
             .no_echo()
             .require_tls(config.require_tls)
             .connection_timeout(Duration::from_millis(config.connect_timeout_ms))
-            .subscription_capacity(SUBSCRIPTION_CAPACITY)
+            .subscription_capacity(config.subscription_capacity)
             .event_callback(move |event| {
                 let trouble = Arc::clone(&events);
                 async move { on_event(&trouble, event) }
@@ -230,7 +239,18 @@ impl Link {
         let published = Arc::clone(&self.published);
         let own = events.clone();
         tokio::spawn(async move {
-            while let Some(event) = own_commits.recv().await {
+            let mut forget = tokio::time::interval(RECENT_PERIOD);
+            loop {
+                let event = tokio::select! {
+                    event = own_commits.recv() => match event {
+                        Some(event) => event,
+                        None => return,
+                    },
+                    now = forget.tick() => {
+                        published.forget_idle(now.into_std());
+                        continue;
+                    }
+                };
                 // The door needs the event too: the copy is made only when it is published.
                 if published.claim(&event)
                     && let Some(message) = committed_message(&prefix, event.clone())
@@ -390,6 +410,7 @@ fn on_event(trouble: &Trouble, event: Event) {
         Event::SlowConsumer(_) => {
             // Messages were dropped just now: read back what they announced.
             tracing::warn!("nats bus: slow consumer; reading the outbox back");
+            metrics::counter!("converger_bus_slow_consumers_total").increment(1);
             trouble.begin();
             trouble.recovered();
         }

@@ -49,6 +49,9 @@ pub struct NatsConfig {
     pub sweep_ms: u64,
     /// Longest wait for a server at start and for one request.
     pub connect_timeout_ms: u64,
+    /// Messages the node's subscription holds before the client drops them (a slow consumer,
+    /// after which the node reads the outbox back).
+    pub subscription_capacity: usize,
 }
 
 impl Default for NatsConfig {
@@ -62,6 +65,7 @@ impl Default for NatsConfig {
             subject_prefix: "converger".into(),
             sweep_ms: 1_000,
             connect_timeout_ms: 5_000,
+            subscription_capacity: 262_144,
         }
     }
 }
@@ -86,6 +90,9 @@ impl NatsConfig {
         }
         if self.sweep_ms == 0 || self.sweep_ms > 60_000 {
             return Err("nats.sweep_ms must be between 1 and 60000".into());
+        }
+        if self.subscription_capacity == 0 {
+            return Err("nats.subscription_capacity must be at least 1".into());
         }
         if !self.user.is_empty() && !self.token.is_empty() {
             return Err("nats.user and nats.token are exclusive".into());
