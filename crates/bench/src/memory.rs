@@ -150,6 +150,10 @@ async fn measure(
         Some(second) => vec![("node_1", first.pid()), ("node_2", second.pid())],
         None => vec![("node_1", first.pid())],
     };
+    let base_urls: Vec<&str> = match second {
+        Some(second) => vec![&first.base_url, &second.base_url],
+        None => vec![&first.base_url],
+    };
 
     touch(args, users_node, &users_rest, &user_token, WARM_UP).await?;
     arrivals.lock().map(|mut seen| seen.clear()).ok();
@@ -158,6 +162,7 @@ async fn measure(
         .iter()
         .map(|(_, pid)| machine::rss_kib(*pid).unwrap_or(0))
         .collect();
+    let idle_allocator = allocator(&base_urls).await;
     let started = Instant::now();
     touch(
         args,
@@ -184,6 +189,7 @@ async fn measure(
         .iter()
         .map(|(_, pid)| machine::rss_kib(*pid).unwrap_or(0))
         .collect();
+    let settled_allocator = allocator(&base_urls).await;
     agent.abort();
 
     println!(
@@ -205,11 +211,18 @@ async fn measure(
             args.settle_secs,
             settled[index]
         );
+        let (live_idle, live_settled) = (idle_allocator[index], settled_allocator[index]);
+        println!(
+            "{name}: allocator live/resident idle {} / {} KiB, settled {} / {} KiB",
+            live_idle.0, live_idle.1, live_settled.0, live_settled.1
+        );
         nodes.insert(
             (*name).to_owned(),
             json!({"idle_kib": idle[index], "right_after_kib": right_after[index],
                    "decayed_kib": decayed[index], "settled_kib": settled[index],
-                   "settled_to_idle": ratio}),
+                   "settled_to_idle": ratio,
+                   "allocated_kib": {"idle": live_idle.0, "settled": live_settled.0},
+                   "allocator_resident_kib": {"idle": live_idle.1, "settled": live_settled.1}}),
         );
     }
     let line = json!({
@@ -224,6 +237,24 @@ async fn measure(
     });
     println!("{line}");
     Ok(())
+}
+
+/// Each node's allocator gauges (live bytes, resident bytes) in KiB; 0 when unreadable. The
+/// gauges are refreshed every 10 s, so they are read after one more refresh.
+async fn allocator(base_urls: &[&str]) -> Vec<(u64, u64)> {
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    let mut figures = Vec::new();
+    for base_url in base_urls {
+        let scrape = crate::gateway_metrics::scrape(base_url)
+            .await
+            .unwrap_or_default();
+        let kib = |name: &str| scrape.get(name).copied().unwrap_or(0.0) as u64 / 1024;
+        figures.push((
+            kib("converger_allocator_allocated_bytes"),
+            kib("converger_allocator_resident_bytes"),
+        ));
+    }
+    figures
 }
 
 /// Touches `count` new conversations, `concurrency` at once: each gets a session on

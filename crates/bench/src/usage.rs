@@ -6,7 +6,10 @@
 //! for this process, the time of their children that exited (a Postgres backend that closed, the
 //! pgbench child), which the kernel adds to the parent once it reaped them. WAL bytes come from
 //! the server's insert position (exact), WAL records from `pg_stat_wal`, which backends report
-//! up to a second late (so the records are approximate over a short window).
+//! up to a second late (so the records are approximate over a short window). When the server
+//! preloads `pg_stat_statements` (see docs/benchmarks.md, "Sixth round"), the window also gives
+//! each statement's calls and execution time per turn, nested statements of the batch function
+//! included under `pg_stat_statements.track = all`.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -24,7 +27,22 @@ const GROUPS: [&str; 5] = ["postgres", "gateway", "bench", "redis", "nats"];
 pub struct Usage {
     ticks: BTreeMap<&'static str, u64>,
     wal: Option<Wal>,
+    statements: Option<BTreeMap<(i64, bool), Statement>>,
 }
+
+/// One statement's totals in `pg_stat_statements`.
+#[derive(Debug, Clone, sqlx::FromRow)]
+struct Statement {
+    queryid: i64,
+    toplevel: bool,
+    query: String,
+    calls: i64,
+    total_exec_time: f64,
+    rows: i64,
+}
+
+/// Statements listed per window, by execution time.
+const TOP_STATEMENTS: usize = 12;
 
 /// The server's WAL insert position and record count.
 #[derive(Debug, Clone, Copy)]
@@ -36,13 +54,14 @@ struct Wal {
 impl Usage {
     /// Reads every process's CPU time now, and the WAL position of `database_url` if given.
     pub async fn take(database_url: Option<&str>) -> Usage {
-        let wal = match database_url {
-            Some(url) => wal_position(url).await,
-            None => None,
+        let (wal, statements) = match database_url {
+            Some(url) => (wal_position(url).await, statements(url).await),
+            None => (None, None),
         };
         Usage {
             ticks: group_ticks(),
             wal,
+            statements,
         }
     }
 
@@ -69,8 +88,103 @@ impl Usage {
             }),
             _ => Value::Null,
         };
-        json!({"cpu_us": cpu, "wal": wal})
+        let statements = match (&self.statements, &later.statements) {
+            (Some(before), Some(after)) => statements_per_turn(before, after, turns),
+            _ => Value::Null,
+        };
+        json!({"cpu_us": cpu, "wal": wal, "statements": statements})
     }
+}
+
+/// The statements that took the most execution time between two snapshots: per turn, calls,
+/// µs and rows, and each one's share of the top-level statements' time.
+fn statements_per_turn(
+    before: &BTreeMap<(i64, bool), Statement>,
+    after: &BTreeMap<(i64, bool), Statement>,
+    turns: f64,
+) -> Value {
+    let mut deltas: Vec<(&Statement, i64, f64, i64)> = after
+        .iter()
+        .map(|(key, now)| {
+            let (calls, ms, rows) = before.get(key).map_or((0, 0.0, 0), |then| {
+                (then.calls, then.total_exec_time, then.rows)
+            });
+            (
+                now,
+                now.calls - calls,
+                now.total_exec_time - ms,
+                now.rows - rows,
+            )
+        })
+        .filter(|(_, calls, _, _)| *calls > 0)
+        .collect();
+    let top_level_ms: f64 = deltas
+        .iter()
+        .filter(|(statement, ..)| statement.toplevel)
+        .map(|(_, _, ms, _)| ms)
+        .sum();
+    deltas.sort_by(|a, b| b.2.total_cmp(&a.2));
+    let listed: Vec<Value> = deltas
+        .into_iter()
+        .take(TOP_STATEMENTS)
+        .map(|(statement, calls, ms, rows)| {
+            let query: String = statement
+                .query
+                .split_whitespace()
+                .collect::<Vec<_>>()
+                .join(" ")
+                .chars()
+                .take(100)
+                .collect();
+            json!({
+                "query": query,
+                "top_level": statement.toplevel,
+                "calls_per_turn": calls as f64 / turns,
+                "exec_us_per_turn": ms * 1_000.0 / turns,
+                "rows_per_turn": rows as f64 / turns,
+                "share_of_top_level_time": if top_level_ms > 0.0 { ms / top_level_ms } else { 0.0 },
+            })
+        })
+        .collect();
+    json!({"top_level_exec_us_per_turn": top_level_ms * 1_000.0 / turns, "top": listed})
+}
+
+/// Every statement's totals, when the server preloads `pg_stat_statements` (the extension is
+/// created in the database if it is missing); `None` otherwise.
+async fn statements(url: &str) -> Option<BTreeMap<(i64, bool), Statement>> {
+    let query = async {
+        let mut connection = PgConnection::connect(url).await.ok()?;
+        let loaded: bool = sqlx::query_scalar(
+            "SELECT current_setting('shared_preload_libraries') LIKE '%pg_stat_statements%'",
+        )
+        .fetch_one(&mut connection)
+        .await
+        .ok()?;
+        if !loaded {
+            return None;
+        }
+        sqlx::query("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+            .execute(&mut connection)
+            .await
+            .ok()?;
+        let rows: Vec<Statement> = sqlx::query_as(
+            "SELECT queryid, toplevel, query, calls, total_exec_time, rows
+               FROM pg_stat_statements WHERE queryid IS NOT NULL",
+        )
+        .fetch_all(&mut connection)
+        .await
+        .ok()?;
+        let _ = connection.close().await;
+        Some(
+            rows.into_iter()
+                .map(|row| ((row.queryid, row.toplevel), row))
+                .collect(),
+        )
+    };
+    tokio::time::timeout(Duration::from_secs(5), query)
+        .await
+        .ok()
+        .flatten()
 }
 
 /// Which group a process belongs to, by its command name (at most 15 characters in `/proc`).

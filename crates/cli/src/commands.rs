@@ -43,6 +43,7 @@ async fn serve_with(config: Config, database: &Database) -> anyhow::Result<()> {
         );
     }
     tracing::info!(node_id = %node_id, %addr, "converger listening");
+    crate::report_allocator();
     server.run(shutdown_signal()).await?;
     tracing::info!("converger stopped");
     Ok(())

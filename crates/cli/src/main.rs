@@ -23,6 +23,31 @@ fn purge_in_background() {
     }
 }
 
+/// How often the allocator's figures are read for `/metrics`.
+#[cfg(feature = "jemalloc")]
+const ALLOCATOR_REPORT_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Reports jemalloc's live and resident bytes as gauges, so that memory held by the node's data
+/// can be told apart from memory the allocator keeps (fragmentation, pages not yet purged).
+fn report_allocator() {
+    #[cfg(feature = "jemalloc")]
+    tokio::spawn(async {
+        let mut every = tokio::time::interval(ALLOCATOR_REPORT_EVERY);
+        loop {
+            every.tick().await;
+            if tikv_jemalloc_ctl::epoch::advance().is_err() {
+                continue;
+            }
+            if let Ok(allocated) = tikv_jemalloc_ctl::stats::allocated::read() {
+                metrics::gauge!("converger_allocator_allocated_bytes").set(allocated as f64);
+            }
+            if let Ok(resident) = tikv_jemalloc_ctl::stats::resident::read() {
+                metrics::gauge!("converger_allocator_resident_bytes").set(resident as f64);
+            }
+        }
+    });
+}
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 

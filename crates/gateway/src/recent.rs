@@ -11,8 +11,12 @@ use std::collections::HashMap;
 use std::hash::Hash;
 use std::time::{Duration, Instant};
 
-/// How long an idle entry is kept at least (at most twice this).
+/// How long an idle entry is kept at least (at most twice this, plus one tick).
 pub(crate) const RECENT_PERIOD: Duration = Duration::from_secs(60);
+
+/// How often owners call [`Recent::forget_idle`]: often, so that a rotation forced by the
+/// capacity does not delay the next one by up to a period.
+pub(crate) const RECENT_TICK: Duration = Duration::from_secs(10);
 
 #[derive(Debug)]
 pub(crate) struct Recent<K, V> {

@@ -18,6 +18,8 @@ mod decision;
 mod handled;
 #[cfg(test)]
 mod simulation;
+#[cfg(test)]
+mod tests;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
@@ -373,6 +375,7 @@ impl ChannelDecider {
             };
         }
         match frame_at_ms {
+            Some(at_ms) if self.forgotten(last, at_ms) => CommittedPlan::Skip,
             Some(_) => CommittedPlan::Use,
             None => CommittedPlan::Read {
                 after: seq - 1,
@@ -388,13 +391,29 @@ impl ChannelDecider {
         seq: i64,
         frames: &[FrameFacts<'_>],
     ) -> Vec<Decision> {
+        let last = self.handled.get(conversation_id);
         let newest_at_ms = frames.iter().map(|frame| frame.at_ms).max();
         self.handled.record(conversation_id, seq, newest_at_ms);
         let mut decisions = Vec::new();
         for (index, frame) in frames.iter().enumerate() {
+            if self.forgotten(last, frame.at_ms) {
+                continue;
+            }
             self.decide_committed(index, frame, &mut decisions);
         }
         decisions
+    }
+
+    /// True for a frame of a conversation not remembered (`last` is `None`) that committed at or
+    /// before the newest frame forgotten: it was handled before and is heard again (a catch-up
+    /// after a long bus outage reads minutes back), or it is later than forgetting allows for
+    /// (ADR 0034). Either way it is not decided again.
+    fn forgotten(&self, last: Option<i64>, at_ms: i64) -> bool {
+        last.is_none()
+            && self
+                .handled
+                .forgotten_up_to_ms()
+                .is_some_and(|forgotten_ms| at_ms <= forgotten_ms)
     }
 
     fn decide_committed(

@@ -173,6 +173,8 @@ impl Actors {
             });
         let actor = channel::ChannelActor::new(channel_id, &sender, store.clone(), remote_members);
         tokio::spawn(actor.run(receiver, feed));
+        // Actors start rarely: each start also forgets the channels whose actors ended.
+        registry.inboxes.retain(|_, inbox| inbox.strong_count() > 0);
         registry.inboxes.insert(channel_id, sender.downgrade());
         sender
     }

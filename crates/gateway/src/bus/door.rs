@@ -17,7 +17,7 @@ use tokio::sync::mpsc;
 use uuid::Uuid;
 
 use crate::hub::{Hub, HubEvent, SessionControl};
-use crate::recent::{RECENT_PERIOD, Recent};
+use crate::recent::{RECENT_PERIOD, RECENT_TICK, Recent};
 use crate::streams::LiveStreams;
 
 /// Most frames one committed event is read back with (a batch commits at most 128 writes, each a
@@ -39,7 +39,7 @@ pub fn spawn(
     tokio::spawn(async move {
         let mut channels = ChannelsOf::default();
         let mut seen = HighestSeen::default();
-        let mut forget = tokio::time::interval(RECENT_PERIOD);
+        let mut forget = tokio::time::interval(RECENT_TICK);
         loop {
             let event = tokio::select! {
                 event = events.recv() => match event {

@@ -25,7 +25,7 @@ use tokio::sync::{Notify, mpsc, oneshot};
 
 use super::BusError;
 use crate::config::NatsConfig;
-use crate::recent::{RECENT_PERIOD, Recent};
+use crate::recent::{RECENT_PERIOD, RECENT_TICK, Recent};
 
 /// Publications waiting for the publishing task at most; past this they are dropped (the
 /// outbox has every commit, and transient frames may be lost).
@@ -239,7 +239,7 @@ impl Link {
         let published = Arc::clone(&self.published);
         let own = events.clone();
         tokio::spawn(async move {
-            let mut forget = tokio::time::interval(RECENT_PERIOD);
+            let mut forget = tokio::time::interval(RECENT_TICK);
             loop {
                 let event = tokio::select! {
                     event = own_commits.recv() => match event {
