@@ -6,6 +6,7 @@ pub mod channel;
 pub mod groups;
 pub mod http_agents;
 pub mod policies;
+pub mod recent;
 pub mod replay;
 pub mod streams;
 pub mod transcript;

@@ -370,19 +370,19 @@ impl Hub {
 
     /// Hands an event to the channel's agents on this node only (forwarded client frames).
     pub fn publish_to_agents(&self, channel_id: Uuid, conversation_id: Uuid, event: HubEvent) {
-        self.publish_to_channel(channel_id, conversation_id, event);
+        self.publish_to_channel(channel_id, conversation_id, &event);
     }
 
     /// Hands an event to the channel's actor, if it has one here; a channel whose actor ended
     /// (its last agent left) loses its feed, so the map follows the channels served now.
-    fn publish_to_channel(&self, channel_id: Uuid, conversation_id: Uuid, event: HubEvent) {
+    fn publish_to_channel(&self, channel_id: Uuid, conversation_id: Uuid, event: &HubEvent) {
         let mut channels = lock(&self.channels);
         let Some(sender) = channels.get(&channel_id) else {
             return;
         };
         let event = ChannelEvent {
             conversation_id,
-            event,
+            event: event.clone(),
         };
         if sender.send(event).is_err() {
             channels.remove(&channel_id);
@@ -391,7 +391,7 @@ impl Hub {
 
     /// Hands an event to the conversation's sessions and to its channel's agents on this node.
     pub fn publish_to_all(&self, channel_id: Uuid, conversation_id: Uuid, event: HubEvent) {
-        self.publish_to_channel(channel_id, conversation_id, event.clone());
+        self.publish_to_channel(channel_id, conversation_id, &event);
         self.publish(conversation_id, event);
     }
 

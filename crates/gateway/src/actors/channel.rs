@@ -67,8 +67,6 @@ impl ChannelActor {
         mut inbox: mpsc::UnboundedReceiver<ActorMessage>,
         mut feed: broadcast::Receiver<ChannelEvent>,
     ) {
-        // The decider's clock for forgetting idle conversations: only its progress matters.
-        let started = tokio::time::Instant::now();
         let mut forget = tokio::time::interval(FORGET_TICK);
         loop {
             tokio::select! {
@@ -79,10 +77,7 @@ impl ChannelActor {
                     Some(message) => self.on_message(message).await,
                     None => return,
                 },
-                now = forget.tick() => {
-                    let elapsed = now.saturating_duration_since(started).as_millis();
-                    self.decider.forget_idle(i64::try_from(elapsed).unwrap_or(i64::MAX));
-                }
+                _ = forget.tick() => self.decider.forget_idle(crate::recent::monotonic_ms()),
                 event = feed.recv() => match event {
                     Ok(event) => self.on_event(event).await,
                     Err(broadcast::error::RecvError::Lagged(missed)) => {

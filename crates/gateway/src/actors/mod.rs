@@ -251,7 +251,7 @@ impl Actors {
         self.registry()
             .inboxes
             .values()
-            .filter(|inbox| inbox.upgrade().is_some())
+            .filter(|inbox| inbox.strong_count() > 0)
             .count()
     }
 

@@ -17,7 +17,7 @@ use tokio::sync::mpsc;
 use uuid::Uuid;
 
 use crate::hub::{Hub, HubEvent, SessionControl};
-use crate::recent::{RECENT_PERIOD, RECENT_TICK, Recent};
+use crate::recent::{RECENT_PERIOD_MS, RECENT_TICK, Recent, monotonic_ms};
 use crate::streams::LiveStreams;
 
 /// Most frames one committed event is read back with (a batch commits at most 128 writes, each a
@@ -46,9 +46,10 @@ pub fn spawn(
                     Some(event) => event,
                     None => return,
                 },
-                now = forget.tick() => {
-                    channels.looked_up.forget_idle(now.into_std());
-                    seen.seqs.forget_idle(now.into_std());
+                _ = forget.tick() => {
+                    let now_ms = monotonic_ms();
+                    channels.looked_up.forget_idle(now_ms);
+                    seen.seqs.forget_idle(now_ms);
                     continue;
                 }
             };
@@ -86,7 +87,7 @@ struct ChannelsOf {
 impl Default for ChannelsOf {
     fn default() -> Self {
         ChannelsOf {
-            looked_up: Recent::new(REMEMBERED_CONVERSATIONS, RECENT_PERIOD),
+            looked_up: Recent::new(REMEMBERED_CONVERSATIONS, RECENT_PERIOD_MS),
         }
     }
 }
@@ -108,7 +109,8 @@ impl ChannelsOf {
             .ok()
             .flatten()
             .map(|conversation| conversation.channel_id)?;
-        self.looked_up.insert(conversation_id, channel_id);
+        // A generation dropped when full is simply forgotten.
+        let _ = self.looked_up.insert(conversation_id, channel_id);
         Some(channel_id)
     }
 }
@@ -121,7 +123,7 @@ struct HighestSeen {
 impl Default for HighestSeen {
     fn default() -> Self {
         HighestSeen {
-            seqs: Recent::new(REMEMBERED_CONVERSATIONS, RECENT_PERIOD),
+            seqs: Recent::new(REMEMBERED_CONVERSATIONS, RECENT_PERIOD_MS),
         }
     }
 }
@@ -136,7 +138,7 @@ impl HighestSeen {
 
     fn let_in(&mut self, conversation_id: Uuid, seq: i64) {
         let highest = self.seqs.get(&conversation_id).copied().unwrap_or(seq);
-        self.seqs.insert(conversation_id, highest.max(seq));
+        let _ = self.seqs.insert(conversation_id, highest.max(seq));
     }
 }
 

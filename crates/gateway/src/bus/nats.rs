@@ -25,7 +25,7 @@ use tokio::sync::{Notify, mpsc, oneshot};
 
 use super::BusError;
 use crate::config::NatsConfig;
-use crate::recent::{RECENT_PERIOD, RECENT_TICK, Recent};
+use crate::recent::{RECENT_PERIOD_MS, RECENT_TICK, Recent, monotonic_ms};
 
 /// Publications waiting for the publishing task at most; past this they are dropped (the
 /// outbox has every commit, and transient frames may be lost).
@@ -72,16 +72,16 @@ impl Default for Published {
     fn default() -> Self {
         Published(std::sync::Mutex::new(Recent::new(
             REMEMBERED_CONVERSATIONS,
-            RECENT_PERIOD,
+            RECENT_PERIOD_MS,
         )))
     }
 }
 
 impl Published {
     /// Forgets conversations not published lately.
-    fn forget_idle(&self, now: Instant) {
+    fn forget_idle(&self) {
         if let Ok(mut published) = self.0.lock() {
-            published.forget_idle(now);
+            published.forget_idle(monotonic_ms());
         }
     }
 
@@ -105,7 +105,7 @@ impl Published {
         {
             return false;
         }
-        published.insert(*conversation_id, *seq);
+        let _ = published.insert(*conversation_id, *seq);
         true
     }
 }
@@ -246,8 +246,8 @@ impl Link {
                         Some(event) => event,
                         None => return,
                     },
-                    now = forget.tick() => {
-                        published.forget_idle(now.into_std());
+                    _ = forget.tick() => {
+                        published.forget_idle();
                         continue;
                     }
                 };
