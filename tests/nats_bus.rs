@@ -16,7 +16,7 @@ use support::nats::NatsServer;
 use support::proxy::Proxy;
 use support::tab::Tab;
 use support::ws::WsClient;
-use support::{TestNode, stream_chunk, turn_in_progress};
+use support::{TestNode, send_numbered_chunks, stream_chunk, turn_in_progress};
 
 /// Sweeps far apart: whatever crosses nodes within a test came over NATS.
 const NO_SWEEP_MS: u64 = 600_000;
@@ -411,4 +411,148 @@ async fn slow_consumers(node: &TestNode) -> f64 {
         .filter(|line| line.starts_with("converger_bus_slow_consumers_total"))
         .filter_map(|line| line.split_whitespace().last()?.parse::<f64>().ok())
         .sum()
+}
+
+/// The NATS connection name of a node.
+fn connection_name(node: &converger_gateway::ServerHandle) -> String {
+    format!("converger {}", node.state().hub.node_id())
+}
+
+/// The text of chunks `0..count` as `send_numbered_chunks` sends them.
+fn chunk_text(count: u64) -> String {
+    (0..count).map(|index| format!("{index} ")).collect()
+}
+
+/// Waits until the node holds no open stream (its replicas went).
+async fn until_no_open_stream(node: &converger_gateway::ServerHandle) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while node.state().streams.usage().0 > 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the node kept a replica of a stream it no longer follows"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// On NATS a node hears the stream events only of the conversations its tabs follow (ADR
+/// 0035). A tab joining mid-stream on another node is shown what was streamed before it came,
+/// then the rest, each chunk once; when its last tab goes the node drops its subscription and
+/// its replica, and a tab coming back is shown the start again.
+#[tokio::test]
+async fn a_node_hears_only_the_streams_its_tabs_follow_and_a_late_tab_sees_the_start() {
+    let nats = NatsServer::start().await;
+    let adjust = on_nats(vec![nats.url()], NO_SWEEP_MS);
+    let node = TestNode::start_with(adjust.clone()).await;
+    let peer = node.start_peer_with(adjust).await;
+    let (node, _, token, mut agent, mut here, conversation, seq) = turn_in_progress(node).await;
+    let subject = format!("converger.s.{conversation}");
+    let (node_name, peer_name) = (connection_name(&node.server), connection_name(&peer));
+
+    send_numbered_chunks(&mut agent, &conversation, seq, 0..6).await;
+    let mut here_tab = Tab::default();
+    here_tab
+        .read_until(&mut here, |tab| tab.chunks_of("s-1") == 6)
+        .await;
+    // Only the node with a tab subscribes to the conversation's streams; the peer's
+    // subscriptions cover no stream subject, and it holds no replica.
+    nats.until_subscribers(&subject, &[&node_name]).await;
+    let peer_subjects: Vec<String> = nats.subscriptions().await[&peer_name]
+        .iter()
+        .cloned()
+        .collect();
+    assert_eq!(
+        peer_subjects,
+        ["converger.c.>", "converger.e", "converger.q"]
+    );
+    assert_eq!(
+        peer.state().streams.usage().0,
+        0,
+        "the peer holds a replica"
+    );
+
+    // A tab on the peer mid-stream: the six chunks so far, then the rest.
+    let mut there = WsClient::connect(&support::peer_ws_url(&peer)).await;
+    there.hello(&token, json!({})).await;
+    let mut there_tab = Tab::default();
+    there_tab
+        .read_until(&mut there, |tab| tab.chunks_of("s-1") == 6)
+        .await;
+    assert_eq!(there_tab.text["s-1"], chunk_text(6));
+    nats.until_subscribers(&subject, &[&node_name, &peer_name])
+        .await;
+
+    // Its last tab gone, the peer unsubscribes and drops the replica.
+    drop(there);
+    nats.until_subscribers(&subject, &[&node_name]).await;
+    until_no_open_stream(&peer).await;
+
+    // Chunks sent meanwhile reach a new tab on the peer with the start; the rest follow live,
+    // once each, then the end and the answer.
+    send_numbered_chunks(&mut agent, &conversation, seq, 6..8).await;
+    here_tab
+        .read_until(&mut here, |tab| tab.chunks_of("s-1") == 8)
+        .await;
+    let mut again = WsClient::connect(&support::peer_ws_url(&peer)).await;
+    again.hello(&token, json!({})).await;
+    let mut again_tab = Tab::default();
+    again_tab
+        .read_until(&mut again, |tab| tab.chunks_of("s-1") == 8)
+        .await;
+    send_numbered_chunks(&mut agent, &conversation, seq, 8..10).await;
+    agent.send(result(&conversation, seq, "s-1", "ten")).await;
+    read_answer(&mut again_tab, &mut again, "s-1", "ten").await;
+    assert_eq!(again_tab.chunks_of("s-1"), 10, "{again_tab:?}");
+    assert_eq!(again_tab.text["s-1"], chunk_text(10));
+    assert_eq!(again_tab.ended["s-1"], "committed");
+    read_answer(&mut here_tab, &mut here, "s-1", "ten").await;
+    assert_eq!(here_tab.text["s-1"], chunk_text(10));
+}
+
+/// A stop asked on a node that follows nothing of the conversation settles the turn with the
+/// text the agent's node streamed, which that node kept (ADR 0035).
+#[tokio::test]
+async fn a_stop_on_a_node_without_the_stream_settles_with_the_text_the_agents_node_kept() {
+    let nats = NatsServer::start().await;
+    let on_nats_with_grace = {
+        let adjust = on_nats(vec![nats.url()], NO_SWEEP_MS);
+        move |config: &mut Config| {
+            adjust(config);
+            config.turns.stop_grace_ms = 300;
+        }
+    };
+    let node = TestNode::start_with(on_nats_with_grace.clone()).await;
+    let peer = node.start_peer_with(on_nats_with_grace).await;
+    let (node, conversation_id, token, mut agent, mut here, conversation, seq) =
+        turn_in_progress(node).await;
+    send_numbered_chunks(&mut agent, &conversation, seq, 0..5).await;
+    let mut here_tab = Tab::default();
+    here_tab
+        .read_until(&mut here, |tab| tab.chunks_of("s-1") == 5)
+        .await;
+    assert_eq!(
+        peer.state().streams.usage().0,
+        0,
+        "the peer holds a replica"
+    );
+
+    let stopped = node
+        .http
+        .post(format!(
+            "{}/api/v1/converger/conversations/{conversation_id}/stop",
+            peer.base_url()
+        ))
+        .bearer_auth(&token)
+        .json(&json!({}))
+        .send()
+        .await
+        .expect("POST stop");
+    assert_eq!(stopped.status().as_u16(), 200);
+    let cancel = agent.skip_to_enveloped("cancel").await;
+    assert_eq!(cancel["turn"]["seq"], seq);
+    let end = here.skip_to("streamEnd").await;
+    assert_eq!(end["reason"], "stopped");
+    let settled = here.skip_to("text").await;
+    assert_eq!(settled["data"]["status"], "stopped");
+    assert_eq!(settled["data"]["text"], chunk_text(5), "what was streamed");
 }

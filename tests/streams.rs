@@ -9,7 +9,9 @@ use serde_json::{Value, json};
 use support::mekik::Widget;
 use support::tab::Tab;
 use support::ws::WsClient;
-use support::{TestNode, next_turn, setup, stream_chunk as chunk, turn_in_progress};
+use support::{
+    TestNode, next_turn, send_numbered_chunks, setup, stream_chunk as chunk, turn_in_progress,
+};
 
 fn fast_settle(config: &mut converger_gateway::Config) {
     config.group_settle_ms = 100;
@@ -313,20 +315,6 @@ async fn a_fenced_member_cannot_stream_and_its_stream_ends_when_its_result_is_re
         shown.iter().all(|frame| frame["type"] != "streamChunk"),
         "the late chunk was never shown: {shown:?}"
     );
-}
-
-/// Sends chunks `indices` of stream "s-1", each holding its own index as text.
-async fn send_numbered_chunks(
-    agent: &mut WsClient,
-    conversation: &str,
-    seq: i64,
-    indices: std::ops::Range<u64>,
-) {
-    for index in indices {
-        agent
-            .send(chunk(conversation, "s-1", index, seq, &format!("{index} ")))
-            .await;
-    }
 }
 
 #[tokio::test]

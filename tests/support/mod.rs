@@ -464,6 +464,27 @@ pub fn stream_chunk(
     serde_json::json!({"conversationId": conversation, "frame": frame})
 }
 
+/// Sends chunks `indices` of stream "s-1" answering turn `seq`, each holding its own index as
+/// text (`"<index> "`).
+pub async fn send_numbered_chunks(
+    agent: &mut ws::WsClient,
+    conversation: &str,
+    seq: i64,
+    indices: std::ops::Range<u64>,
+) {
+    for index in indices {
+        agent
+            .send(stream_chunk(
+                conversation,
+                "s-1",
+                index,
+                seq,
+                &format!("{index} "),
+            ))
+            .await;
+    }
+}
+
 /// Streams chunks `indices` of `stream` (texts `w<index> `) answering turn `seq`, then waits
 /// until the node took every one ([`wait_until_taken`]). Returns the text sent. The agent's
 /// `limits.max_frames_per_sec` must allow the burst.

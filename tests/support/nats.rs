@@ -2,6 +2,7 @@
 //! servers joined by routes, on ephemeral loopback ports. `.ci/test-prerequisites` installs the
 //! server; `CONVERGER_NATS_SERVER` names another binary.
 
+use std::collections::{BTreeSet, HashMap};
 use std::net::{SocketAddr, TcpListener};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -12,6 +13,8 @@ use tokio::io::AsyncReadExt;
 pub struct NatsServer {
     /// The client port.
     pub addr: SocketAddr,
+    /// The monitoring port (`/connz`).
+    monitor: u16,
     args: Vec<String>,
     child: Option<Child>,
 }
@@ -57,6 +60,7 @@ impl NatsServer {
     }
 
     async fn launch(port: u16, mut args: Vec<String>) -> NatsServer {
+        let monitor = free_port();
         args.splice(
             0..0,
             [
@@ -64,10 +68,13 @@ impl NatsServer {
                 "127.0.0.1".into(),
                 "-p".into(),
                 port.to_string(),
+                "-m".into(),
+                monitor.to_string(),
             ],
         );
         let mut server = NatsServer {
             addr: SocketAddr::from(([127, 0, 0, 1], port)),
+            monitor,
             args,
             child: None,
         };
@@ -78,6 +85,54 @@ impl NatsServer {
     /// The server's URL for `nats.servers`.
     pub fn url(&self) -> String {
         format!("nats://{}", self.addr)
+    }
+
+    /// The subjects each client connection subscribes to, by connection name, as the server's
+    /// monitoring endpoint (`/connz?subs=1`) lists them.
+    pub async fn subscriptions(&self) -> HashMap<String, BTreeSet<String>> {
+        let url = format!("http://127.0.0.1:{}/connz?subs=1", self.monitor);
+        let connz: serde_json::Value = reqwest::get(url)
+            .await
+            .expect("connz answers")
+            .json()
+            .await
+            .expect("connz is JSON");
+        let connections = connz["connections"].as_array().cloned().unwrap_or_default();
+        connections
+            .iter()
+            .map(|connection| {
+                let name = connection["name"].as_str().unwrap_or_default().to_owned();
+                let subjects = connection["subscriptions_list"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|subject| subject.as_str().map(str::to_owned))
+                    .collect();
+                (name, subjects)
+            })
+            .collect()
+    }
+
+    /// Waits until exactly the connections named `names` subscribe to `subject` (10 s at most).
+    pub async fn until_subscribers(&self, subject: &str, names: &[&str]) {
+        let expected: BTreeSet<&str> = names.iter().copied().collect();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let subscriptions = self.subscriptions().await;
+            let subscribers: BTreeSet<&str> = subscriptions
+                .iter()
+                .filter(|(_, subjects)| subjects.contains(subject))
+                .map(|(name, _)| name.as_str())
+                .collect();
+            if subscribers == expected {
+                return;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{subject}: subscribers {subscribers:?}, expected {expected:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// Kills the server at once (no lame duck, no goodbye to clients).

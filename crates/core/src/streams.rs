@@ -441,6 +441,41 @@ impl<C: Eq + Hash + Clone, L: ChunkLog> StreamRegistry<C, L> {
         found
     }
 
+    /// Remembers a stream that is not open as ended: a chunk at index 0 will not open it.
+    pub fn forbid(&mut self, conversation: &C, stream_id: &str) {
+        if self.get(conversation, stream_id).is_none() && !self.has_ended(conversation, stream_id) {
+            self.remember_ended(conversation.clone(), stream_id.to_owned());
+        }
+    }
+
+    /// Drops the open streams of a conversation that `matches` without remembering them as
+    /// ended (a replica this node stops receiving: it may take them again from index 0);
+    /// returns how many went.
+    pub fn forget_where(
+        &mut self,
+        conversation: &C,
+        matches: impl Fn(&OpenStream<L>) -> bool,
+    ) -> usize {
+        let Some(streams) = self.open.get_mut(conversation) else {
+            return 0;
+        };
+        let mut forgotten = Vec::new();
+        streams.retain(|_, stream| {
+            let keep = !matches(stream);
+            if !keep {
+                forgotten.push((stream.pool.clone(), stream.bytes));
+            }
+            keep
+        });
+        if streams.is_empty() {
+            self.open.remove(conversation);
+        }
+        for (pool, bytes) in &forgotten {
+            self.held.remove(pool, *bytes);
+        }
+        forgotten.len()
+    }
+
     /// The open streams of a conversation (for a connection that joins mid-stream).
     pub fn snapshot(&self, conversation: &C) -> Vec<(String, OpenStream<L>)> {
         self.open
@@ -667,6 +702,32 @@ mod tests {
             Err(ChunkRefusal::Closed)
         );
         assert_eq!(registry.open_count(), 0);
+    }
+
+    #[test]
+    fn a_forgotten_replica_is_taken_again_from_index_zero_and_frees_its_bytes() {
+        let mut registry = StreamRegistry::<u8, Vec<u64>>::default();
+        registry.append(&1, "s", chunk("a", 0, 5), &LIMITS).unwrap();
+        registry.append(&1, "s", chunk("a", 1, 5), &LIMITS).unwrap();
+        registry.append(&1, "t", chunk("b", 0, 3), &LIMITS).unwrap();
+        assert_eq!(registry.forget_where(&1, |stream| stream.owner == "a"), 1);
+        assert_eq!(registry.forget_where(&2, |_| true), 0);
+        assert!(
+            !registry.is_known(&1, "s"),
+            "a forgotten stream is not ended"
+        );
+        assert_eq!((registry.open_count(), registry.open_bytes()), (1, 3));
+        registry.append(&1, "s", chunk("a", 0, 5), &LIMITS).unwrap();
+        assert_eq!(registry.open_bytes(), 8);
+        assert_eq!(registry.forget_where(&1, |_| true), 2);
+        assert_eq!((registry.open_count(), registry.open_bytes()), (0, 0));
+        assert_eq!(registry.pool_bytes("p"), 0);
+        registry.forbid(&1, "u");
+        assert_eq!(
+            registry.append(&1, "u", chunk("a", 0, 1), &LIMITS),
+            Err(ChunkRefusal::Closed),
+            "a stream whose end came first does not open"
+        );
     }
 
     #[test]

@@ -230,8 +230,21 @@ impl Drop for Feed {
             .is_some_and(|topic| topic.sender.receiver_count() <= 1);
         if last {
             conversations.remove(&self.conversation_id);
+            self.hub
+                .tell_feed_change(FeedChange::Unfollowed(self.conversation_id));
         }
     }
+}
+
+/// A conversation's feed came or went on this node: the NATS bus follows the stream events of
+/// exactly the conversations this node has a feed for (ADR 0035). Told under the hub's lock,
+/// so the changes of one conversation arrive in the order they happened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FeedChange {
+    /// The conversation's first follower on this node came.
+    Followed(Uuid),
+    /// Its last follower went.
+    Unfollowed(Uuid),
 }
 
 /// A live event of a channel: every event of its conversations, for the channel's agents.
@@ -254,6 +267,8 @@ pub struct Hub {
     conversations: Mutex<HashMap<Uuid, Topic>>,
     sessions: Mutex<HashMap<Uuid, SessionEntry>>,
     sessions_closed: tokio::sync::Notify,
+    /// Who is told of feeds coming and going, when anyone is (the NATS bus).
+    feed_changes: OnceLock<mpsc::UnboundedSender<FeedChange>>,
 }
 
 impl std::fmt::Debug for Hub {
@@ -281,6 +296,21 @@ impl Hub {
             conversations: Mutex::new(HashMap::new()),
             sessions: Mutex::new(HashMap::new()),
             sessions_closed: tokio::sync::Notify::new(),
+            feed_changes: OnceLock::new(),
+        }
+    }
+
+    /// Tells `changes` from now on of every conversation feed that comes or goes (set once).
+    pub fn report_feed_changes(&self, changes: mpsc::UnboundedSender<FeedChange>) {
+        if self.feed_changes.set(changes).is_err() {
+            tracing::warn!("hub: feed changes are reported to someone already");
+        }
+    }
+
+    /// Called with the conversations' lock held.
+    fn tell_feed_change(&self, change: FeedChange) {
+        if let Some(changes) = self.feed_changes.get() {
+            let _ = changes.send(change);
         }
     }
 
@@ -295,9 +325,12 @@ impl Hub {
         let mut conversations = lock(&self.conversations);
         let receiver = conversations
             .entry(conversation_id)
-            .or_insert_with(|| Topic {
-                sender: broadcast::channel(CONVERSATION_BUFFER).0,
-                last_committed: 0,
+            .or_insert_with(|| {
+                self.tell_feed_change(FeedChange::Followed(conversation_id));
+                Topic {
+                    sender: broadcast::channel(CONVERSATION_BUFFER).0,
+                    last_committed: 0,
+                }
             })
             .sender
             .subscribe();
@@ -341,6 +374,7 @@ impl Hub {
         if topic.sender.send(event).is_err() {
             // Nobody listens any more: forget the conversation.
             conversations.remove(&conversation_id);
+            self.tell_feed_change(FeedChange::Unfollowed(conversation_id));
         }
     }
 

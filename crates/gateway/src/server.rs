@@ -97,6 +97,7 @@ impl Server {
         spawn_membership_dispatch(
             Arc::clone(&actors),
             Arc::clone(&hub),
+            Arc::clone(&bus),
             Arc::clone(&streams),
             membership,
         );
@@ -151,6 +152,11 @@ impl Server {
         {
             tracing::warn!("event bus not listening yet; serving anyway");
         }
+        let holdings: std::sync::Weak<dyn crate::bus::StreamHoldings> =
+            Arc::downgrade(&self.state.streams) as _;
+        self.state
+            .bus
+            .share_streams_by_interest(&self.state.hub, holdings);
         crate::bus::door::spawn(
             self.state.store.clone(),
             Arc::clone(&self.state.hub),
@@ -209,6 +215,7 @@ impl Server {
 fn spawn_membership_dispatch(
     actors: Arc<crate::actors::Actors>,
     hub: Arc<Hub>,
+    bus: Arc<crate::bus::Bus>,
     streams: Arc<crate::streams::LiveStreams>,
     mut membership: tokio::sync::mpsc::UnboundedReceiver<converger_cluster::MembershipEvent>,
 ) {
@@ -216,10 +223,12 @@ fn spawn_membership_dispatch(
     tokio::spawn(async move {
         while let Some(event) = membership.recv().await {
             match &event {
-                MembershipEvent::NodeDown(node) => streams.node_down(&hub, &node.node_id),
-                MembershipEvent::NodeUp(_)
-                | MembershipEvent::Joined(..)
-                | MembershipEvent::Left(..) => {}
+                MembershipEvent::NodeDown(node) => {
+                    bus.peer_changed(node, false);
+                    streams.node_down(&hub, &node.node_id);
+                }
+                MembershipEvent::NodeUp(node) => bus.peer_changed(node, true),
+                MembershipEvent::Joined(..) | MembershipEvent::Left(..) => {}
             }
             actors.on_membership(&event);
         }

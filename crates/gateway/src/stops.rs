@@ -146,7 +146,15 @@ async fn settle(state: &AppState, stop: &TurnStop) {
     // A stream its agent opened as the stop committed (it passed the opening check before)
     // is still open: it ends now, here and on every node, with what it had.
     streams.stop_turn(&state.hub, stop.conversation_id, turn, &stop.reason, true);
-    let streamed = streams.take_stopped(stop.conversation_id, turn);
+    let streamed = match streams.take_stopped(stop.conversation_id, turn) {
+        Some(streamed) => Some(streamed),
+        // On NATS this node holds only the streams of conversations it follows: the node whose
+        // agent streamed kept the text.
+        None => LiveStreams::stopped_in(
+            &state.bus.ask_stream_holdings(stop.conversation_id).await,
+            turn,
+        ),
+    };
     let answer = StoppedAnswer {
         stream_id: streamed.as_ref().map(|text| text.stream_id.clone()),
         text: streamed.map(|text| text.text).unwrap_or_default(),

@@ -53,9 +53,23 @@ pub fn spawn(
                     continue;
                 }
             };
-            if let BusEvent::Streams { node, events } = event {
-                streams.apply_remote(&hub, &node, events);
-                continue;
+            match event {
+                BusEvent::Streams { node, events } => {
+                    streams.apply_remote(&hub, &node, events);
+                    continue;
+                }
+                BusEvent::StreamHoldings {
+                    conversation_id,
+                    replies,
+                } => {
+                    streams.apply_holdings(&hub, conversation_id, replies);
+                    continue;
+                }
+                BusEvent::StreamsUnfollowed { conversation_id } => {
+                    streams.unfollowed(conversation_id);
+                    continue;
+                }
+                _ => {}
             }
             if let BusEvent::TurnStopped(stop) = event {
                 // Its own node applied it when it stopped the turn.
@@ -151,7 +165,10 @@ async fn dispatch(
 ) {
     match event {
         // Handled by the caller, which holds the streams.
-        BusEvent::Streams { .. } | BusEvent::TurnStopped(_) => {}
+        BusEvent::Streams { .. }
+        | BusEvent::StreamHoldings { .. }
+        | BusEvent::StreamsUnfollowed { .. }
+        | BusEvent::TurnStopped(_) => {}
         BusEvent::Committed {
             conversation_id,
             first_seq,

@@ -11,11 +11,15 @@
 //!
 //! Whatever the transport, what the node hears (and its own committed batches) comes out of
 //! `listen` as `BusEvent`s, and enters the node's hub through one door (`door.rs`).
+//!
+//! On NATS a node hears the stream events only of the conversations its hub has a feed for,
+//! and asks the other nodes what they stream there when a feed comes (ADR 0035); the other
+//! transports hand every node every stream event.
 
 pub(crate) mod door;
 mod nats;
 
-use std::sync::Mutex;
+use std::sync::{Mutex, Weak};
 
 use converger_store::bus::{BusEvent, DisconnectOrder, TransientFrame, TurnStop};
 use converger_store::{Activity, Store, StoreError};
@@ -23,6 +27,14 @@ use tokio::sync::{mpsc, oneshot};
 use uuid::Uuid;
 
 use crate::config::{BusKind, Config};
+use crate::hub::Hub;
+
+/// What this node's agents stream in a conversation, as the other nodes are told when they
+/// begin to follow it (NATS, ADR 0035). The stream registry answers; the bus moves the text.
+pub(crate) trait StreamHoldings: Send + Sync {
+    /// The encoded holdings of `conversation_id`; `None` when this node holds nothing there.
+    fn holdings(&self, conversation_id: Uuid) -> Option<String>;
+}
 
 /// Why the bus could not start.
 #[derive(Debug, thiserror::Error)]
@@ -118,6 +130,34 @@ impl Bus {
                 let ready = link.listen(self.store.clone(), self.loopback.clone(), own_commits);
                 (receiver, ready)
             }
+        }
+    }
+
+    /// Shares stream events by interest (NATS): from now on this node hears the stream events
+    /// only of the conversations `hub` has a feed for, asking the other nodes for what they
+    /// stream there when a feed comes, and answers their questions from `holdings`. Called
+    /// once, after `listen`; nothing to do on the other transports.
+    pub(crate) fn share_streams_by_interest(&self, hub: &Hub, holdings: Weak<dyn StreamHoldings>) {
+        let Transport::Nats(link) = &self.transport else {
+            return;
+        };
+        link.answer_holdings(holdings);
+        hub.report_feed_changes(link.follow_streams(self.loopback.clone()));
+    }
+
+    /// What the other nodes' agents stream in a conversation, each answering node's holdings
+    /// (NATS); empty on the other transports, where every node holds every stream.
+    pub(crate) async fn ask_stream_holdings(&self, conversation_id: Uuid) -> Vec<String> {
+        match &self.transport {
+            Transport::Nats(link) => link.ask_holdings(conversation_id).await,
+            Transport::Postgres | Transport::Local => Vec::new(),
+        }
+    }
+
+    /// Another node came up in gossip (or went): asking for holdings waits for its answer.
+    pub(crate) fn peer_changed(&self, node: &converger_cluster::NodeKey, up: bool) {
+        if let Transport::Nats(link) = &self.transport {
+            link.peer_changed(node, up);
         }
     }
 
@@ -234,12 +274,16 @@ impl Bus {
         }
     }
 
-    /// Relays stream events (each one encoded JSON text) to the other nodes.
-    pub(crate) async fn streams(&self, events: &[String]) -> Result<(), StoreError> {
+    /// Relays stream events (each one encoded JSON text, with its conversation) to the other
+    /// nodes.
+    pub(crate) async fn streams(&self, events: &[(Uuid, String)]) -> Result<(), StoreError> {
         match &self.transport {
-            Transport::Postgres => self.store.publish_streams(&self.node_id, events).await,
+            Transport::Postgres => {
+                let texts: Vec<&str> = events.iter().map(|(_, text)| text.as_str()).collect();
+                self.store.publish_streams(&self.node_id, &texts).await
+            }
             Transport::Nats(link) => {
-                link.publish_streams(&self.node_id, events);
+                link.publish_streams(&self.node_id, events).await;
                 Ok(())
             }
             Transport::Local => Ok(()),

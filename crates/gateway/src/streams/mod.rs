@@ -2,11 +2,14 @@
 //! and replicas of the other nodes'), their fan-out to this node's end-user sessions through the
 //! hub, and the relay that carries them to the other nodes in coalesced notifications.
 //!
-//! Nothing is written to the database per chunk. The relay sends what queued within one window
-//! (`streams.relay_window_ms`) in one statement of `pg_notify` calls: at most one transaction
-//! per window and node, whatever the number of chunks. A node that sees a stream start late
-//! (it came up mid-stream) cannot show that stream; its sessions get the committed answer.
+//! Nothing is written to the database per chunk. The relay hands what queued within one window
+//! (`streams.relay_window_ms`) to the bus at once: on `postgres`, one statement of `pg_notify`
+//! calls, at most one transaction per window and node, whatever the number of chunks. A node
+//! that sees a stream start late (it came up mid-stream) cannot show that stream; its sessions
+//! get the committed answer. On NATS a node holds replicas only of the conversations it
+//! follows, and takes what it missed from the other nodes' holdings (`holdings.rs`).
 
+mod holdings;
 mod packed;
 mod relay;
 
@@ -69,6 +72,19 @@ pub fn catch_up_frames(
             .into(),
         })
         .collect()
+}
+
+/// Another node's chunk as this node's replica of its stream takes it.
+struct ReplicaChunk<'a> {
+    /// The node whose agent writes the stream.
+    node: &'a str,
+    stream_id: &'a str,
+    index: u64,
+    turn: StreamTurn,
+    fence: Option<i64>,
+    /// The writing connection.
+    owner: &'a str,
+    body: Arc<ChunkBody>,
 }
 
 /// A chunk an agent connection of this node sent.
@@ -402,7 +418,16 @@ impl LiveStreams {
             RelayedEvent::End(end) => {
                 let (conversation_id, stream_id) = (end.c, end.s.as_ref());
                 let aborted = end.e.map(Cow::into_owned);
-                let ended = lock(&self.registry).end(&conversation_id, stream_id);
+                let ended = {
+                    let mut registry = lock(&self.registry);
+                    let ended = registry.end(&conversation_id, stream_id);
+                    // A stream whose start this node missed (it began to follow the
+                    // conversation mid-stream) must not open from holdings told before its end.
+                    if ended.is_none() {
+                        registry.forbid(&conversation_id, stream_id);
+                    }
+                    ended
+                };
                 if let Some(stream) = ended {
                     if aborted.as_deref().is_some_and(is_stop_reason) {
                         self.keep_stopped(conversation_id, stream_id, &stream);
@@ -423,11 +448,41 @@ impl LiveStreams {
             f: from,
             ..
         } = chunk;
-        let (stream_id, owner) = (stream_id.as_ref(), owner.as_ref());
         let body = Arc::new(ChunkBody {
             content: content.into(),
             from: Arc::new(from.into_owned()),
         });
+        let replica = ReplicaChunk {
+            node,
+            stream_id: stream_id.as_ref(),
+            index,
+            turn,
+            fence,
+            owner: owner.as_ref(),
+            body,
+        };
+        if let Some(event) = self.append_replica(hub, conversation_id, replica) {
+            hub.publish(conversation_id, HubEvent::Stream(event));
+        }
+    }
+
+    /// Takes another node's chunk into this node's replica of its stream; returns the event
+    /// that shows it to this node's followers when it was taken.
+    fn append_replica(
+        &self,
+        hub: &Hub,
+        conversation_id: Uuid,
+        chunk: ReplicaChunk<'_>,
+    ) -> Option<Arc<StreamEvent>> {
+        let ReplicaChunk {
+            node,
+            stream_id,
+            index,
+            turn,
+            fence,
+            owner,
+            body,
+        } = chunk;
         // The owner's node applied the stream's own limits; here only the node's budget holds.
         let replica_limits = StreamLimits {
             max_total_bytes: self.total_budget_left(),
@@ -456,25 +511,22 @@ impl LiveStreams {
                 metrics::counter!("converger_stream_budget_refusals_total").increment(1);
                 let reason = refusal.abort_reason().map(str::to_owned);
                 publish_end(hub, conversation_id, stream_id.to_owned(), reason);
-                return;
+                return None;
             }
             Err(refusal) => {
                 tracing::debug!(?refusal, %conversation_id, stream_id, index, "replica chunk not applied");
-                return;
+                return None;
             }
         };
         for fenced in accepted.fenced {
             publish_end(hub, conversation_id, fenced, Some("fenced".into()));
         }
-        hub.publish(
-            conversation_id,
-            HubEvent::Stream(StreamEvent::new(StreamChange::Chunk {
-                stream_id: stream_id.to_owned(),
-                index,
-                turn,
-                body,
-            })),
-        );
+        Some(StreamEvent::new(StreamChange::Chunk {
+            stream_id: stream_id.to_owned(),
+            index,
+            turn,
+            body,
+        }))
     }
 
     fn announce_end(
@@ -509,7 +561,8 @@ impl LiveStreams {
                 // Counted before it is sent, so the relay never takes away what was not added.
                 let bytes = text.len();
                 self.relay_backlog.add(bytes);
-                if self.relay.send(RelayOrder::Event(text)).is_err() {
+                let order = RelayOrder::Event(event.conversation(), text);
+                if self.relay.send(order).is_err() {
                     self.relay_backlog.remove(bytes);
                 }
             }
@@ -561,6 +614,15 @@ impl StoppedTexts {
             };
             self.bytes -= oldest.text.len();
         }
+    }
+
+    /// The stopped streams of a conversation, with their turns (copies).
+    fn of_conversation(&self, conversation_id: Uuid) -> Vec<(StreamTurn, StoppedText)> {
+        self.kept
+            .iter()
+            .filter(|(conversation, _, _)| *conversation == conversation_id)
+            .map(|(_, turn, text)| (*turn, text.clone()))
+            .collect()
     }
 
     fn take(&mut self, conversation_id: Uuid, turn: StreamTurn) -> Option<StoppedText> {

@@ -1,7 +1,7 @@
 //! How an open stream holds its chunks on a node: text deltas appended to one buffer, with one
 //! end offset per chunk, and the writer's `from` once per stream. A chunk then costs its text
 //! and a word, where a boxed chunk each would cost about a hundred bytes more (a stream may
-//! hold thousands of chunks, and every node holds every open stream).
+//! hold thousands of chunks, and on the `postgres` bus every node holds every open stream).
 
 use std::sync::Arc;
 

@@ -23,8 +23,8 @@ const RELAY_BATCH: usize = 1024;
 
 /// An order to the relay task.
 pub(super) enum RelayOrder {
-    /// One stream event, encoded.
-    Event(String),
+    /// One stream event of a conversation, encoded.
+    Event(Uuid, String),
     /// Answer once every event queued before has been sent (or given up).
     Flush(oneshot::Sender<()>),
 }
@@ -61,6 +61,16 @@ pub(super) struct RelayedChunk<'a> {
     pub f: Cow<'a, Value>,
 }
 
+impl RelayedEvent<'_> {
+    /// The conversation the event belongs to.
+    pub(super) fn conversation(&self) -> Uuid {
+        match self {
+            RelayedEvent::Chunk(chunk) => chunk.c,
+            RelayedEvent::End(end) => end.c,
+        }
+    }
+}
+
 impl RelayedChunk<'_> {
     /// The turn the chunk answers.
     pub(super) fn turn(&self) -> StreamTurn {
@@ -90,6 +100,15 @@ impl<'a> From<&'a StreamContent> for RelayedContent<'a> {
     }
 }
 
+impl From<StreamContent> for RelayedContent<'static> {
+    fn from(content: StreamContent) -> Self {
+        match content {
+            StreamContent::Text(text) => RelayedContent::Text(Cow::Owned(text)),
+            StreamContent::Chunk(chunk) => RelayedContent::Chunk(Cow::Owned(chunk)),
+        }
+    }
+}
+
 impl From<RelayedContent<'_>> for StreamContent {
     fn from(content: RelayedContent<'_>) -> Self {
         match content {
@@ -97,6 +116,48 @@ impl From<RelayedContent<'_>> for StreamContent {
             RelayedContent::Chunk(chunk) => StreamContent::Chunk(chunk.into_owned()),
         }
     }
+}
+
+/// What one node's agents stream in a conversation, as it answers a node that began to
+/// follow the conversation (NATS, ADR 0035): its open streams there, and the text of those a
+/// stop ended (for the node that settles the stop).
+#[derive(Debug, PartialEq, Serialize, Deserialize)]
+pub(super) struct Holdings<'a> {
+    /// The answering node.
+    pub n: Cow<'a, str>,
+    /// Its agents' open streams.
+    pub s: Vec<HeldStream<'a>>,
+    /// The streams a stop ended.
+    pub x: Vec<HeldStop<'a>>,
+}
+
+/// One open stream in a node's holdings: what its first chunk told, and every chunk's content
+/// from index 0.
+#[derive(Debug, PartialEq, Serialize, Deserialize)]
+pub(super) struct HeldStream<'a> {
+    /// The stream.
+    pub s: Cow<'a, str>,
+    /// The turn, as `[seq, revision]`.
+    pub t: (i64, i32),
+    /// The delivery's lease fence, when any.
+    pub x: Option<i64>,
+    /// The writing connection.
+    pub o: Cow<'a, str>,
+    /// The writing agent as `{id, role}`.
+    pub f: Cow<'a, Value>,
+    /// The chunks' contents, index = position.
+    pub b: Vec<RelayedContent<'a>>,
+}
+
+/// A stream a stop ended, as a node holds it for the turn's settlement.
+#[derive(Debug, PartialEq, Serialize, Deserialize)]
+pub(super) struct HeldStop<'a> {
+    /// The turn, as `[seq, revision]`.
+    pub t: (i64, i32),
+    /// The stream.
+    pub s: Cow<'a, str>,
+    /// Its text deltas, joined.
+    pub x: Cow<'a, str>,
 }
 
 /// A stream's end on the relay: `e` is the abort reason, `null` when committed.
@@ -150,7 +211,7 @@ pub(super) async fn run(
         let mut next = Some(first);
         while let Some(order) = next.take() {
             match order {
-                RelayOrder::Event(event) => events.push(event),
+                RelayOrder::Event(conversation_id, event) => events.push((conversation_id, event)),
                 RelayOrder::Flush(done) => flushed.push(done),
             }
             if events.len() >= RELAY_BATCH || !flushed.is_empty() {
@@ -174,7 +235,7 @@ pub(super) async fn run(
                 ),
                 Err(_) => tracing::warn!(events = events.len(), "stream relay timed out"),
             }
-            backlog.remove(events.iter().map(String::len).sum());
+            backlog.remove(events.iter().map(|(_, event)| event.len()).sum());
         }
         for done in flushed {
             let _ = done.send(());

@@ -170,6 +170,21 @@ pub enum BusEvent {
     Disconnect(DisconnectOrder),
     /// A turn was stopped.
     TurnStopped(TurnStop),
+    /// What the other nodes' agents stream in a conversation this node began to follow, as
+    /// each node answered (NATS, ADR 0035): handed by the node's bus to its own door, never
+    /// encoded, and ahead of the live stream events of that conversation.
+    StreamHoldings {
+        /// The conversation.
+        conversation_id: Uuid,
+        /// Each answering node's holdings, as it encoded them (opaque to the store).
+        replies: Vec<String>,
+    },
+    /// This node stopped following the conversation's stream events (NATS, ADR 0035): its
+    /// replicas of other nodes' streams there are dropped. Never encoded.
+    StreamsUnfollowed {
+        /// The conversation.
+        conversation_id: Uuid,
+    },
 }
 
 /// The JSON payloads of `pg_notify`.
@@ -316,11 +331,14 @@ fn committed(event: CommittedEvent) -> BusEvent {
 }
 
 /// The text of `event` as it travels on a bus other than Postgres (NATS, ADR 0033); `None` for
-/// stream events, which travel packed (`encode_streams`). Commits name their range and carry
+/// stream events, which travel packed (`encode_streams`), and for what a node's bus hands only
+/// to itself. Commits name their range and carry
 /// their frames when they have them.
 pub fn encode(event: BusEvent) -> Option<String> {
     let payload = match event {
-        BusEvent::Streams { .. } => return None,
+        BusEvent::Streams { .. }
+        | BusEvent::StreamHoldings { .. }
+        | BusEvent::StreamsUnfollowed { .. } => return None,
         BusEvent::Committed {
             conversation_id,
             first_seq,

@@ -71,7 +71,11 @@ impl Store {
     /// sent by one `pg_notify` over an array, so a flush costs one transaction however many
     /// chunks it carries. Each event is one JSON text; one too large for a notification travels
     /// through the outbox.
-    pub async fn publish_streams(&self, node: &str, events: &[String]) -> Result<(), StoreError> {
+    pub async fn publish_streams(
+        &self,
+        node: &str,
+        events: &[impl AsRef<str> + Sync],
+    ) -> Result<(), StoreError> {
         let mut inline = Vec::new();
         for payload in pack_stream_events(node, events)? {
             match payload {
@@ -244,7 +248,7 @@ enum Packed {
 
 /// Stream events (each a JSON text), in order, packed into as few texts of at most `limit`
 /// bytes as fit (an event larger than `limit` alone), for a bus other than Postgres.
-pub fn encode_streams(node: &str, events: &[String], limit: usize) -> Vec<String> {
+pub fn encode_streams(node: &str, events: &[impl AsRef<str>], limit: usize) -> Vec<String> {
     pack_stream_events_within(node, events, limit)
         .unwrap_or_default()
         .into_iter()
@@ -254,13 +258,13 @@ pub fn encode_streams(node: &str, events: &[String], limit: usize) -> Vec<String
 
 /// Packs stream events (each a JSON text), in order, into as few `Payload::Streams` texts as
 /// the notification size allows.
-fn pack_stream_events(node: &str, events: &[String]) -> Result<Vec<Packed>, StoreError> {
+fn pack_stream_events(node: &str, events: &[impl AsRef<str>]) -> Result<Vec<Packed>, StoreError> {
     pack_stream_events_within(node, events, INLINE_PAYLOAD_LIMIT)
 }
 
 fn pack_stream_events_within(
     node: &str,
-    events: &[String],
+    events: &[impl AsRef<str>],
     limit: usize,
 ) -> Result<Vec<Packed>, StoreError> {
     let node_json =
@@ -271,6 +275,7 @@ fn pack_stream_events_within(
     let mut packed = Vec::new();
     let mut current = String::new();
     for text in events {
+        let text = text.as_ref();
         if !fits(text.len()) {
             if !current.is_empty() {
                 packed.push(Packed::Inline(format!("{head}{current}{tail}")));

@@ -3,7 +3,9 @@
 //! Subjects, under `nats.subject_prefix` (`<p>`):
 //! - `<p>.c.<conversation>`: a commit (`{conversation, seq range, channel, frames}`), published
 //!   by the committing node after its transaction committed;
-//! - `<p>.s.<node>`: one node's stream events, in the order it accepted them, packed;
+//! - `<p>.s.<conversation>`: one conversation's stream events from one node, in the order it
+//!   accepted them, packed; only nodes following the conversation subscribe (`interest.rs`);
+//! - `<p>.q`: a node asking the others what their agents stream in a conversation;
 //! - `<p>.e`: transient frames, regenerated and stopped turns, channel status, disconnects.
 //!
 //! The connection uses `no_echo`, so a node never hears its own publications. Publishing goes
@@ -13,8 +15,11 @@
 //! the trouble), and sweeps the last moments of it every `nats.sweep_ms`, for a node that died
 //! between its commit and its publish.
 
-use std::sync::Arc;
+mod interest;
+
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use async_nats::{ConnectOptions, Event, ServerAddr};
@@ -22,9 +27,12 @@ use converger_store::Store;
 use converger_store::bus::{BusEvent, encode, encode_streams};
 use futures_util::StreamExt;
 use tokio::sync::{Notify, mpsc, oneshot};
+use uuid::Uuid;
 
-use super::BusError;
+use self::interest::{Interest, Peers};
+use super::{BusError, StreamHoldings};
 use crate::config::NatsConfig;
+use crate::hub::FeedChange;
 use crate::recent::{RECENT_PERIOD_MS, RECENT_TICK, Recent, monotonic_ms};
 
 /// Publications waiting for the publishing task at most; past this they are dropped (the
@@ -62,6 +70,8 @@ pub(super) struct Link {
     trouble: Arc<Trouble>,
     /// What this node published of each conversation.
     published: Arc<Published>,
+    /// The stream subjects this node follows, and the questions it asks and answers.
+    interest: Interest,
 }
 
 /// The highest seq published per conversation, so a commit announced both by its worker and
@@ -173,6 +183,9 @@ impl Link {
             .require_tls(config.require_tls)
             .connection_timeout(Duration::from_millis(config.connect_timeout_ms))
             .subscription_capacity(config.subscription_capacity)
+            // Replies (holdings, ADR 0035) come under the prefix too, so one permission covers
+            // every subject the node uses.
+            .custom_inbox_prefix(format!("{}.i", config.subject_prefix))
             .event_callback(move |event| {
                 let trouble = Arc::clone(&events);
                 async move { on_event(&trouble, event) }
@@ -191,6 +204,12 @@ impl Link {
         let (outgoing, queue) = mpsc::channel(OUTGOING_QUEUE);
         tokio::spawn(publish_in_order(client.clone(), queue));
         Ok(Link {
+            interest: Interest {
+                client: client.clone(),
+                prefix: config.subject_prefix.clone(),
+                node_id: node_id.to_owned(),
+                peers: Arc::new(Peers::default()),
+            },
             client,
             prefix: config.subject_prefix.clone(),
             sweep: Duration::from_millis(config.sweep_ms),
@@ -200,9 +219,10 @@ impl Link {
         })
     }
 
-    /// Subscribes to every subject of the prefix and starts the catch-up and the sweep; the
-    /// node's own committed batches (`own_commits`) are published and handed on. Every event
-    /// goes to `events`. The oneshot fires once the subscription is in place.
+    /// Subscribes to the commits and the events (not the streams: `follow_streams`) and starts
+    /// the catch-up and the sweep; the node's own committed batches (`own_commits`) are
+    /// published and handed on. Every event goes to `events`. The oneshot fires once the
+    /// subscriptions are in place.
     pub(super) fn listen(
         &self,
         store: Store,
@@ -210,21 +230,26 @@ impl Link {
         mut own_commits: mpsc::UnboundedReceiver<BusEvent>,
     ) -> oneshot::Receiver<()> {
         let (listening, ready) = oneshot::channel();
-        let (client, subject) = (self.client.clone(), format!("{}.>", self.prefix));
+        let client = self.client.clone();
+        let subjects = [format!("{}.c.>", self.prefix), format!("{}.e", self.prefix)];
         let heard = events.clone();
         tokio::spawn(async move {
-            let mut subscription = match client.subscribe(subject.clone()).await {
-                Ok(subscription) => subscription,
-                Err(error) => {
-                    tracing::error!(%error, subject, "nats bus: cannot subscribe");
+            let (commits, others) = match (
+                client.subscribe(subjects[0].clone()).await,
+                client.subscribe(subjects[1].clone()).await,
+            ) {
+                (Ok(commits), Ok(others)) => (commits, others),
+                (Err(error), _) | (_, Err(error)) => {
+                    tracing::error!(%error, ?subjects, "nats bus: cannot subscribe");
                     return;
                 }
             };
+            let mut subscription = futures_util::stream::select(commits, others);
             // The subscription is registered once the server saw it; a flush waits for that.
             if let Err(error) = client.flush().await {
                 tracing::warn!(%error, "nats bus: flush after subscribe failed");
             }
-            tracing::info!(subject, "nats bus listening");
+            tracing::info!(?subjects, "nats bus listening");
             let _ = listening.send(());
             while let Some(message) = subscription.next().await {
                 metrics::counter!("converger_bus_messages_received_total").increment(1);
@@ -293,18 +318,67 @@ impl Link {
         );
     }
 
-    /// Publishes this node's stream events, in order, packed into as few messages as fit.
-    pub(super) fn publish_streams(&self, node_id: &str, events: &[String]) {
-        let subject = format!("{}.s.{}", self.prefix, subject_token(node_id));
-        for text in encode_streams(node_id, events, MESSAGE_LIMIT) {
-            enqueue(
-                &self.outgoing,
-                Outgoing {
-                    subject: subject.clone(),
-                    payload: text.into(),
-                },
-            );
+    /// Publishes this node's stream events on their conversations' subjects, each
+    /// conversation's in order, packed into as few messages as fit. They go to the client
+    /// directly, not through the publishing queue: there is about one message per chunk (one
+    /// per conversation and relay window), the relay is their one sender and waits (its
+    /// backlog counts against the node's stream budget), and a commit published after them
+    /// still follows them on the connection.
+    pub(super) async fn publish_streams(&self, node_id: &str, events: &[(Uuid, String)]) {
+        if self.client.connection_state() != async_nats::connection::State::Connected {
+            // A chunk that arrives late is of no use to a viewer.
+            metrics::counter!("converger_bus_publications_dropped_total").increment(1);
+            return;
         }
+        let mut by_conversation: Vec<(Uuid, Vec<&str>)> = Vec::new();
+        let mut position: HashMap<Uuid, usize> = HashMap::new();
+        for (conversation_id, text) in events {
+            let at = *position.entry(*conversation_id).or_insert_with(|| {
+                by_conversation.push((*conversation_id, Vec::new()));
+                by_conversation.len() - 1
+            });
+            if let Some((_, texts)) = by_conversation.get_mut(at) {
+                texts.push(text);
+            }
+        }
+        let (mut published, mut dropped) = (0u64, 0u64);
+        for (conversation_id, texts) in by_conversation {
+            let subject = Interest::stream_subject(&self.prefix, conversation_id);
+            for text in encode_streams(node_id, &texts, MESSAGE_LIMIT) {
+                match self.client.publish(subject.clone(), text.into()).await {
+                    Ok(()) => published += 1,
+                    Err(_) => dropped += 1,
+                }
+            }
+        }
+        metrics::counter!("converger_bus_messages_published_total").increment(published);
+        if dropped > 0 {
+            metrics::counter!("converger_bus_publications_dropped_total").increment(dropped);
+        }
+    }
+
+    /// Answers the other nodes' questions about this node's streams from `holdings`.
+    pub(super) fn answer_holdings(&self, holdings: Weak<dyn StreamHoldings>) {
+        self.interest.answer(holdings);
+    }
+
+    /// Follows the stream events of the conversations the hub follows, handing them to
+    /// `events`; returns where the hub tells its feed changes.
+    pub(super) fn follow_streams(
+        &self,
+        events: mpsc::UnboundedSender<BusEvent>,
+    ) -> mpsc::UnboundedSender<FeedChange> {
+        self.interest.follow(events)
+    }
+
+    /// The other nodes' holdings of a conversation.
+    pub(super) async fn ask_holdings(&self, conversation_id: Uuid) -> Vec<String> {
+        self.interest.ask(conversation_id).await
+    }
+
+    /// A peer node came up or went, in gossip.
+    pub(super) fn peer_changed(&self, node: &converger_cluster::NodeKey, up: bool) {
+        self.interest.peers.changed(node, up);
     }
 }
 
@@ -336,21 +410,6 @@ fn committed_message(prefix: &str, event: BusEvent) -> Option<Outgoing> {
         subject: format!("{prefix}.c.{conversation_id}"),
         payload: text.into(),
     })
-}
-
-/// A node id as one subject token (NATS splits subjects at dots and reserves `*`, `>` and
-/// white space).
-fn subject_token(node_id: &str) -> String {
-    node_id
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
-                c
-            } else {
-                '_'
-            }
-        })
-        .collect()
 }
 
 /// Queues a publication; when the queue is full (NATS away for long) it is dropped.
