@@ -457,14 +457,8 @@ async fn a_node_hears_only_the_streams_its_tabs_follow_and_a_late_tab_sees_the_s
     // Only the node with a tab subscribes to the conversation's streams; the peer's
     // subscriptions cover no stream subject, and it holds no replica.
     nats.until_subscribers(&subject, &[&node_name]).await;
-    let peer_subjects: Vec<String> = nats.subscriptions().await[&peer_name]
-        .iter()
-        .cloned()
-        .collect();
-    assert_eq!(
-        peer_subjects,
-        ["converger.c.>", "converger.e", "converger.q"]
-    );
+    nats.until_subjects(&peer_name, &["converger.c.>", "converger.e", "converger.q"])
+        .await;
     assert_eq!(
         peer.state().streams.usage().0,
         0,
@@ -555,4 +549,49 @@ async fn a_stop_on_a_node_without_the_stream_settles_with_the_text_the_agents_no
     let settled = here.skip_to("text").await;
     assert_eq!(settled["data"]["status"], "stopped");
     assert_eq!(settled["data"]["text"], chunk_text(5), "what was streamed");
+}
+
+/// A node cut off from NATS mid-stream misses chunks; once it is back, the next chunk shows
+/// the gap and the stream resumes from the agent's node's holdings, every chunk once and in
+/// order (ADR 0035).
+#[tokio::test]
+async fn a_stream_that_lost_chunks_while_its_viewers_node_was_cut_off_resumes_from_the_holdings() {
+    let nats = NatsServer::start().await;
+    let proxy = Proxy::start(nats.addr).await;
+    let node = TestNode::start_with(on_nats(vec![nats.url()], NO_SWEEP_MS)).await;
+    let peer = node
+        .start_peer_with(on_nats(vec![format!("nats://{}", proxy.addr)], NO_SWEEP_MS))
+        .await;
+    let (node, _, token, mut agent, mut here, conversation, seq) = turn_in_progress(node).await;
+    let mut there = WsClient::connect(&support::peer_ws_url(&peer)).await;
+    there.hello(&token, json!({})).await;
+    until_typing_crosses(&mut agent, &conversation, &mut there).await;
+    let (mut here_tab, mut there_tab) = (Tab::default(), Tab::default());
+    send_numbered_chunks(&mut agent, &conversation, seq, 0..3).await;
+    there_tab
+        .read_until(&mut there, |tab| tab.chunks_of("s-1") == 3)
+        .await;
+
+    // Chunks 3 to 5 go out while the viewer's node is cut off: they never reach it.
+    proxy.refuse();
+    send_numbered_chunks(&mut agent, &conversation, seq, 3..6).await;
+    here_tab
+        .read_until(&mut here, |tab| tab.chunks_of("s-1") == 6)
+        .await;
+    node.server.state().streams.flush().await;
+
+    proxy.admit();
+    until_typing_crosses(&mut agent, &conversation, &mut there).await;
+    send_numbered_chunks(&mut agent, &conversation, seq, 6..10).await;
+    there_tab
+        .read_until(&mut there, |tab| {
+            tab.chunks_of("s-1") == 10 || tab.ended.contains_key("s-1")
+        })
+        .await;
+    assert_eq!(there_tab.chunks_of("s-1"), 10, "{there_tab:?}");
+    agent.send(result(&conversation, seq, "s-1", "ten")).await;
+    read_answer(&mut there_tab, &mut there, "s-1", "ten").await;
+    assert_eq!(there_tab.text["s-1"], chunk_text(10));
+    assert_eq!(there_tab.ended["s-1"], "committed");
+    drop((node, peer, proxy, nats));
 }

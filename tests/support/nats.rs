@@ -135,6 +135,24 @@ impl NatsServer {
         }
     }
 
+    /// Waits until the connection named `name` subscribes to exactly `subjects` (10 s at most).
+    pub async fn until_subjects(&self, name: &str, subjects: &[&str]) {
+        let expected: BTreeSet<String> = subjects.iter().map(|s| (*s).to_owned()).collect();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let subscriptions = self.subscriptions().await;
+            let held = subscriptions.get(name);
+            if held == Some(&expected) {
+                return;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{name} subscribes to {held:?}, expected {expected:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// Kills the server at once (no lame duck, no goodbye to clients).
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {

@@ -478,10 +478,20 @@ impl<C: Eq + Hash + Clone, L: ChunkLog> StreamRegistry<C, L> {
 
     /// The open streams of a conversation (for a connection that joins mid-stream).
     pub fn snapshot(&self, conversation: &C) -> Vec<(String, OpenStream<L>)> {
+        self.snapshot_where(conversation, |_| true)
+    }
+
+    /// The open streams of a conversation that `matches` (copies).
+    pub fn snapshot_where(
+        &self,
+        conversation: &C,
+        matches: impl Fn(&OpenStream<L>) -> bool,
+    ) -> Vec<(String, OpenStream<L>)> {
         self.open
             .get(conversation)
             .into_iter()
             .flatten()
+            .filter(|(_, stream)| matches(stream))
             .map(|(id, stream)| (id.clone(), stream.clone()))
             .collect()
     }

@@ -199,7 +199,8 @@ struct Topic {
 /// takes the conversation's feed out of the hub. Without that, every conversation a node ever
 /// served kept its feed until the next event published to it, which may never come.
 pub struct Feed {
-    receiver: broadcast::Receiver<HubEvent>,
+    /// `Some` until the feed is dropped, which drops it under the hub's lock.
+    receiver: Option<broadcast::Receiver<HubEvent>>,
     hub: Arc<Hub>,
     conversation_id: Uuid,
 }
@@ -208,13 +209,17 @@ impl std::ops::Deref for Feed {
     type Target = broadcast::Receiver<HubEvent>;
 
     fn deref(&self) -> &Self::Target {
-        &self.receiver
+        self.receiver
+            .as_ref()
+            .expect("a feed holds its receiver until it is dropped")
     }
 }
 
 impl std::ops::DerefMut for Feed {
     fn deref_mut(&mut self) -> &mut Self::Target {
-        &mut self.receiver
+        self.receiver
+            .as_mut()
+            .expect("a feed holds its receiver until it is dropped")
     }
 }
 
@@ -222,12 +227,14 @@ impl Drop for Feed {
     fn drop(&mut self) {
         let mut conversations = lock(&self.hub.conversations);
         // While this receiver lives the topic in the map is its own: a topic is removed only
-        // when it has no receiver (here, or in `publish`). The count includes this receiver,
-        // which is dropped right after; a subscriber that comes meanwhile waits for the lock
-        // and then finds no topic, so it makes a new one.
+        // when it has no receiver (here, or in `publish`). The receiver goes under the lock, so
+        // of two feeds dropped at once the second sees the first gone, and the topic goes
+        // with the last; a subscriber that comes meanwhile waits for the lock and then finds
+        // no topic, so it makes a new one.
+        drop(self.receiver.take());
         let last = conversations
             .get(&self.conversation_id)
-            .is_some_and(|topic| topic.sender.receiver_count() <= 1);
+            .is_some_and(|topic| topic.sender.receiver_count() == 0);
         if last {
             conversations.remove(&self.conversation_id);
             self.hub
@@ -335,7 +342,7 @@ impl Hub {
             .sender
             .subscribe();
         Feed {
-            receiver,
+            receiver: Some(receiver),
             hub: Arc::clone(self),
             conversation_id,
         }

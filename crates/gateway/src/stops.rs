@@ -150,10 +150,14 @@ async fn settle(state: &AppState, stop: &TurnStop) {
         Some(streamed) => Some(streamed),
         // On NATS this node holds only the streams of conversations it follows: the node whose
         // agent streamed kept the text.
-        None => LiveStreams::stopped_in(
-            &state.bus.ask_stream_holdings(stop.conversation_id).await,
-            turn,
-        ),
+        None => {
+            let asked = (stop.seq, stop.revision);
+            let replies = state
+                .bus
+                .ask_stopped_stream(stop.conversation_id, asked)
+                .await;
+            LiveStreams::stopped_in(&replies, turn)
+        }
     };
     let answer = StoppedAnswer {
         stream_id: streamed.as_ref().map(|text| text.stream_id.clone()),

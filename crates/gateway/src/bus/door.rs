@@ -54,40 +54,24 @@ pub fn spawn(
                 }
             };
             match event {
-                BusEvent::Streams { node, events } => {
-                    streams.apply_remote(&hub, &node, events);
-                    continue;
-                }
+                BusEvent::Streams { node, events } => streams.apply_remote(&hub, &node, events),
                 BusEvent::StreamHoldings {
                     conversation_id,
                     replies,
-                } => {
-                    streams.apply_holdings(&hub, conversation_id, replies);
-                    continue;
-                }
+                } => streams.apply_holdings(&hub, conversation_id, replies),
                 BusEvent::StreamsUnfollowed { conversation_id } => {
-                    streams.unfollowed(conversation_id);
-                    continue;
+                    streams.unfollowed(conversation_id)
                 }
-                _ => {}
-            }
-            if let BusEvent::TurnStopped(stop) = event {
                 // Its own node applied it when it stopped the turn.
-                if stop.node != hub.node_id() {
-                    crate::stops::apply(&hub, &streams, &stop);
-                }
-                continue;
+                BusEvent::TurnStopped(stop) if stop.node == hub.node_id() => {}
+                BusEvent::TurnStopped(stop) => crate::stops::apply(&hub, &streams, &stop),
+                BusEvent::Committed {
+                    conversation_id,
+                    seq,
+                    ..
+                } if seen.already(conversation_id, seq) => {}
+                event => dispatch(&store, &hub, &mut channels, &mut seen, event).await,
             }
-            if let BusEvent::Committed {
-                conversation_id,
-                seq,
-                ..
-            } = &event
-                && seen.already(*conversation_id, *seq)
-            {
-                continue;
-            }
-            dispatch(&store, &hub, &mut channels, &mut seen, event).await;
         }
     });
 }

@@ -32,8 +32,10 @@ use crate::hub::Hub;
 /// What this node's agents stream in a conversation, as the other nodes are told when they
 /// begin to follow it (NATS, ADR 0035). The stream registry answers; the bus moves the text.
 pub(crate) trait StreamHoldings: Send + Sync {
-    /// The encoded holdings of `conversation_id`; `None` when this node holds nothing there.
-    fn holdings(&self, conversation_id: Uuid) -> Option<String>;
+    /// The encoded holdings of `conversation_id`: its open streams, or, when `stopped_turn`
+    /// (`[seq, revision]`) is named, what this node holds of that turn's streams for its
+    /// settlement. `None` when this node holds nothing of it.
+    fn holdings(&self, conversation_id: Uuid, stopped_turn: Option<(i64, i32)>) -> Option<String>;
 }
 
 /// Why the bus could not start.
@@ -145,12 +147,25 @@ impl Bus {
         hub.report_feed_changes(link.follow_streams(self.loopback.clone()));
     }
 
-    /// What the other nodes' agents stream in a conversation, each answering node's holdings
+    /// What the other nodes hold of a stopped turn's streams, each answering node's holdings
     /// (NATS); empty on the other transports, where every node holds every stream.
-    pub(crate) async fn ask_stream_holdings(&self, conversation_id: Uuid) -> Vec<String> {
+    pub(crate) async fn ask_stopped_stream(
+        &self,
+        conversation_id: Uuid,
+        turn: (i64, i32),
+    ) -> Vec<String> {
         match &self.transport {
-            Transport::Nats(link) => link.ask_holdings(conversation_id).await,
+            Transport::Nats(link) => link.ask_holdings(conversation_id, Some(turn)).await,
             Transport::Postgres | Transport::Local => Vec::new(),
+        }
+    }
+
+    /// A replica of the conversation's stream missed a chunk: on NATS the node asks for the
+    /// holdings again, and the stream resumes from them; elsewhere nothing is done (every
+    /// node hears every stream event, and a lost one shows as the committed answer).
+    pub(crate) fn stream_gap(&self, conversation_id: Uuid) {
+        if let Transport::Nats(link) = &self.transport {
+            link.stream_gap(conversation_id);
         }
     }
 

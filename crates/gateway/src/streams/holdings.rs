@@ -5,21 +5,76 @@ use std::borrow::Cow;
 use std::sync::Arc;
 
 use converger_core::streams::{ChunkLog, StreamTurn};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
 use uuid::Uuid;
 
-use super::relay::{HeldStop, HeldStream, Holdings};
+use super::relay::RelayedContent;
 use super::{ChunkBody, LiveStreams, ReplicaChunk, StoppedText};
 use crate::bus::StreamHoldings;
 use crate::hub::{Hub, HubEvent, lock};
 
+/// What one node's agents stream in a conversation, as it answers a node that began to
+/// follow the conversation (its open streams there), or the node that settles a stop (what it
+/// holds of the stopped turn: the text a stop ended, or a stream still open).
+#[derive(Debug, PartialEq, Serialize, Deserialize)]
+struct Holdings<'a> {
+    /// The answering node.
+    n: Cow<'a, str>,
+    /// Its agents' open streams.
+    s: Vec<HeldStream<'a>>,
+    /// The streams a stop ended.
+    x: Vec<HeldStop<'a>>,
+}
+
+/// One open stream in a node's holdings: what its first chunk told, and every chunk's content
+/// from index 0.
+#[derive(Debug, PartialEq, Serialize, Deserialize)]
+struct HeldStream<'a> {
+    /// The stream.
+    s: Cow<'a, str>,
+    /// The turn, as `[seq, revision]`.
+    t: (i64, i32),
+    /// The delivery's lease fence, when any.
+    x: Option<i64>,
+    /// The writing connection.
+    o: Cow<'a, str>,
+    /// The writing agent as `{id, role}`.
+    f: Cow<'a, Value>,
+    /// The chunks' contents, index = position.
+    b: Vec<RelayedContent<'a>>,
+}
+
+/// A stream a stop ended, as a node holds it for the turn's settlement.
+#[derive(Debug, PartialEq, Serialize, Deserialize)]
+struct HeldStop<'a> {
+    /// The turn, as `[seq, revision]`.
+    t: (i64, i32),
+    /// The stream.
+    s: Cow<'a, str>,
+    /// Its text deltas, joined.
+    x: Cow<'a, str>,
+}
+
 impl StreamHoldings for LiveStreams {
-    fn holdings(&self, conversation_id: Uuid) -> Option<String> {
-        let own: Vec<_> = lock(&self.registry)
-            .snapshot(&conversation_id)
+    fn holdings(&self, conversation_id: Uuid, stopped_turn: Option<(i64, i32)>) -> Option<String> {
+        let of_turn =
+            |turn: StreamTurn| stopped_turn.is_none_or(|t| t == (turn.seq, turn.revision));
+        let own: Vec<_> = {
+            let registry = lock(&self.registry);
+            registry.snapshot_where(&conversation_id, |stream| {
+                stream.node == self.node_id && of_turn(stream.turn)
+            })
+        };
+        // Stopped texts only for a settlement: a new follower is shown open streams.
+        let stopped = match stopped_turn {
+            Some(_) => lock(&self.stopped).of_conversation(conversation_id),
+            None => Vec::new(),
+        };
+        let stopped: Vec<_> = stopped
             .into_iter()
-            .filter(|(_, stream)| stream.node == self.node_id)
+            .filter(|(turn, _)| of_turn(*turn))
             .collect();
-        let stopped = lock(&self.stopped).of_conversation(conversation_id);
         if own.is_empty() && stopped.is_empty() {
             return None;
         }
@@ -99,7 +154,11 @@ impl LiveStreams {
                     };
                     last = self.append_replica(hub, conversation_id, replica).or(last);
                 }
-                if let Some(event) = last {
+                // A stream the node's budget aborted partway ended for its followers already.
+                let open = lock(&self.registry)
+                    .get(&conversation_id, &stream.s)
+                    .is_some();
+                if let Some(event) = last.filter(|_| open) {
                     hub.publish(conversation_id, HubEvent::Stream(event));
                 }
             }
@@ -112,17 +171,40 @@ impl LiveStreams {
         lock(&self.registry).forget_where(&conversation_id, |stream| stream.node != self.node_id);
     }
 
-    /// The text a stop ended of the turn's stream, as another node's holdings tell it.
+    /// The text a stop ended of the turn's stream, as another node's holdings tell it; when
+    /// that node had not ended the stream yet, the text its open stream holds.
     pub fn stopped_in(replies: &[String], turn: StreamTurn) -> Option<StoppedText> {
-        replies
+        let held: Vec<Holdings<'_>> = replies
             .iter()
-            .filter_map(|reply| serde_json::from_str::<Holdings<'_>>(reply).ok())
-            .flat_map(|held| held.x)
-            .find(|stop| stop.t == (turn.seq, turn.revision))
+            .filter_map(|reply| serde_json::from_str(reply).ok())
+            .collect();
+        let asked = (turn.seq, turn.revision);
+        let stopped = held
+            .iter()
+            .flat_map(|held| &held.x)
+            .find(|stop| stop.t == asked)
             .map(|stop| StoppedText {
-                stream_id: stop.s.into_owned(),
-                text: stop.x.into_owned(),
+                stream_id: stop.s.clone().into_owned(),
+                text: stop.x.clone().into_owned(),
+            });
+        stopped.or_else(|| {
+            let open = held
+                .iter()
+                .flat_map(|held| &held.s)
+                .find(|stream| stream.t == asked)?;
+            let text = open
+                .b
+                .iter()
+                .filter_map(|content| match content {
+                    RelayedContent::Text(text) => Some(text.as_ref()),
+                    RelayedContent::Chunk(_) => None,
+                })
+                .collect();
+            Some(StoppedText {
+                stream_id: open.s.clone().into_owned(),
+                text,
             })
+        })
     }
 }
 
@@ -167,6 +249,13 @@ mod tests {
             })
         );
         assert_eq!(stopped(3, 0), None, "another revision of the turn");
-        assert_eq!(stopped(4, 0), None, "an open stream is no stopped text");
+        assert_eq!(
+            stopped(4, 0),
+            Some(StoppedText {
+                stream_id: "s-1".into(),
+                text: "Hel".into()
+            }),
+            "a stream still open tells its text so far (UI chunks hold none)"
+        );
     }
 }

@@ -118,6 +118,8 @@ pub struct LiveStreams {
     /// What the relay holds and has not sent yet (part of the node's stream budget).
     relay_backlog: Arc<Backlog>,
     limits: StreamLimits,
+    /// Told of a gap in a replica (NATS: the node asks for the holdings again).
+    bus: Arc<crate::bus::Bus>,
 }
 
 impl std::fmt::Debug for LiveStreams {
@@ -139,7 +141,7 @@ impl LiveStreams {
         let (relay, orders) = mpsc::unbounded_channel();
         let relay_backlog = Arc::new(Backlog::default());
         tokio::spawn(relay::run(
-            bus,
+            Arc::clone(&bus),
             relay_window,
             Arc::clone(&relay_backlog),
             orders,
@@ -151,6 +153,7 @@ impl LiveStreams {
             relay,
             relay_backlog,
             limits,
+            bus,
         })
     }
 
@@ -515,6 +518,13 @@ impl LiveStreams {
             }
             Err(refusal) => {
                 tracing::debug!(?refusal, %conversation_id, stream_id, index, "replica chunk not applied");
+                // A chunk from beyond the next one: a message was lost (or the start is still
+                // to come from the holdings). The stream resumes from the holdings.
+                if let ChunkRefusal::OutOfOrder { expected } = refusal
+                    && index > expected
+                {
+                    self.bus.stream_gap(conversation_id);
+                }
                 return None;
             }
         };

@@ -118,48 +118,6 @@ impl From<RelayedContent<'_>> for StreamContent {
     }
 }
 
-/// What one node's agents stream in a conversation, as it answers a node that began to
-/// follow the conversation (NATS, ADR 0035): its open streams there, and the text of those a
-/// stop ended (for the node that settles the stop).
-#[derive(Debug, PartialEq, Serialize, Deserialize)]
-pub(super) struct Holdings<'a> {
-    /// The answering node.
-    pub n: Cow<'a, str>,
-    /// Its agents' open streams.
-    pub s: Vec<HeldStream<'a>>,
-    /// The streams a stop ended.
-    pub x: Vec<HeldStop<'a>>,
-}
-
-/// One open stream in a node's holdings: what its first chunk told, and every chunk's content
-/// from index 0.
-#[derive(Debug, PartialEq, Serialize, Deserialize)]
-pub(super) struct HeldStream<'a> {
-    /// The stream.
-    pub s: Cow<'a, str>,
-    /// The turn, as `[seq, revision]`.
-    pub t: (i64, i32),
-    /// The delivery's lease fence, when any.
-    pub x: Option<i64>,
-    /// The writing connection.
-    pub o: Cow<'a, str>,
-    /// The writing agent as `{id, role}`.
-    pub f: Cow<'a, Value>,
-    /// The chunks' contents, index = position.
-    pub b: Vec<RelayedContent<'a>>,
-}
-
-/// A stream a stop ended, as a node holds it for the turn's settlement.
-#[derive(Debug, PartialEq, Serialize, Deserialize)]
-pub(super) struct HeldStop<'a> {
-    /// The turn, as `[seq, revision]`.
-    pub t: (i64, i32),
-    /// The stream.
-    pub s: Cow<'a, str>,
-    /// Its text deltas, joined.
-    pub x: Cow<'a, str>,
-}
-
 /// A stream's end on the relay: `e` is the abort reason, `null` when committed.
 #[derive(Debug, PartialEq, Serialize, Deserialize)]
 pub(super) struct RelayedEnd<'a> {

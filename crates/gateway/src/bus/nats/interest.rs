@@ -6,10 +6,10 @@
 //! of the live events, which its subscription buffered meanwhile.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
-use async_nats::HeaderMap;
+use async_nats::{HeaderMap, HeaderValue};
 use converger_cluster::NodeKey;
 use converger_store::bus::{BusEvent, decode};
 use futures_util::StreamExt;
@@ -20,7 +20,7 @@ use uuid::Uuid;
 
 use super::PUBLISH_TIMEOUT;
 use crate::bus::StreamHoldings;
-use crate::hub::FeedChange;
+use crate::hub::{FeedChange, lock};
 
 /// Longest wait for the other nodes' holdings; a node that did not answer by then (it is
 /// going, or cut off from NATS) is given up, and its streams show from the committed answer.
@@ -32,11 +32,14 @@ const LATE_ANSWERS: Duration = Duration::from_millis(20);
 /// The header naming the answering node.
 const NODE_HEADER: &str = "Converger-Node";
 
-/// A question for the other nodes' holdings of a conversation.
+/// A question for the other nodes' holdings of a conversation: its open streams, or, for a
+/// stop's settlement, what they hold of one stopped turn (`[seq, revision]`).
 #[derive(Debug, Serialize, Deserialize)]
 struct HoldingsAsked {
     #[serde(rename = "c")]
     conversation_id: Uuid,
+    #[serde(rename = "t", default, skip_serializing_if = "Option::is_none")]
+    stopped_turn: Option<(i64, i32)>,
 }
 
 /// The other nodes, as gossip knows them: asking for holdings waits for each of them.
@@ -45,7 +48,7 @@ pub(super) struct Peers(Mutex<HashSet<NodeKey>>);
 
 impl Peers {
     pub(super) fn changed(&self, node: &NodeKey, up: bool) {
-        let Ok(mut peers) = self.0.lock() else { return };
+        let mut peers = lock(&self.0);
         if up {
             peers.insert(node.clone());
         } else {
@@ -54,10 +57,10 @@ impl Peers {
     }
 
     fn ids(&self) -> HashSet<String> {
-        self.0
-            .lock()
-            .map(|peers| peers.iter().map(|node| node.node_id.clone()).collect())
-            .unwrap_or_default()
+        lock(&self.0)
+            .iter()
+            .map(|node| node.node_id.clone())
+            .collect()
     }
 }
 
@@ -68,6 +71,25 @@ pub(super) struct Interest {
     pub(super) prefix: String,
     pub(super) node_id: String,
     pub(super) peers: Arc<Peers>,
+    /// Where gaps in replicas are told, once the node follows streams.
+    pub(super) gaps: Arc<OnceLock<mpsc::UnboundedSender<Uuid>>>,
+}
+
+/// What a catch-up does with the live events that come while it waits for the holdings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Live {
+    /// Handed on at once, and again after the holdings: a viewer present when a stream starts
+    /// waits for nothing (the first catch-up of a followed conversation).
+    GoesOn,
+    /// Held until the holdings are handed on: a replica with a gap resumes in order, its end
+    /// included (a catch-up after a lost chunk).
+    Waits,
+}
+
+/// One followed conversation: its task, and how to ask it to catch up again.
+struct Following {
+    task: JoinHandle<()>,
+    resync: mpsc::UnboundedSender<()>,
 }
 
 impl Interest {
@@ -92,6 +114,14 @@ impl Interest {
                     return;
                 }
             };
+            // Checked once: a node id with a line break cannot name the answers.
+            let node: HeaderValue = match interest.node_id.parse() {
+                Ok(node) => node,
+                Err(error) => {
+                    tracing::error!(%error, "nats bus: the node id cannot be a header; no holdings are told");
+                    return;
+                }
+            };
             while let Some(question) = questions.next().await {
                 let Some(holdings) = holdings.upgrade() else {
                     return;
@@ -103,9 +133,11 @@ impl Interest {
                     tracing::debug!("nats bus: unreadable question");
                     continue;
                 };
-                let body = holdings.holdings(asked.conversation_id).unwrap_or_default();
+                let body = holdings
+                    .holdings(asked.conversation_id, asked.stopped_turn)
+                    .unwrap_or_default();
                 let mut headers = HeaderMap::new();
-                headers.insert(NODE_HEADER, interest.node_id.as_str());
+                headers.insert(NODE_HEADER, node.clone());
                 let bytes = body.len();
                 let sent = interest
                     .client
@@ -128,10 +160,18 @@ impl Interest {
     /// gossip knows no peer (it has not converged, or the cluster runs without it), the answers
     /// that come within `LATE_ANSWERS` of the first are taken: a viewer waits that long for the
     /// start of a stream, so the wait must stay short.
-    pub(super) async fn ask(&self, conversation_id: Uuid) -> Vec<String> {
+    pub(super) async fn ask(
+        &self,
+        conversation_id: Uuid,
+        stopped_turn: Option<(i64, i32)>,
+    ) -> Vec<String> {
         let mut waiting = self.peers.ids();
         let peers_unknown = waiting.is_empty();
-        let question = match serde_json::to_vec(&HoldingsAsked { conversation_id }) {
+        let asked = HoldingsAsked {
+            conversation_id,
+            stopped_turn,
+        };
+        let question = match serde_json::to_vec(&asked) {
             Ok(question) => question,
             Err(error) => {
                 tracing::warn!(%error, "nats bus: question not encoded");
@@ -165,7 +205,11 @@ impl Interest {
                 }
                 break;
             };
-            if let Some(node) = answer.headers.as_ref().and_then(|h| h.get(NODE_HEADER)) {
+            let answering = answer
+                .headers
+                .as_ref()
+                .and_then(|headers| headers.get(NODE_HEADER));
+            if let Some(node) = answering {
                 waiting.remove(node.as_str());
             }
             if peers_unknown {
@@ -180,6 +224,14 @@ impl Interest {
         held
     }
 
+    /// A replica of the conversation's stream missed a chunk: the conversation's task asks for
+    /// the holdings again.
+    pub(super) fn gap(&self, conversation_id: Uuid) {
+        if let Some(gaps) = self.gaps.get() {
+            let _ = gaps.send(conversation_id);
+        }
+    }
+
     /// Follows the stream events of the conversations the hub's feed changes name, handing
     /// them to `events`; returns where the hub tells the changes.
     pub(super) fn follow(
@@ -187,10 +239,26 @@ impl Interest {
         events: mpsc::UnboundedSender<BusEvent>,
     ) -> mpsc::UnboundedSender<FeedChange> {
         let (changes, mut told) = mpsc::unbounded_channel();
+        let (gaps, mut gaps_told) = mpsc::unbounded_channel();
+        if self.gaps.set(gaps).is_err() {
+            tracing::warn!("nats bus: streams are followed already");
+        }
         let interest = self.clone();
         tokio::spawn(async move {
-            let mut following: HashMap<Uuid, JoinHandle<()>> = HashMap::new();
-            while let Some(change) = told.recv().await {
+            let mut following: HashMap<Uuid, Following> = HashMap::new();
+            loop {
+                let change = tokio::select! {
+                    change = told.recv() => match change {
+                        Some(change) => change,
+                        None => return,
+                    },
+                    Some(conversation_id) = gaps_told.recv() => {
+                        if let Some(followed) = following.get(&conversation_id) {
+                            let _ = followed.resync.send(());
+                        }
+                        continue;
+                    }
+                };
                 let conversation_id = match change {
                     FeedChange::Followed(conversation_id)
                     | FeedChange::Unfollowed(conversation_id) => conversation_id,
@@ -198,15 +266,18 @@ impl Interest {
                 // Awaited once aborted: nothing of the old subscription reaches the door after
                 // what follows.
                 if let Some(old) = following.remove(&conversation_id) {
-                    old.abort();
-                    let _ = old.await;
+                    old.task.abort();
+                    let _ = old.task.await;
                 }
                 let sent = match change {
                     FeedChange::Followed(_) => {
-                        let task = tokio::spawn(
-                            interest.clone().follow_one(conversation_id, events.clone()),
-                        );
-                        following.insert(conversation_id, task);
+                        let (resync, resync_asked) = mpsc::unbounded_channel();
+                        let task = tokio::spawn(interest.clone().follow_one(
+                            conversation_id,
+                            events.clone(),
+                            resync_asked,
+                        ));
+                        following.insert(conversation_id, Following { task, resync });
                         Ok(())
                     }
                     FeedChange::Unfollowed(_) => {
@@ -221,11 +292,15 @@ impl Interest {
         changes
     }
 
-    /// Subscribes to one conversation's stream events and asks for what was streamed before.
-    /// Live events go on at once (a viewer present when a stream starts waits for nothing);
-    /// once the holdings come they are handed on, followed again by what came live meanwhile:
-    /// a chunk refused for want of its stream's start then follows it, and a repeat is refused.
-    async fn follow_one(self, conversation_id: Uuid, events: mpsc::UnboundedSender<BusEvent>) {
+    /// Subscribes to one conversation's stream events and catches up with what was streamed
+    /// before; then hands the live events on, catching up again whenever a replica there
+    /// missed a chunk.
+    async fn follow_one(
+        self,
+        conversation_id: Uuid,
+        events: mpsc::UnboundedSender<BusEvent>,
+        mut resync_asked: mpsc::UnboundedReceiver<()>,
+    ) {
         let subject = Interest::stream_subject(&self.prefix, conversation_id);
         let mut live = match self.client.subscribe(subject.clone()).await {
             Ok(live) => live,
@@ -237,40 +312,79 @@ impl Interest {
         // The server takes this subscription before the question that follows it on the same
         // connection (and tells its routes in that order): a chunk a node publishes after it
         // answered comes live, one it published before is in its answer.
-        let asking = self.ask(conversation_id);
+        if !self
+            .catch_up(conversation_id, &mut live, &events, Live::GoesOn)
+            .await
+        {
+            return;
+        }
+        // Chunks refused before the holdings came told gaps the catch-up has filled.
+        while resync_asked.try_recv().is_ok() {}
+        loop {
+            tokio::select! {
+                message = live.next() => {
+                    let Some(message) = message else { return };
+                    if !hand_on(&events, &message.payload) {
+                        return;
+                    }
+                }
+                asked = resync_asked.recv() => {
+                    if asked.is_none() {
+                        return;
+                    }
+                    metrics::counter!("converger_stream_resyncs_total").increment(1);
+                    if !self.catch_up(conversation_id, &mut live, &events, Live::Waits).await {
+                        return;
+                    }
+                    // One catch-up answers every gap told while it ran.
+                    while resync_asked.try_recv().is_ok() {}
+                }
+            }
+        }
+    }
+
+    /// Asks for the holdings of the conversation; once they come they are handed on, followed
+    /// by what came live meanwhile: a chunk refused for want of its stream's start (or of a
+    /// lost chunk) now follows it, and a repeat is refused. With [`Live::GoesOn`] the live
+    /// events are also handed on at once, before the holdings. False once the subscription or
+    /// the door is gone.
+    async fn catch_up(
+        &self,
+        conversation_id: Uuid,
+        live: &mut async_nats::Subscriber,
+        events: &mpsc::UnboundedSender<BusEvent>,
+        meanwhile: Live,
+    ) -> bool {
+        let asking = self.ask(conversation_id, None);
         tokio::pin!(asking);
         let mut heard_meanwhile = Vec::new();
         let replies = loop {
             tokio::select! {
                 replies = &mut asking => break replies,
                 message = live.next() => {
-                    let Some(message) = message else { return };
-                    if !hand_on(&events, &message.payload) {
-                        return;
+                    let Some(message) = message else { return false };
+                    if meanwhile == Live::GoesOn && !hand_on(events, &message.payload) {
+                        return false;
                     }
                     heard_meanwhile.push(message.payload);
                 }
             }
         };
+        if replies.is_empty() && meanwhile == Live::GoesOn {
+            return true;
+        }
         if !replies.is_empty() {
             let holdings = BusEvent::StreamHoldings {
                 conversation_id,
                 replies,
             };
             if events.send(holdings).is_err() {
-                return;
-            }
-            for payload in heard_meanwhile {
-                if !hand_on(&events, &payload) {
-                    return;
-                }
+                return false;
             }
         }
-        while let Some(message) = live.next().await {
-            if !hand_on(&events, &message.payload) {
-                return;
-            }
-        }
+        heard_meanwhile
+            .iter()
+            .all(|payload| hand_on(events, payload))
     }
 }
 

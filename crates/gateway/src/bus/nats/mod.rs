@@ -209,6 +209,7 @@ impl Link {
                 prefix: config.subject_prefix.clone(),
                 node_id: node_id.to_owned(),
                 peers: Arc::new(Peers::default()),
+                gaps: Arc::default(),
             },
             client,
             prefix: config.subject_prefix.clone(),
@@ -371,9 +372,18 @@ impl Link {
         self.interest.follow(events)
     }
 
-    /// The other nodes' holdings of a conversation.
-    pub(super) async fn ask_holdings(&self, conversation_id: Uuid) -> Vec<String> {
-        self.interest.ask(conversation_id).await
+    /// A replica of the conversation's stream missed a chunk: its holdings are asked again.
+    pub(super) fn stream_gap(&self, conversation_id: Uuid) {
+        self.interest.gap(conversation_id);
+    }
+
+    /// The other nodes' holdings of a conversation (of one stopped turn, when named).
+    pub(super) async fn ask_holdings(
+        &self,
+        conversation_id: Uuid,
+        stopped_turn: Option<(i64, i32)>,
+    ) -> Vec<String> {
+        self.interest.ask(conversation_id, stopped_turn).await
     }
 
     /// A peer node came up or went, in gossip.

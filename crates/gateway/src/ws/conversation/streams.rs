@@ -28,12 +28,18 @@ impl Session<'_> {
     pub(super) async fn on_stream(&mut self, event: &StreamEvent) -> Result<(), Ending> {
         match &event.change {
             StreamChange::Chunk {
-                stream_id, index, ..
-            } => match self.streams_seen.on_chunk(stream_id, *index) {
-                ShowChunk::Show => self.push(event.render(self.profile), false),
-                ShowChunk::Drop => Ok(()),
-                ShowChunk::Gap { .. } => self.show_stream_from_registry(stream_id).await,
-            },
+                stream_id,
+                index,
+                turn,
+                ..
+            } => {
+                self.resume_late_stream(stream_id, turn.seq);
+                match self.streams_seen.on_chunk(stream_id, *index) {
+                    ShowChunk::Show => self.push(event.render(self.profile), false),
+                    ShowChunk::Drop => Ok(()),
+                    ShowChunk::Gap { .. } => self.show_stream_from_registry(stream_id).await,
+                }
+            }
             StreamChange::End { stream_id, .. } => {
                 if self.streams_seen.on_end(stream_id) {
                     self.push(event.render(self.profile), false)?;
@@ -57,6 +63,24 @@ impl Session<'_> {
                 self.streams_seen.on_chunks(&stream_id, 0, shown);
             }
             None => self.stream_ended_away = Some(progress),
+        }
+    }
+
+    /// A widget's stream taken for ended while it was away may only have been unknown here:
+    /// on NATS a node that begins to follow a conversation learns its open streams a moment
+    /// later (ADR 0035). When a chunk of that turn's stream comes, the widget resumes from
+    /// where it is instead of being shown the stream again.
+    fn resume_late_stream(&mut self, stream_id: &str, turn_seq: i64) {
+        let Some(progress) = &self.stream_ended_away else {
+            return;
+        };
+        let same_turn = i64::try_from(progress.turn_seq).is_ok_and(|seq| seq == turn_seq);
+        if !same_turn || self.streams_seen.is_showing(stream_id) {
+            return;
+        }
+        if let Some(progress) = self.stream_ended_away.take() {
+            let shown = progress.chunks_shown.saturating_sub(1);
+            self.streams_seen.on_chunks(stream_id, 0, shown);
         }
     }
 
