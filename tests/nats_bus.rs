@@ -98,6 +98,19 @@ async fn until_typing_crosses(agent: &mut WsClient, conversation: &str, to: &mut
     }
 }
 
+/// A tab on `peer` for `token`'s conversation, once the agent's typing reaches it over the bus.
+async fn tab_hearing_the_agent(
+    peer: &converger_gateway::ServerHandle,
+    token: &str,
+    agent: &mut WsClient,
+    conversation: &str,
+) -> WsClient {
+    let mut tab = WsClient::connect(&support::peer_ws_url(peer)).await;
+    tab.hello(token, json!({})).await;
+    until_typing_crosses(agent, conversation, &mut tab).await;
+    tab
+}
+
 /// A text from `tab`, acked; returns its seq.
 async fn say(tab: &mut WsClient, client_id: &str, text: &str) -> i64 {
     tab.send(json!({"type": "text", "clientId": client_id, "data": {"text": text}}))
@@ -126,9 +139,7 @@ async fn commits_streams_and_typing_cross_nodes_over_nats_with_no_notification()
     notifications.listen("converger_events").await.unwrap();
 
     let (node, _, token, mut agent, mut here, conversation, seq) = turn_in_progress(node).await;
-    let mut there = WsClient::connect(&support::peer_ws_url(&peer)).await;
-    there.hello(&token, json!({})).await;
-    until_typing_crosses(&mut agent, &conversation, &mut there).await;
+    let mut there = tab_hearing_the_agent(&peer, &token, &mut agent, &conversation).await;
 
     // The agent's node streams; the tab on the other node sees every chunk once, in order,
     // then the committed answer.
@@ -165,9 +176,7 @@ async fn a_nats_server_killed_and_restarted_loses_no_frame_and_streams_resume() 
     let node = TestNode::start_with(adjust.clone()).await;
     let peer = node.start_peer_with(adjust).await;
     let (node, _, token, mut agent, mut here, conversation, seq) = turn_in_progress(node).await;
-    let mut there = WsClient::connect(&support::peer_ws_url(&peer)).await;
-    there.hello(&token, json!({})).await;
-    until_typing_crosses(&mut agent, &conversation, &mut there).await;
+    let mut there = tab_hearing_the_agent(&peer, &token, &mut agent, &conversation).await;
     agent
         .send(result(&conversation, seq, "s-0", "before"))
         .await;
@@ -218,9 +227,7 @@ async fn a_node_cut_off_from_nats_keeps_its_commits_flowing_and_streams_after_it
         .start_peer_with(on_nats(vec![nats.url()], FAST_SWEEP_MS))
         .await;
     let (node, _, token, mut agent, _, conversation, seq) = turn_in_progress(node).await;
-    let mut there = WsClient::connect(&support::peer_ws_url(&peer)).await;
-    there.hello(&token, json!({})).await;
-    until_typing_crosses(&mut agent, &conversation, &mut there).await;
+    let mut there = tab_hearing_the_agent(&peer, &token, &mut agent, &conversation).await;
 
     proxy.refuse();
     // The agent's node is cut off from NATS, the database is up: its stream cannot reach the
@@ -264,9 +271,7 @@ async fn nodes_on_different_servers_of_a_nats_cluster_and_a_lost_server() {
         .start_peer_with(on_nats(vec![servers[2].url()], NO_SWEEP_MS))
         .await;
     let (node, _, token, mut agent, mut here, conversation, seq) = turn_in_progress(node).await;
-    let mut there = WsClient::connect(&support::peer_ws_url(&peer)).await;
-    there.hello(&token, json!({})).await;
-    until_typing_crosses(&mut agent, &conversation, &mut there).await;
+    let mut there = tab_hearing_the_agent(&peer, &token, &mut agent, &conversation).await;
     stream_and_answer(&mut agent, &conversation, seq, "s-1", 20, "across routes").await;
     let mut there_tab = Tab::default();
     let chunks = read_answer(&mut there_tab, &mut there, "s-1", "across routes").await;
@@ -425,14 +430,12 @@ fn chunk_text(count: u64) -> String {
 
 /// Waits until the node holds no open stream (its replicas went).
 async fn until_no_open_stream(node: &converger_gateway::ServerHandle) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while node.state().streams.usage().0 > 0 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the node kept a replica of a stream it no longer follows"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    support::eventually(
+        "the node dropping its replica of a stream it no longer follows",
+        Duration::from_secs(10),
+        || async { node.state().streams.usage().0 == 0 },
+    )
+    .await;
 }
 
 /// On NATS a node hears the stream events only of the conversations its tabs follow (ADR
@@ -466,12 +469,7 @@ async fn a_node_hears_only_the_streams_its_tabs_follow_and_a_late_tab_sees_the_s
     );
 
     // A tab on the peer mid-stream: the six chunks so far, then the rest.
-    let mut there = WsClient::connect(&support::peer_ws_url(&peer)).await;
-    there.hello(&token, json!({})).await;
-    let mut there_tab = Tab::default();
-    there_tab
-        .read_until(&mut there, |tab| tab.chunks_of("s-1") == 6)
-        .await;
+    let (there, there_tab) = Tab::join(&support::peer_ws_url(&peer), &token, "s-1", 6).await;
     assert_eq!(there_tab.text["s-1"], chunk_text(6));
     nats.until_subscribers(&subject, &[&node_name, &peer_name])
         .await;
@@ -487,12 +485,8 @@ async fn a_node_hears_only_the_streams_its_tabs_follow_and_a_late_tab_sees_the_s
     here_tab
         .read_until(&mut here, |tab| tab.chunks_of("s-1") == 8)
         .await;
-    let mut again = WsClient::connect(&support::peer_ws_url(&peer)).await;
-    again.hello(&token, json!({})).await;
-    let mut again_tab = Tab::default();
-    again_tab
-        .read_until(&mut again, |tab| tab.chunks_of("s-1") == 8)
-        .await;
+    let (mut again, mut again_tab) =
+        Tab::join(&support::peer_ws_url(&peer), &token, "s-1", 8).await;
     send_numbered_chunks(&mut agent, &conversation, seq, 8..10).await;
     agent.send(result(&conversation, seq, "s-1", "ten")).await;
     read_answer(&mut again_tab, &mut again, "s-1", "ten").await;
@@ -563,9 +557,7 @@ async fn a_stream_that_lost_chunks_while_its_viewers_node_was_cut_off_resumes_fr
         .start_peer_with(on_nats(vec![format!("nats://{}", proxy.addr)], NO_SWEEP_MS))
         .await;
     let (node, _, token, mut agent, mut here, conversation, seq) = turn_in_progress(node).await;
-    let mut there = WsClient::connect(&support::peer_ws_url(&peer)).await;
-    there.hello(&token, json!({})).await;
-    until_typing_crosses(&mut agent, &conversation, &mut there).await;
+    let mut there = tab_hearing_the_agent(&peer, &token, &mut agent, &conversation).await;
     let (mut here_tab, mut there_tab) = (Tab::default(), Tab::default());
     send_numbered_chunks(&mut agent, &conversation, seq, 0..3).await;
     there_tab

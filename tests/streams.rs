@@ -337,12 +337,8 @@ async fn tabs_on_three_nodes_see_the_same_chunks_in_the_same_order() {
     assert_eq!(here_tab.text, there_tab.text);
 
     // A tab that connects mid-stream on a third node gets every chunk once.
-    let mut third = WsClient::connect(&support::peer_ws_url(&third_node)).await;
-    third.hello(&token, json!({})).await;
-    let mut third_tab = Tab::default();
-    third_tab
-        .read_until(&mut third, |tab| tab.chunks_of("s-1") == 20)
-        .await;
+    let (mut third, mut third_tab) =
+        Tab::join(&support::peer_ws_url(&third_node), &token, "s-1", 20).await;
     send_numbered_chunks(&mut agent, &conversation, seq, 20..30).await;
     agent.send(result(&conversation, seq, "s-1", "all")).await;
     for (tab, client) in [

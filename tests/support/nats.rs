@@ -9,6 +9,9 @@ use std::time::Duration;
 
 use tokio::io::AsyncReadExt;
 
+/// Longest wait for a subscription to show on the monitoring endpoint.
+const SUBSCRIPTIONS_WAIT: Duration = Duration::from_secs(10);
+
 /// One server; killed when dropped.
 pub struct NatsServer {
     /// The client port.
@@ -113,44 +116,30 @@ impl NatsServer {
             .collect()
     }
 
-    /// Waits until exactly the connections named `names` subscribe to `subject` (10 s at most).
+    /// Waits until exactly the connections named `names` subscribe to `subject`.
     pub async fn until_subscribers(&self, subject: &str, names: &[&str]) {
         let expected: BTreeSet<&str> = names.iter().copied().collect();
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        loop {
+        let what = format!("exactly {expected:?} subscribing to {subject}");
+        super::eventually(&what, SUBSCRIPTIONS_WAIT, || async {
             let subscriptions = self.subscriptions().await;
             let subscribers: BTreeSet<&str> = subscriptions
                 .iter()
                 .filter(|(_, subjects)| subjects.contains(subject))
                 .map(|(name, _)| name.as_str())
                 .collect();
-            if subscribers == expected {
-                return;
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "{subject}: subscribers {subscribers:?}, expected {expected:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+            subscribers == expected
+        })
+        .await;
     }
 
-    /// Waits until the connection named `name` subscribes to exactly `subjects` (10 s at most).
+    /// Waits until the connection named `name` subscribes to exactly `subjects`.
     pub async fn until_subjects(&self, name: &str, subjects: &[&str]) {
         let expected: BTreeSet<String> = subjects.iter().map(|s| (*s).to_owned()).collect();
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        loop {
-            let subscriptions = self.subscriptions().await;
-            let held = subscriptions.get(name);
-            if held == Some(&expected) {
-                return;
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "{name} subscribes to {held:?}, expected {expected:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        let what = format!("{name} subscribing to exactly {expected:?}");
+        super::eventually(&what, SUBSCRIPTIONS_WAIT, || async {
+            self.subscriptions().await.get(name) == Some(&expected)
+        })
+        .await;
     }
 
     /// Kills the server at once (no lame duck, no goodbye to clients).

@@ -55,6 +55,17 @@ impl Tab {
         }
     }
 
+    /// Connects a tab to the socket at `url` as `token`'s user and reads until it has `chunks`
+    /// chunks of `stream`.
+    pub async fn join(url: &str, token: &str, stream: &str, chunks: usize) -> (WsClient, Tab) {
+        let mut client = WsClient::connect(url).await;
+        client.hello(token, serde_json::json!({})).await;
+        let mut tab = Tab::default();
+        tab.read_until(&mut client, |tab| tab.chunks_of(stream) == chunks)
+            .await;
+        (client, tab)
+    }
+
     /// Reads `client` until `done` holds for this tab.
     pub async fn read_until(&mut self, client: &mut WsClient, done: impl Fn(&Tab) -> bool) {
         while !done(self) {

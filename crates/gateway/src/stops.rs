@@ -151,10 +151,9 @@ async fn settle(state: &AppState, stop: &TurnStop) {
         // On NATS this node holds only the streams of conversations it follows: the node whose
         // agent streamed kept the text.
         None => {
-            let asked = (stop.seq, stop.revision);
             let replies = state
                 .bus
-                .ask_stopped_stream(stop.conversation_id, asked)
+                .ask_stopped_stream(stop.conversation_id, turn)
                 .await;
             LiveStreams::stopped_in(&replies, turn)
         }

@@ -21,6 +21,7 @@ mod nats;
 
 use std::sync::{Mutex, Weak};
 
+use converger_core::streams::StreamTurn;
 use converger_store::bus::{BusEvent, DisconnectOrder, TransientFrame, TurnStop};
 use converger_store::{Activity, Store, StoreError};
 use tokio::sync::{mpsc, oneshot};
@@ -32,10 +33,10 @@ use crate::hub::Hub;
 /// What this node's agents stream in a conversation, as the other nodes are told when they
 /// begin to follow it (NATS, ADR 0035). The stream registry answers; the bus moves the text.
 pub(crate) trait StreamHoldings: Send + Sync {
-    /// The encoded holdings of `conversation_id`: its open streams, or, when `stopped_turn`
-    /// (`[seq, revision]`) is named, what this node holds of that turn's streams for its
-    /// settlement. `None` when this node holds nothing of it.
-    fn holdings(&self, conversation_id: Uuid, stopped_turn: Option<(i64, i32)>) -> Option<String>;
+    /// The encoded holdings of `conversation_id`: its open streams, or, when `stopped_turn` is
+    /// named, what this node holds of that turn's streams for its settlement. `None` when this
+    /// node holds nothing of it.
+    fn holdings(&self, conversation_id: Uuid, stopped_turn: Option<StreamTurn>) -> Option<String>;
 }
 
 /// Why the bus could not start.
@@ -152,7 +153,7 @@ impl Bus {
     pub(crate) async fn ask_stopped_stream(
         &self,
         conversation_id: Uuid,
-        turn: (i64, i32),
+        turn: StreamTurn,
     ) -> Vec<String> {
         match &self.transport {
             Transport::Nats(link) => link.ask_holdings(conversation_id, Some(turn)).await,

@@ -57,9 +57,8 @@ struct HeldStop<'a> {
 }
 
 impl StreamHoldings for LiveStreams {
-    fn holdings(&self, conversation_id: Uuid, stopped_turn: Option<(i64, i32)>) -> Option<String> {
-        let of_turn =
-            |turn: StreamTurn| stopped_turn.is_none_or(|t| t == (turn.seq, turn.revision));
+    fn holdings(&self, conversation_id: Uuid, stopped_turn: Option<StreamTurn>) -> Option<String> {
+        let of_turn = |turn: StreamTurn| stopped_turn.is_none_or(|stopped| stopped == turn);
         let own: Vec<_> = {
             let registry = lock(&self.registry);
             registry.snapshot_where(&conversation_id, |stream| {

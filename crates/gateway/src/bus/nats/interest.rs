@@ -11,14 +11,15 @@ use std::time::Duration;
 
 use async_nats::{HeaderMap, HeaderValue};
 use converger_cluster::NodeKey;
-use converger_store::bus::{BusEvent, decode};
+use converger_core::streams::StreamTurn;
+use converger_store::bus::BusEvent;
 use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use uuid::Uuid;
 
-use super::PUBLISH_TIMEOUT;
+use super::{PUBLISH_TIMEOUT, count_received, hand_on};
 use crate::bus::StreamHoldings;
 use crate::hub::{FeedChange, lock};
 
@@ -38,6 +39,7 @@ const NODE_HEADER: &str = "Converger-Node";
 struct HoldingsAsked {
     #[serde(rename = "c")]
     conversation_id: Uuid,
+    /// `[seq, revision]`.
     #[serde(rename = "t", default, skip_serializing_if = "Option::is_none")]
     stopped_turn: Option<(i64, i32)>,
 }
@@ -133,8 +135,11 @@ impl Interest {
                     tracing::debug!("nats bus: unreadable question");
                     continue;
                 };
+                let stopped_turn = asked
+                    .stopped_turn
+                    .map(|(seq, revision)| StreamTurn { seq, revision });
                 let body = holdings
-                    .holdings(asked.conversation_id, asked.stopped_turn)
+                    .holdings(asked.conversation_id, stopped_turn)
                     .unwrap_or_default();
                 let mut headers = HeaderMap::new();
                 headers.insert(NODE_HEADER, node.clone());
@@ -163,13 +168,13 @@ impl Interest {
     pub(super) async fn ask(
         &self,
         conversation_id: Uuid,
-        stopped_turn: Option<(i64, i32)>,
+        stopped_turn: Option<StreamTurn>,
     ) -> Vec<String> {
         let mut waiting = self.peers.ids();
         let peers_unknown = waiting.is_empty();
         let asked = HoldingsAsked {
             conversation_id,
-            stopped_turn,
+            stopped_turn: stopped_turn.map(|turn| (turn.seq, turn.revision)),
         };
         let question = match serde_json::to_vec(&asked) {
             Ok(question) => question,
@@ -324,6 +329,7 @@ impl Interest {
             tokio::select! {
                 message = live.next() => {
                     let Some(message) = message else { return };
+                    count_received();
                     if !hand_on(&events, &message.payload) {
                         return;
                     }
@@ -363,6 +369,7 @@ impl Interest {
                 replies = &mut asking => break replies,
                 message = live.next() => {
                     let Some(message) = message else { return false };
+                    count_received();
                     if meanwhile == Live::GoesOn && !hand_on(events, &message.payload) {
                         return false;
                     }
@@ -370,9 +377,6 @@ impl Interest {
                 }
             }
         };
-        if replies.is_empty() && meanwhile == Live::GoesOn {
-            return true;
-        }
         if !replies.is_empty() {
             let holdings = BusEvent::StreamHoldings {
                 conversation_id,
@@ -381,17 +385,12 @@ impl Interest {
             if events.send(holdings).is_err() {
                 return false;
             }
+        } else if meanwhile == Live::GoesOn {
+            // No holdings go ahead of the live events, and every one of them went on already.
+            return true;
         }
         heard_meanwhile
             .iter()
             .all(|payload| hand_on(events, payload))
     }
-}
-
-/// Hands one message's stream events on; false once nobody takes them.
-fn hand_on(events: &mpsc::UnboundedSender<BusEvent>, payload: &[u8]) -> bool {
-    metrics::counter!("converger_bus_messages_received_total").increment(1);
-    decode(payload)
-        .into_iter()
-        .all(|event| events.send(event).is_ok())
 }

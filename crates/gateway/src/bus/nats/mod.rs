@@ -17,7 +17,6 @@
 
 mod interest;
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
@@ -61,8 +60,6 @@ struct Outgoing {
 
 /// This node's NATS connection and its publishing queue.
 pub(super) struct Link {
-    client: async_nats::Client,
-    prefix: String,
     sweep: Duration,
     outgoing: mpsc::Sender<Outgoing>,
     /// Set by the connection's events when it was lost or a subscription overflowed; the
@@ -70,7 +67,8 @@ pub(super) struct Link {
     trouble: Arc<Trouble>,
     /// What this node published of each conversation.
     published: Arc<Published>,
-    /// The stream subjects this node follows, and the questions it asks and answers.
+    /// The connection and the subject prefix; the stream subjects this node follows, and the
+    /// questions it asks and answers.
     interest: Interest,
 }
 
@@ -205,14 +203,12 @@ impl Link {
         tokio::spawn(publish_in_order(client.clone(), queue));
         Ok(Link {
             interest: Interest {
-                client: client.clone(),
+                client,
                 prefix: config.subject_prefix.clone(),
                 node_id: node_id.to_owned(),
                 peers: Arc::new(Peers::default()),
                 gaps: Arc::default(),
             },
-            client,
-            prefix: config.subject_prefix.clone(),
             sweep: Duration::from_millis(config.sweep_ms),
             outgoing,
             trouble,
@@ -231,8 +227,8 @@ impl Link {
         mut own_commits: mpsc::UnboundedReceiver<BusEvent>,
     ) -> oneshot::Receiver<()> {
         let (listening, ready) = oneshot::channel();
-        let client = self.client.clone();
-        let subjects = [format!("{}.c.>", self.prefix), format!("{}.e", self.prefix)];
+        let (client, prefix) = (self.interest.client.clone(), &self.interest.prefix);
+        let subjects = [format!("{prefix}.c.>"), format!("{prefix}.e")];
         let heard = events.clone();
         tokio::spawn(async move {
             let (commits, others) = match (
@@ -246,22 +242,20 @@ impl Link {
                 }
             };
             let mut subscription = futures_util::stream::select(commits, others);
-            // The subscription is registered once the server saw it; a flush waits for that.
+            // The subscriptions go out to the server before the node says it listens.
             if let Err(error) = client.flush().await {
                 tracing::warn!(%error, "nats bus: flush after subscribe failed");
             }
             tracing::info!(?subjects, "nats bus listening");
             let _ = listening.send(());
             while let Some(message) = subscription.next().await {
-                metrics::counter!("converger_bus_messages_received_total").increment(1);
-                for event in converger_store::bus::decode(&message.payload) {
-                    if heard.send(event).is_err() {
-                        return;
-                    }
+                count_received();
+                if !hand_on(&heard, &message.payload) {
+                    return;
                 }
             }
         });
-        let (outgoing, prefix) = (self.outgoing.clone(), self.prefix.clone());
+        let (outgoing, prefix) = (self.outgoing.clone(), self.interest.prefix.clone());
         let published = Arc::clone(&self.published);
         let own = events.clone();
         tokio::spawn(async move {
@@ -302,7 +296,7 @@ impl Link {
         if !self.published.claim(&event) {
             return;
         }
-        if let Some(outgoing) = committed_message(&self.prefix, event) {
+        if let Some(outgoing) = committed_message(&self.interest.prefix, event) {
             enqueue(&self.outgoing, outgoing);
         }
     }
@@ -313,7 +307,7 @@ impl Link {
         enqueue(
             &self.outgoing,
             Outgoing {
-                subject: format!("{}.e", self.prefix),
+                subject: format!("{}.e", self.interest.prefix),
                 payload: text.into(),
             },
         );
@@ -326,27 +320,24 @@ impl Link {
     /// backlog counts against the node's stream budget), and a commit published after them
     /// still follows them on the connection.
     pub(super) async fn publish_streams(&self, node_id: &str, events: &[(Uuid, String)]) {
-        if self.client.connection_state() != async_nats::connection::State::Connected {
+        let client = &self.interest.client;
+        if client.connection_state() != async_nats::connection::State::Connected {
             // A chunk that arrives late is of no use to a viewer.
             metrics::counter!("converger_bus_publications_dropped_total").increment(1);
             return;
         }
-        let mut by_conversation: Vec<(Uuid, Vec<&str>)> = Vec::new();
-        let mut position: HashMap<Uuid, usize> = HashMap::new();
-        for (conversation_id, text) in events {
-            let at = *position.entry(*conversation_id).or_insert_with(|| {
-                by_conversation.push((*conversation_id, Vec::new()));
-                by_conversation.len() - 1
-            });
-            if let Some((_, texts)) = by_conversation.get_mut(at) {
-                texts.push(text);
-            }
-        }
+        // A stable sort keeps each conversation's events in the order they were accepted.
+        let mut sorted: Vec<&(Uuid, String)> = events.iter().collect();
+        sorted.sort_by_key(|(conversation_id, _)| *conversation_id);
         let (mut published, mut dropped) = (0u64, 0u64);
-        for (conversation_id, texts) in by_conversation {
-            let subject = Interest::stream_subject(&self.prefix, conversation_id);
+        for group in sorted.chunk_by(|a, b| a.0 == b.0) {
+            let Some((conversation_id, _)) = group.first() else {
+                continue;
+            };
+            let subject = Interest::stream_subject(&self.interest.prefix, *conversation_id);
+            let texts: Vec<&str> = group.iter().map(|(_, text)| text.as_str()).collect();
             for text in encode_streams(node_id, &texts, MESSAGE_LIMIT) {
-                match self.client.publish(subject.clone(), text.into()).await {
+                match client.publish(subject.clone(), text.into()).await {
                     Ok(()) => published += 1,
                     Err(_) => dropped += 1,
                 }
@@ -381,7 +372,7 @@ impl Link {
     pub(super) async fn ask_holdings(
         &self,
         conversation_id: Uuid,
-        stopped_turn: Option<(i64, i32)>,
+        stopped_turn: Option<converger_core::streams::StreamTurn>,
     ) -> Vec<String> {
         self.interest.ask(conversation_id, stopped_turn).await
     }
@@ -420,6 +411,18 @@ fn committed_message(prefix: &str, event: BusEvent) -> Option<Outgoing> {
         subject: format!("{prefix}.c.{conversation_id}"),
         payload: text.into(),
     })
+}
+
+/// Counts one message heard from NATS.
+fn count_received() {
+    metrics::counter!("converger_bus_messages_received_total").increment(1);
+}
+
+/// Hands one message's events on; false once nobody takes them.
+fn hand_on(events: &mpsc::UnboundedSender<BusEvent>, payload: &[u8]) -> bool {
+    converger_store::bus::decode(payload)
+        .into_iter()
+        .all(|event| events.send(event).is_ok())
 }
 
 /// Queues a publication; when the queue is full (NATS away for long) it is dropped.
