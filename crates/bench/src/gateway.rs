@@ -240,3 +240,26 @@ pub async fn bench_channel(
     let token = rest.generate_token(&channel.secret, request).await?.token;
     Ok((channel, token))
 }
+
+/// The Postgres server of the bench's own tests, as the workspace's tests choose it:
+/// `CONVERGER_TEST_DATABASE_URL` (default [`DEFAULT_DATABASE_URL`]), or, when nothing answers
+/// there, the embedded cluster under `target/converger-test-postgres`, started or reused.
+#[cfg(test)]
+pub async fn test_server_url() -> String {
+    let configured = std::env::var("CONVERGER_TEST_DATABASE_URL")
+        .unwrap_or_else(|_| DEFAULT_DATABASE_URL.to_owned());
+    let answers = matches!(
+        tokio::time::timeout(Duration::from_secs(5), PgConnection::connect(&configured)).await,
+        Ok(Ok(_))
+    );
+    if answers {
+        return configured;
+    }
+    let dir =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/converger-test-postgres");
+    let embedded =
+        converger_embedded::EmbeddedPostgres::start(&dir, converger_embedded::Role::Guest)
+            .await
+            .expect("the embedded test cluster starts");
+    embedded.url().to_owned()
+}

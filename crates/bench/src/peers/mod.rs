@@ -7,6 +7,7 @@ mod jetstream;
 mod pgbench;
 mod redis_streams;
 mod store_alone;
+mod write_paths;
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -19,6 +20,8 @@ use tokio::task::JoinSet;
 use crate::gateway::DEFAULT_DATABASE_URL;
 use crate::machine;
 use crate::turns::{self, TurnsArgs};
+use store_alone::WritePath;
+use write_paths::Candidate;
 
 /// The samples every peer's loop collects (defined with their summaries, in `stats`).
 pub use crate::stats::Samples;
@@ -35,8 +38,11 @@ pub struct PeersArgs {
     /// Seconds of measurement per system.
     #[arg(long, default_value_t = 10)]
     duration: u64,
-    /// Measure only these systems; all by default.
-    #[arg(long, value_delimiter = ',', value_parser = ["pgbench", "store", "converger", "converger_nats", "redis", "jetstream"])]
+    /// Measure only these systems; all by default, except issue 35's write paths (`store_quiet`:
+    /// the store without notifications; `store_statements`, `store_statements_folded`,
+    /// `store_owner`, `store_owner_folded`: the prototypes of ADR 0036), which run only when
+    /// named.
+    #[arg(long, value_delimiter = ',', value_parser = ["pgbench", "store", "converger", "converger_nats", "redis", "jetstream", "store_quiet", "store_statements", "store_statements_folded", "store_owner", "store_owner_folded"])]
     only: Vec<String>,
     /// Run Postgres as a primary with a synchronous standby (the failover pair, started from
     /// the machine's server binaries) for pgbench, the store and converger, instead of
@@ -173,6 +179,14 @@ impl Interrupt {
         Interrupt { pressed }
     }
 
+    /// An interrupt that never comes (the bench's tests).
+    #[cfg(test)]
+    pub fn never() -> Interrupt {
+        // With its sender gone, `pressed` waits forever.
+        let (_, pressed) = watch::channel(false);
+        Interrupt { pressed }
+    }
+
     /// Returns once Ctrl-C has been pressed (never if the listener is gone).
     pub async fn pressed(&mut self) {
         if self.pressed.wait_for(|pressed| *pressed).await.is_err() {
@@ -180,6 +194,24 @@ impl Interrupt {
         }
     }
 }
+
+/// Issue 35's write paths, measured only when `--only` names them.
+const WRITE_PATHS: [(&str, WritePath); 5] = [
+    ("store_quiet", WritePath::Store { notify: false }),
+    (
+        "store_statements",
+        WritePath::Prototype(Candidate::Statements),
+    ),
+    (
+        "store_statements_folded",
+        WritePath::Prototype(Candidate::StatementsFolded),
+    ),
+    ("store_owner", WritePath::Prototype(Candidate::Owner)),
+    (
+        "store_owner_folded",
+        WritePath::Prototype(Candidate::OwnerFolded),
+    ),
+];
 
 /// Runs every system in turn and prints a table and one JSON line.
 pub async fn run(mut args: PeersArgs) -> anyhow::Result<()> {
@@ -238,10 +270,27 @@ async fn run_systems(args: &PeersArgs) -> anyhow::Result<()> {
         &args,
         "store",
         format!("store alone: {} users", args.users),
-        store_alone::measure(&args.database_url, settings, interrupt.clone()),
+        store_alone::measure(
+            &args.database_url,
+            settings,
+            WritePath::Store { notify: true },
+            interrupt.clone(),
+        ),
     )
     .await;
     stop_if_interrupted(&interrupt)?;
+    let mut write_paths = Vec::new();
+    for (name, path) in WRITE_PATHS {
+        let outcome = match args.only.iter().any(|only| only == name) {
+            true => {
+                eprintln!("{name}: {} users …", args.users);
+                store_alone::measure(&args.database_url, settings, path, interrupt.clone()).await
+            }
+            false => Outcome::Skipped("not named by --only".to_owned()),
+        };
+        write_paths.push((name, outcome));
+        stop_if_interrupted(&interrupt)?;
+    }
     let loop_label = format!("{} users, {} agents", args.users, args.agents);
     let converger = measure_if(
         &args,
@@ -276,13 +325,16 @@ async fn run_systems(args: &PeersArgs) -> anyhow::Result<()> {
     .await;
     stop_if_interrupted(&interrupt)?;
 
-    let systems = [
+    let systems: Vec<(&str, &Outcome)> = [
         ("converger", &converger),
         ("converger_nats", &converger_nats),
         ("store", &store),
         ("redis", &redis),
         ("jetstream", &jetstream),
-    ];
+    ]
+    .into_iter()
+    .chain(write_paths.iter().map(|(name, outcome)| (*name, outcome)))
+    .collect();
     print_table(&systems, &pgbench, args.users);
     let ratios = ratios(
         &converger,
@@ -338,18 +390,13 @@ async fn run_systems(args: &PeersArgs) -> anyhow::Result<()> {
         save_line(path, &result)?;
     }
     println!("{result}");
-    let failed: Vec<&str> = [
-        ("pgbench", &pgbench),
-        ("converger", &converger),
-        ("converger_nats", &converger_nats),
-        ("store", &store),
-        ("redis", &redis),
-        ("jetstream", &jetstream),
-    ]
-    .into_iter()
-    .filter(|(_, outcome)| matches!(outcome, Outcome::Failed(_)))
-    .map(|(name, _)| name)
-    .collect();
+    let failed: Vec<&str> = systems
+        .iter()
+        .copied()
+        .chain([("pgbench", &pgbench)])
+        .filter(|(_, outcome)| matches!(outcome, Outcome::Failed(_)))
+        .map(|(name, _)| name)
+        .collect();
     if !failed.is_empty() {
         anyhow::bail!("failed: {}", failed.join(", "));
     }
