@@ -1,5 +1,5 @@
-//! Group commit's batch path against a real Postgres: writes queued together commit as one call
-//! of `converger_commit_batch`, with the outcomes each would have had alone.
+//! Group commit's batch path against a real Postgres: writes queued together commit as one
+//! transaction, with the outcomes each would have had alone.
 //!
 //! `#[tokio::test]` runs on one thread, so the store's commit workers run only when this test
 //! waits: writes started with one `join_all` are all queued before a worker takes them, and go
@@ -97,28 +97,9 @@ async fn stored(store: &Store, conversation_id: Uuid, seq: i64) -> converger_sto
     rows.pop().expect("the frame is stored")
 }
 
-/// Calls of the batch function counted by Postgres so far (the pool's backends report theirs
-/// when they exit).
-async fn batch_calls(db: &TestDb) -> i64 {
-    db.count(
-        "SELECT coalesce(sum(calls), 0)::bigint FROM pg_stat_user_functions
-         WHERE funcname = 'converger_commit_batch'",
-    )
-    .await
-}
-
 #[tokio::test]
 async fn writes_queued_together_commit_in_one_batch_with_the_outcomes_they_have_alone() {
     let db = TestDb::create().await;
-    // Postgres counts calls of plpgsql functions only when asked to.
-    let mut admin = db.connect().await;
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "ALTER DATABASE {} SET track_functions = 'pl'",
-        db.name
-    )))
-    .execute(&mut admin)
-    .await
-    .unwrap();
     let store = db.store().await;
     let channel = web_channel(&store).await;
     let a = alice_conversation(&store, channel).await;
@@ -155,7 +136,7 @@ async fn writes_queued_together_commit_in_one_batch_with_the_outcomes_they_have_
         ]
     );
     assert!(matches!(outcomes[4], Err(StoreError::ConversationNotFound)));
-    // What the batch returned as JSON is what the database holds, timestamps included.
+    // What the batch returned is what the database holds, timestamps included.
     for (outcome, conversation_id) in outcomes.iter().take(4).zip([a, b, a, a]) {
         let outcome = outcome.as_ref().unwrap();
         assert_eq!(
@@ -212,16 +193,8 @@ async fn writes_queued_together_commit_in_one_batch_with_the_outcomes_they_have_
     assert_eq!(outcomes[4], AnswerOutcome::NoSuchTurn);
     assert_eq!(store.runtime(a).await.unwrap(), (1, json!({"step": 1})));
 
-    // Both groups of writes went out as batches.
-    store.pool().close().await;
-    eventually(
-        "two batch calls counted",
-        Duration::from_secs(10),
-        || async { batch_calls(&db).await >= 2 },
-    )
-    .await;
-    assert_eq!(batch_calls(&db).await, 2);
-    // Each batch wrote one outbox row, naming its conversations, however many frames it held.
+    // Both groups of writes went out as batches: each batch wrote one outbox row, naming its
+    // conversations, however many frames it held.
     assert_eq!(db.count("SELECT count(*) FROM outbox").await, 2);
     assert_eq!(
         db.count("SELECT sum(frames)::bigint FROM outbox").await,
@@ -296,26 +269,10 @@ async fn a_batch_notifies_in_as_few_payloads_as_fit_under_the_limit() {
     store.pool().close().await;
 }
 
-/// Calls of the isolated batch function (the fallback after a refused batch) counted so far.
-async fn isolated_calls(db: &TestDb) -> i64 {
-    db.count(
-        "SELECT coalesce(sum(calls), 0)::bigint FROM pg_stat_user_functions
-         WHERE funcname = 'converger_commit_batch_isolated'",
-    )
-    .await
-}
-
 #[tokio::test]
-async fn a_write_the_database_refuses_costs_its_batch_one_more_statement() {
+async fn a_write_the_database_refuses_is_refused_alone_and_the_rest_of_its_batch_commits() {
     let db = TestDb::create().await;
     let mut admin = db.connect().await;
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "ALTER DATABASE {} SET track_functions = 'pl'",
-        db.name
-    )))
-    .execute(&mut admin)
-    .await
-    .unwrap();
     // A real refusal by the database for one write: a trigger raises for one idempotency key.
     for statement in [
         "CREATE FUNCTION refuse_poison() RETURNS trigger LANGUAGE plpgsql AS $$
@@ -335,8 +292,8 @@ async fn a_write_the_database_refuses_costs_its_batch_one_more_statement() {
     let conversation = alice_conversation(&store, channel).await;
 
     // Fifty honest frames with the poisoned one among them, queued together (one batch), and
-    // a frame with a NUL character, which Postgres could not even parse as the batch's
-    // argument: the store refuses that one before it joins any batch.
+    // a frame with a NUL character, which Postgres cannot store: the store refuses that one
+    // before it joins any batch.
     let mut frames: Vec<NewActivity> = (0..50)
         .map(|n| frame(conversation, &format!("honest {n}"), &format!("h-{n}")))
         .collect();
@@ -366,15 +323,10 @@ async fn a_write_the_database_refuses_costs_its_batch_one_more_statement() {
     let stored = store.list_activities(conversation, 0, 100).await.unwrap();
     assert_eq!(stored.len(), 50);
 
-    // One refused batch, committed again in one isolated statement, not write by write.
+    // The refused batch stored nothing; its writes then committed one by one, each with its own
+    // outbox row.
+    assert_eq!(db.count("SELECT count(*) FROM outbox").await, 50);
     store.pool().close().await;
-    eventually(
-        "the isolated batch call counted",
-        Duration::from_secs(10),
-        || async { isolated_calls(&db).await >= 1 },
-    )
-    .await;
-    assert_eq!(isolated_calls(&db).await, 1);
 }
 
 /// Sequential scans, index scans and index entries read of the tables a batch reads, as
@@ -584,8 +536,9 @@ async fn a_node_hears_its_own_batch_once_from_its_worker_and_other_nodes_from_th
             .filter(|event| matches!(event, BusEvent::Committed { .. }))
             .collect()
     };
-    // The committing node: once, from its worker, frame attached and the channel left to the
-    // bridge (only the notification names it); its own notification is skipped.
+    // The committing node: once, from its worker, frame attached and the channel named (the
+    // batch read it with its lock, so the node need not look it up); its own notification is
+    // skipped.
     let own = committed_events(bus_events_until(&mut own_events, "marker").await);
     assert_eq!(
         own.len(),
@@ -594,8 +547,9 @@ async fn a_node_hears_its_own_batch_once_from_its_worker_and_other_nodes_from_th
     );
     assert!(matches!(
         &own[0],
-        BusEvent::Committed { first_seq, seq: last, channel_id: None, frames, .. }
-            if *first_seq == seq && *last == seq && frames.len() == 1 && frames[0].seq == seq
+        BusEvent::Committed { first_seq, seq: last, channel_id: Some(named), frames, .. }
+            if *first_seq == seq && *last == seq && *named == channel && frames.len() == 1
+                && frames[0].seq == seq
     ));
     // Another node decodes the notification, which names the channel.
     let other = committed_events(bus_events_until(&mut other_events, "marker").await);

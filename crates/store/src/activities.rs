@@ -1,10 +1,9 @@
 //! Activities: the persistent frames of a conversation, each with a gap-free seq.
 //!
-//! A commit is one call of `converger_commit_frame` (migration 20261130000005): it allocates the
-//! seq under the conversation row lock, inserts the activity, the turn row for user frames, the
-//! outbox row, and calls `pg_notify`, which Postgres delivers only if the transaction commits.
-//! It is called by `converger_commit_batch`, which commits the frames and answers of many
-//! sessions, or one alone, in one statement (`group_commit`).
+//! A frame commits in a batch of the group commit (`group_commit`): its seq is allocated under the
+//! conversation row lock, and the batch's transaction inserts the activity, the turn row for
+//! user frames and the outbox row, and calls `pg_notify`, which Postgres delivers only if the
+//! transaction commits.
 
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};

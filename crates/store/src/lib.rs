@@ -150,6 +150,7 @@ impl Store {
                 query_deadline,
                 options.commit_workers.max(1),
                 follower.clone(),
+                options.notify_in_commit,
             ),
             pool,
             query_deadline,

@@ -31,7 +31,7 @@ const STATEMENT_TIMEOUT: Duration = Duration::from_secs(5);
 /// What commits the loop's writes.
 #[derive(Debug, Clone, Copy)]
 pub enum WritePath {
-    /// The store: its group commit and `converger_commit_batch`. Without `notify`, its
+    /// The store: its group commit (ADR 0037). Without `notify`, its
     /// connections set `converger.notify = off`, as under the NATS bus.
     Store { notify: bool },
     /// A prototype of issue 35 (no notification: its node would publish the commit itself).

@@ -1,7 +1,8 @@
 //! Issue 35's candidate write paths, prototyped for measurement only (ADR 0036). Each one
 //! commits the store-alone loop's writes (a user's turn, then the agent's one-frame answer)
-//! through a group commit of its own, so its cost per turn can be set beside today's
-//! `converger_commit_batch` in the same run:
+//! through a group commit of its own, so its cost per turn can be set beside the store's in the
+//! same run (when they were measured for ADR 0036, the store called the plpgsql function
+//! `converger_commit_batch`; it now runs candidate b's statements, ADR 0037):
 //!
 //! - `statements` (candidate b): `seq` still allocated in Postgres under the conversation's row
 //!   lock, but by plain statements with typed array parameters (no plpgsql, no JSON argument or

@@ -107,10 +107,9 @@ impl Store {
     }
 }
 
-/// How the notifications of batches this node committed begin (migration 20261202000002).
+/// How the notifications of batches this node committed begin.
 fn own_echo_prefix(node_id: &str) -> String {
-    let node = serde_json::Value::from(node_id);
-    format!(r#"{{"k":"cb","n":{node},"#)
+    super::batch_payload_head(node_id)
 }
 
 /// How the notifications of this node's stream events begin (`publish_streams`).

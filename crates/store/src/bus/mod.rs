@@ -256,7 +256,12 @@ struct CommittedEvent {
     seq: i64,
     #[serde(rename = "h", default)]
     channel_id: Option<Uuid>,
-    #[serde(rename = "f", default, deserialize_with = "frames_or_none")]
+    #[serde(
+        rename = "f",
+        default,
+        deserialize_with = "frames_or_none",
+        skip_serializing_if = "Vec::is_empty"
+    )]
     frames: Vec<Activity>,
 }
 
@@ -328,6 +333,69 @@ fn committed(event: CommittedEvent) -> BusEvent {
         channel_id: event.channel_id,
         frames: event.frames,
     }
+}
+
+/// Largest `pg_notify` payload a committed batch sends (Postgres refuses 8,000 bytes and more).
+const BATCH_PAYLOAD_LIMIT: usize = 7_500;
+
+/// Room left in a batch payload for the outbox id the committing statement writes into it.
+const OUTBOX_ID_ROOM: usize = 20;
+
+/// How the `pg_notify` payloads of a committed batch begin: the kind, and the committing node
+/// when it has one. A node's listener skips the payloads that begin with its own.
+pub(crate) fn batch_payload_head(node: &str) -> String {
+    if node.is_empty() {
+        return r#"{"k":"cb","#.to_owned();
+    }
+    let node = Value::from(node);
+    format!(r#"{{"k":"cb","n":{node},"#)
+}
+
+/// The `pg_notify` payloads announcing a batch's `events` (its `Committed` events, one per
+/// conversation): each is `prefix`, then the batch's outbox id, then one of `rests`, so the
+/// statement that writes the outbox row completes them. As few payloads as fit under the limit;
+/// an event too large for any travels without its frames, which receivers then read.
+pub(crate) fn batch_payloads(node: &str, events: &[BusEvent]) -> (String, Vec<String>) {
+    let prefix = format!(r#"{}"e":"#, batch_payload_head(node));
+    let room = BATCH_PAYLOAD_LIMIT.saturating_sub(prefix.len() + OUTBOX_ID_ROOM);
+    let mut rests = Vec::new();
+    let mut pending = String::new();
+    for event in events {
+        let BusEvent::Committed {
+            conversation_id,
+            first_seq,
+            seq,
+            channel_id,
+            frames,
+        } = event
+        else {
+            continue;
+        };
+        let mut announced = CommittedEvent {
+            conversation_id: *conversation_id,
+            first_seq: Some(*first_seq),
+            seq: *seq,
+            channel_id: *channel_id,
+            frames: frames.clone(),
+        };
+        let mut piece = serde_json::to_string(&announced).unwrap_or_default();
+        if piece.len() + r#","v":[]}"#.len() > room {
+            announced.frames = Vec::new();
+            piece = serde_json::to_string(&announced).unwrap_or_default();
+        }
+        if !pending.is_empty() && pending.len() + piece.len() + r#","v":[,]}"#.len() > room {
+            rests.push(format!(r#","v":[{pending}]}}"#));
+            pending.clear();
+        }
+        if !pending.is_empty() {
+            pending.push(',');
+        }
+        pending.push_str(&piece);
+    }
+    if !pending.is_empty() {
+        rests.push(format!(r#","v":[{pending}]}}"#));
+    }
+    (prefix, rests)
 }
 
 /// The text of `event` as it travels on a bus other than Postgres (NATS, ADR 0033); `None` for
@@ -486,5 +554,77 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    fn frame(conversation_id: Uuid, seq: i64, text: &str) -> Activity {
+        Activity {
+            conversation_id,
+            seq,
+            id: format!("f{seq}"),
+            kind: "text".into(),
+            sender_id: "alice".into(),
+            sender_role: "user".into(),
+            data: serde_json::json!({ "text": text }),
+            metadata: None,
+            extra: None,
+            client_id: None,
+            created_at: chrono::DateTime::from_timestamp(1_800_000_000, 654_321_000)
+                .expect("a valid time"),
+            turn_seq: None,
+            turn_revision: None,
+        }
+    }
+
+    #[test]
+    fn batch_payloads_begin_with_their_node_fit_the_limit_and_read_back_as_the_events() {
+        let channel = Some(Uuid::from_u128(7));
+        let events: Vec<BusEvent> = (1..=6u128)
+            .map(|n| {
+                let conversation_id = Uuid::from_u128(n);
+                let size = if n == 6 { 9_000 } else { 2_000 };
+                BusEvent::Committed {
+                    conversation_id,
+                    first_seq: 3,
+                    seq: 4,
+                    channel_id: channel,
+                    frames: vec![
+                        frame(conversation_id, 3, &"x".repeat(size)),
+                        frame(conversation_id, 4, "y"),
+                    ],
+                }
+            })
+            .collect();
+        let (prefix, rests) = batch_payloads("node-a", &events);
+        assert!(prefix.starts_with(&batch_payload_head("node-a")));
+        assert!((2..=4).contains(&rests.len()), "{} payloads", rests.len());
+        let mut heard = Vec::new();
+        for rest in &rests {
+            let payload = format!("{prefix}{}{rest}", i64::MAX);
+            assert!(payload.len() < 7_500, "{} bytes", payload.len());
+            heard.extend(decode(payload.as_bytes()));
+        }
+        // Every event as it was, but the one too large for any payload, which goes without its
+        // frames (receivers read them).
+        assert_eq!(heard.len(), events.len());
+        for (heard, sent) in heard.iter().zip(&events) {
+            let (BusEvent::Committed { frames: got, .. }, BusEvent::Committed { frames, .. }) =
+                (heard, sent)
+            else {
+                panic!("commits");
+            };
+            if frames[0].data["text"].as_str().map_or(0, str::len) > 5_000 {
+                assert!(got.is_empty());
+                let mut bare = sent.clone();
+                if let BusEvent::Committed { frames, .. } = &mut bare {
+                    frames.clear();
+                }
+                assert_eq!(*heard, bare);
+            } else {
+                assert_eq!(heard, sent);
+            }
+        }
+        // Without a node, no node is named.
+        let (prefix, _) = batch_payloads("", &events[..1]);
+        assert_eq!(prefix, r#"{"k":"cb","e":"#);
     }
 }

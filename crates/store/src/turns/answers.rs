@@ -1,7 +1,7 @@
 //! An agent's answer to a turn — its frames, the conversation's runtime, the turn's completion
 //! and the outbox event — commits in one transaction keyed by (conversation, seq, revision)
-//! (`converger_answer_turn`, run inside the group commit's batch), so a turn never gets two
-//! answers and a resend of the same answer is idempotent.
+//! (the group commit's batch, after a `FOR UPDATE` of the turn's latest revision), so a turn
+//! never gets two answers and a resend of the same answer is idempotent.
 
 use std::collections::HashMap;
 
@@ -77,6 +77,31 @@ impl TurnAnswer {
                 .runtime
                 .as_ref()
                 .is_some_and(|runtime| contains_nul(&runtime.state))
+    }
+
+    /// `frame` of this answer as stored with `id` at `seq`.
+    pub(crate) fn stored_frame(
+        &self,
+        frame: &AnswerFrame,
+        id: String,
+        seq: i64,
+        created_at: DateTime<Utc>,
+    ) -> Activity {
+        Activity {
+            conversation_id: self.conversation_id,
+            seq,
+            id,
+            kind: frame.kind.clone(),
+            sender_id: self.sender.id.clone(),
+            sender_role: self.sender.role.as_str().to_owned(),
+            data: frame.data.clone(),
+            metadata: frame.metadata.clone(),
+            extra: stored_extra(&frame.extra),
+            client_id: None,
+            created_at,
+            turn_seq: Some(self.seq),
+            turn_revision: Some(self.revision),
+        }
     }
 
     /// A stable digest of what the answer says (frames and runtime), so a resend is recognised
@@ -229,8 +254,8 @@ pub fn initial_runtime() -> (i64, Value) {
     (0, serde_json::json!({}))
 }
 
-/// What `converger_answer_turn` returns (migration 20261130000003), as `converger_commit_batch`
-/// returns it (a JSON object with the OUT parameters' names).
+/// What `converger_batch_answer` returns (migration 20261204000001), as a JSON object with the
+/// OUT parameters' names: the settlement of a stopped turn commits its answer with it.
 #[derive(Deserialize)]
 pub(crate) struct AnswerRow {
     o_outcome: String,
@@ -257,20 +282,8 @@ pub(crate) fn answer_outcome(
                 .iter()
                 .zip(stored_ids)
                 .zip(seqs.iter().zip(created))
-                .map(|((frame, id), (seq, created_at))| Activity {
-                    conversation_id: answer.conversation_id,
-                    seq: *seq,
-                    id,
-                    kind: frame.kind.clone(),
-                    sender_id: answer.sender.id.clone(),
-                    sender_role: answer.sender.role.as_str().to_owned(),
-                    data: frame.data.clone(),
-                    metadata: frame.metadata.clone(),
-                    extra: stored_extra(&frame.extra),
-                    client_id: None,
-                    created_at,
-                    turn_seq: Some(answer.seq),
-                    turn_revision: Some(answer.revision),
+                .map(|((frame, id), (seq, created_at))| {
+                    answer.stored_frame(frame, id, *seq, created_at)
                 })
                 .collect();
             AnswerOutcome::Committed {

@@ -18,7 +18,6 @@ mod revisions;
 mod stops;
 
 pub use answers::{AnswerFrame, AnswerOutcome, RuntimeWrite, TurnAnswer, initial_runtime};
-pub(crate) use answers::{AnswerRow, answer_outcome};
 pub use leases::{Claim, StreamableTurn};
 pub use pending::{ChannelPendingTurn, PendingTurn};
 pub use policies::{PolicyCommit, PolicyVerdict};

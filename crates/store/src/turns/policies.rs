@@ -2,7 +2,7 @@
 //! locks the conversation row, reads the turns still waiting for their answer, asks the caller
 //! what the policy makes of them, and then either refuses the send or stops those turns
 //! (`stopping`, reason `superseded`, marked rolled back for `rollback`) and commits the frame
-//! through `converger_commit_batch`. Under the row lock no other send, stop or close of the
+//! with the group commit's statements, in this transaction. Under the row lock no other send, stop or close of the
 //! conversation interleaves, so the decision holds.
 
 use uuid::Uuid;
