@@ -354,13 +354,15 @@ pub(crate) fn batch_payload_head(node: &str) -> String {
 /// The `pg_notify` payloads announcing a batch's `events` (its `Committed` events, one per
 /// conversation): each is `prefix`, then the batch's outbox id, then one of `rests`, so the
 /// statement that writes the outbox row completes them. As few payloads as fit under the limit;
-/// an event too large for any travels without its frames, which receivers then read.
-pub(crate) fn batch_payloads(node: &str, events: &[BusEvent]) -> (String, Vec<String>) {
+/// an event too large for any travels without its frames, which receivers then read. The events
+/// are borrowed mutably only to lend their frames to the payload, not copy them; they come
+/// back as they were.
+pub(crate) fn batch_payloads(node: &str, events: &mut [BusEvent]) -> (String, Vec<String>) {
     let prefix = format!(r#"{}"e":"#, batch_payload_head(node));
     let room = BATCH_PAYLOAD_LIMIT.saturating_sub(prefix.len() + OUTBOX_ID_ROOM);
     let mut rests = Vec::new();
     let mut pending = String::new();
-    for event in events {
+    for event in events.iter_mut() {
         let BusEvent::Committed {
             conversation_id,
             first_seq,
@@ -376,13 +378,19 @@ pub(crate) fn batch_payloads(node: &str, events: &[BusEvent]) -> (String, Vec<St
             first_seq: Some(*first_seq),
             seq: *seq,
             channel_id: *channel_id,
-            frames: frames.clone(),
+            frames: std::mem::take(frames),
         };
-        let mut piece = serde_json::to_string(&announced).unwrap_or_default();
-        if piece.len() + r#","v":[]}"#.len() > room {
-            announced.frames = Vec::new();
-            piece = serde_json::to_string(&announced).unwrap_or_default();
-        }
+        let with_frames = serde_json::to_string(&announced);
+        *frames = std::mem::take(&mut announced.frames);
+        // Serializing ids, numbers and JSON values cannot fail; an event that did anyway is
+        // left out, and receivers read its frames at the next commit's gap.
+        let piece = match with_frames {
+            Ok(piece) if piece.len() + r#","v":[]}"#.len() <= room => piece,
+            _ => match serde_json::to_string(&announced) {
+                Ok(piece) => piece,
+                Err(_) => continue,
+            },
+        };
         if !pending.is_empty() && pending.len() + piece.len() + r#","v":[,]}"#.len() > room {
             rests.push(format!(r#","v":[{pending}]}}"#));
             pending.clear();
@@ -594,7 +602,9 @@ mod tests {
                 }
             })
             .collect();
-        let (prefix, rests) = batch_payloads("node-a", &events);
+        let mut lent = events.clone();
+        let (prefix, rests) = batch_payloads("node-a", &mut lent);
+        assert_eq!(lent, events, "the frames come back");
         assert!(prefix.starts_with(&batch_payload_head("node-a")));
         assert!((2..=4).contains(&rests.len()), "{} payloads", rests.len());
         let mut heard = Vec::new();
@@ -624,7 +634,7 @@ mod tests {
             }
         }
         // Without a node, no node is named.
-        let (prefix, _) = batch_payloads("", &events[..1]);
+        let (prefix, _) = batch_payloads("", &mut lent[..1]);
         assert_eq!(prefix, r#"{"k":"cb","e":"#);
     }
 }

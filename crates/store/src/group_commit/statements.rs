@@ -44,7 +44,7 @@ pub(super) async fn write_batch(
     let (heads, now) = lock_heads(connection, &conversations).await?;
     let keys = stored_keys(connection, requests).await?;
     let (turns, runtimes) = answered_turns(connection, requests).await?;
-    let plan = decide(
+    let mut plan = decide(
         requests,
         Found {
             heads,
@@ -57,7 +57,7 @@ pub(super) async fn write_batch(
     if plan.writes_nothing() {
         return Ok(plan);
     }
-    let settled = write(connection, &plan, now, node).await?;
+    let settled = write(connection, &mut plan, now, node).await?;
     if settled != plan.settled.len() as i64 {
         // The turns were locked in step 2, so this names a bug, not a race.
         return Err(sqlx::Error::Protocol(format!(
@@ -323,15 +323,16 @@ impl<'a> Columns<'a> {
 /// The write statement; returns how many answered turns it settled.
 async fn write(
     connection: &mut PgConnection,
-    plan: &Plan,
+    plan: &mut Plan,
     now: DateTime<Utc>,
     node: Option<&str>,
 ) -> Result<i64, sqlx::Error> {
-    let columns = Columns::of(plan);
     let (prefix, payloads) = match node {
-        Some(node) if !plan.events.is_empty() => batch_payloads(node, &plan.events),
+        Some(node) if !plan.events.is_empty() => batch_payloads(node, &mut plan.events),
         _ => (String::new(), Vec::new()),
     };
+    let plan = &*plan;
+    let columns = Columns::of(plan);
     let frames = plan.frames.len() as i64;
     let (settled, _notified): (i64, i64) = sqlx::query_as(WRITE)
         .bind(&columns.head_ids)
