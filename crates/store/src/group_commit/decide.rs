@@ -126,8 +126,6 @@ pub(super) struct Plan {
     pub(super) settled: Vec<SettledTurn>,
     /// The runtimes written, one per conversation.
     pub(super) runtimes: Vec<RuntimeRow>,
-    /// The heads that moved: (conversation, new last seq), in conversation order.
-    pub(super) heads: Vec<(Uuid, i64)>,
     /// What the batch announces: one `Committed` event per conversation with new frames, in
     /// conversation order, its channel named and its frames attached.
     pub(super) events: Vec<BusEvent>,
@@ -137,6 +135,22 @@ impl Plan {
     /// True when the batch stores nothing (every write a duplicate or refused).
     pub(super) fn writes_nothing(&self) -> bool {
         self.frames.is_empty() && self.settled.is_empty() && self.runtimes.is_empty()
+    }
+
+    /// The heads that moved: (conversation, new last seq), in conversation order. A head moves
+    /// exactly when its conversation got new frames, so the events name them all.
+    pub(super) fn moved_heads(&self) -> Vec<(Uuid, i64)> {
+        self.events
+            .iter()
+            .filter_map(|event| match event {
+                BusEvent::Committed {
+                    conversation_id,
+                    seq,
+                    ..
+                } => Some((*conversation_id, *seq)),
+                _ => None,
+            })
+            .collect()
     }
 }
 
@@ -198,7 +212,6 @@ pub(super) fn decide(requests: &[Request<'_>], found: Found) -> Plan {
         }
     }
     let Batch {
-        heads,
         written_runtimes,
         mut plan,
         ..
@@ -215,18 +228,7 @@ pub(super) fn decide(requests: &[Request<'_>], found: Found) -> Plan {
             state,
         })
         .collect();
-    let mut moved: Vec<(Uuid, i64)> = heads
-        .into_iter()
-        .filter(|(id, last_seq)| {
-            found
-                .heads
-                .get(id)
-                .is_some_and(|head| head.last_seq != *last_seq)
-        })
-        .collect();
-    moved.sort_unstable();
     plan.events = events(&plan.frames, &found.heads);
-    plan.heads = moved;
     plan
 }
 
@@ -368,7 +370,8 @@ fn duplicate_of(stored: &Activity) -> CommitOutcome {
     }
 }
 
-/// One `Committed` event per conversation with new frames, in conversation order.
+/// One `Committed` event per conversation with new frames, in conversation order. A
+/// conversation's frames are allocated in seq order, so they stay in it.
 fn events(frames: &[Activity], heads: &HashMap<Uuid, Head>) -> Vec<BusEvent> {
     let mut by_conversation: BTreeMap<Uuid, Vec<Activity>> = BTreeMap::new();
     for frame in frames {
@@ -379,8 +382,7 @@ fn events(frames: &[Activity], heads: &HashMap<Uuid, Head>) -> Vec<BusEvent> {
     }
     by_conversation
         .into_iter()
-        .filter_map(|(conversation_id, mut frames)| {
-            frames.sort_by_key(|frame| frame.seq);
+        .filter_map(|(conversation_id, frames)| {
             let first_seq = frames.first()?.seq;
             let seq = frames.last()?.seq;
             Some(BusEvent::Committed {
@@ -520,7 +522,7 @@ mod tests {
                 None
             ]
         );
-        assert_eq!(plan.heads, vec![(a, 6), (b, 1)]);
+        assert_eq!(plan.moved_heads(), vec![(a, 6), (b, 1)]);
         assert_eq!(plan.new_turns, vec![0, 1, 2]);
         assert!(plan.frames.iter().all(|frame| frame.created_at == at()));
         // One event per conversation, its range and its channel named.
@@ -557,8 +559,6 @@ mod tests {
         ];
         let requests: Vec<Request<'_>> = writes.iter().map(Request::Frame).collect();
         let mut found = found(&[(a, 3, false)]);
-        let mut stored = writes[1].clone();
-        stored.id = Some("stored".into());
         let old = Activity {
             conversation_id: a,
             seq: 2,
@@ -633,7 +633,7 @@ mod tests {
                 count: 2,
             }]
         );
-        assert_eq!(plan.heads, vec![(a, 5)]);
+        assert_eq!(plan.moved_heads(), vec![(a, 5)]);
         assert_eq!(plan.new_turns, vec![0]);
     }
 
@@ -676,7 +676,7 @@ mod tests {
             Decided::Answer(AnswerOutcome::Conflict { seqs: vec![2] })
         );
         assert_eq!(plan.settled.len(), 1);
-        assert_eq!(plan.heads, vec![(a, 2)]);
+        assert_eq!(plan.moved_heads(), vec![(a, 2)]);
     }
 
     #[test]
@@ -808,6 +808,6 @@ mod tests {
             }]
         );
         assert_eq!(plan.settled[0].count, 0);
-        assert_eq!(plan.heads, vec![(a, 4)]);
+        assert_eq!(plan.moved_heads(), vec![(a, 4)]);
     }
 }

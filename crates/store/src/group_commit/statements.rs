@@ -312,9 +312,9 @@ impl<'a> Columns<'a> {
             columns.runtime_versions.push(runtime.version);
             columns.runtime_states.push(&runtime.state);
         }
-        for (id, last_seq) in &plan.heads {
-            columns.head_ids.push(*id);
-            columns.head_last.push(*last_seq);
+        for (id, last_seq) in plan.moved_heads() {
+            columns.head_ids.push(id);
+            columns.head_last.push(last_seq);
         }
         columns
     }
