@@ -12,7 +12,7 @@ use std::time::Duration;
 use converger_store::bus::{BusEvent, TransientFrame};
 use converger_store::{
     AnswerFrame, AnswerOutcome, CommitOutcome, NewActivity, RuntimeWrite, Sender, SenderRole,
-    Store, StoreError, StoreOptions, TurnAnswer,
+    StatusChange, Store, StoreError, StoreOptions, TurnAnswer,
 };
 use futures::future::join_all;
 use serde_json::{Map, json};
@@ -97,6 +97,27 @@ async fn stored(store: &Store, conversation_id: Uuid, seq: i64) -> converger_sto
     rows.pop().expect("the frame is stored")
 }
 
+/// Commits `frames` queued together (one batch while the worker is idle), in order.
+async fn commit_together(
+    store: &Store,
+    frames: &[NewActivity],
+) -> Vec<Result<CommitOutcome, StoreError>> {
+    join_all(frames.iter().map(|new| store.commit_activity(new))).await
+}
+
+/// Each outcome's (seq, duplicate), `None` for a refused write.
+fn seqs_of(outcomes: &[Result<CommitOutcome, StoreError>]) -> Vec<Option<(i64, bool)>> {
+    outcomes
+        .iter()
+        .map(|outcome| {
+            outcome
+                .as_ref()
+                .ok()
+                .map(|stored| (stored.activity.seq, stored.duplicate))
+        })
+        .collect()
+}
+
 #[tokio::test]
 async fn writes_queued_together_commit_in_one_batch_with_the_outcomes_they_have_alone() {
     let db = TestDb::create().await;
@@ -114,19 +135,9 @@ async fn writes_queued_together_commit_in_one_batch_with_the_outcomes_they_have_
         frame(a, "a one, resent", "k1"),
         frame(missing, "nowhere", "k4"),
     ];
-    let outcomes: Vec<Result<CommitOutcome, StoreError>> =
-        join_all(frames.iter().map(|new| store.commit_activity(new))).await;
-    let seqs: Vec<Option<(i64, bool)>> = outcomes
-        .iter()
-        .map(|outcome| {
-            outcome
-                .as_ref()
-                .ok()
-                .map(|stored| (stored.activity.seq, stored.duplicate))
-        })
-        .collect();
+    let outcomes = commit_together(&store, &frames).await;
     assert_eq!(
-        seqs,
+        seqs_of(&outcomes),
         vec![
             Some((1, false)),
             Some((1, false)),
@@ -204,6 +215,102 @@ async fn writes_queued_together_commit_in_one_batch_with_the_outcomes_they_have_
 }
 
 #[tokio::test]
+async fn a_batch_that_meets_a_stored_key_runs_again_and_answers_the_resend_with_the_stored_frame() {
+    let db = TestDb::create().await;
+    let store = db.store().await;
+    let channel = web_channel(&store).await;
+    let open = alice_conversation(&store, channel).await;
+    let closing = alice_conversation(&store, channel).await;
+    let first = store
+        .commit_activity(&frame(open, "one", "k1"))
+        .await
+        .unwrap();
+    let before_close = store
+        .commit_activity(&frame(closing, "before the close", "k2"))
+        .await
+        .unwrap();
+    store
+        .change_status(closing, StatusChange::Close, "done")
+        .await
+        .unwrap()
+        .expect("the conversation exists");
+    let outbox_before = db.count("SELECT count(*) FROM outbox").await;
+    let closing_head = db
+        .count(&format!(
+            "SELECT last_seq FROM conversations WHERE id = '{closing}'"
+        ))
+        .await;
+
+    // One batch of new frames around a resend whose key it assumed new: its first run rolls
+    // back, and its second reads the keys.
+    let frames = [
+        frame(open, "two", "k3"),
+        frame(open, "one, resent", "k1"),
+        frame(open, "three", "k4"),
+    ];
+    let outcomes = commit_together(&store, &frames).await;
+    assert_eq!(
+        seqs_of(&outcomes),
+        vec![Some((2, false)), Some((1, true)), Some((3, false))]
+    );
+    for (index, seq) in [(0, 2), (2, 3)] {
+        let outcome = outcomes[index].as_ref().unwrap();
+        assert_eq!(outcome.activity, stored(&store, open, seq).await);
+    }
+    assert_eq!(outcomes[1].as_ref().unwrap().activity, first.activity);
+
+    // A batch for the closed conversation reads its keys at once: a resend is answered with the
+    // stored frame, a new frame is refused.
+    let frames = [
+        frame(closing, "before the close, resent", "k2"),
+        frame(closing, "after the close", "k5"),
+    ];
+    let closed_outcomes = commit_together(&store, &frames).await;
+    assert_eq!(
+        seqs_of(&closed_outcomes),
+        vec![Some((before_close.activity.seq, true)), None]
+    );
+    assert_eq!(
+        closed_outcomes[0].as_ref().unwrap().activity,
+        before_close.activity
+    );
+    assert!(
+        matches!(closed_outcomes[1], Err(StoreError::ConversationClosed)),
+        "{:?}",
+        closed_outcomes[1]
+    );
+
+    // Gap-free and stored once: the open conversation holds seqs 1 to 3 and nothing else; the
+    // closed one did not move; the rolled-back run left no outbox row, and the closed
+    // conversation's batch wrote nothing.
+    assert_eq!(
+        db.count(&format!(
+            "SELECT count(*) FROM activities WHERE conversation_id = '{open}'"
+        ))
+        .await,
+        3
+    );
+    assert_eq!(
+        db.count(&format!(
+            "SELECT last_seq FROM conversations WHERE id = '{open}'"
+        ))
+        .await,
+        3
+    );
+    assert_eq!(
+        db.count(&format!(
+            "SELECT last_seq FROM conversations WHERE id = '{closing}'"
+        ))
+        .await,
+        closing_head
+    );
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox").await,
+        outbox_before + 1
+    );
+}
+
+#[tokio::test]
 async fn a_batch_notifies_in_as_few_payloads_as_fit_under_the_limit() {
     let db = TestDb::create().await;
     let store = db.store().await;
@@ -230,7 +337,7 @@ async fn a_batch_notifies_in_as_few_payloads_as_fit_under_the_limit() {
             frame(*conversation, &"x".repeat(size), &format!("k{index}"))
         })
         .collect();
-    let outcomes = join_all(frames.iter().map(|new| store.commit_activity(new))).await;
+    let outcomes = commit_together(&store, &frames).await;
     assert!(outcomes.iter().all(Result::is_ok), "{outcomes:?}");
 
     let mut events = Vec::new();
@@ -299,8 +406,7 @@ async fn a_write_the_database_refuses_is_refused_alone_and_the_rest_of_its_batch
         .collect();
     frames.insert(25, frame(conversation, "poison", "poison"));
     frames.push(frame(conversation, "nul \u{0}", "nul"));
-    let outcomes: Vec<Result<CommitOutcome, StoreError>> =
-        join_all(frames.iter().map(|new| store.commit_activity(new))).await;
+    let outcomes = commit_together(&store, &frames).await;
 
     for index in [25, 51] {
         let refused = outcomes[index]

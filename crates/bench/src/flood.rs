@@ -172,7 +172,12 @@ impl Round {
 
 /// Opens a converger-profile session with `hello` and returns it with its welcome.
 async fn connect_with(gateway: &Gateway, hello: Value) -> anyhow::Result<(Socket, Value)> {
-    let (mut socket, _) = tokio_tungstenite::connect_async(&gateway.ws_url).await?;
+    let (mut socket, _) = tokio_tungstenite::connect_async_with_config(
+        &gateway.ws_url,
+        Some(converger_client::socket_config()),
+        false,
+    )
+    .await?;
     socket.send(Message::Text(hello.to_string().into())).await?;
     while let Some(message) = socket.next().await {
         if let Message::Text(text) = message? {

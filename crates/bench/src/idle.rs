@@ -117,7 +117,12 @@ async fn open_sessions(
         let hello = json!({"type": "hello", "protocol": "converger/1", "token": token}).to_string();
         tasks.push(tokio::spawn(async move {
             let _permit = permit;
-            let (mut socket, _) = tokio_tungstenite::connect_async(url).await?;
+            let (mut socket, _) = tokio_tungstenite::connect_async_with_config(
+                url,
+                Some(converger_client::socket_config()),
+                false,
+            )
+            .await?;
             socket.send(Message::Text(hello.into())).await?;
             while let Some(message) = socket.next().await {
                 if let Message::Text(text) = message?

@@ -303,7 +303,12 @@ async fn once(
     index: usize,
     seen: Arc<Mutex<Vec<String>>>,
 ) -> anyhow::Result<()> {
-    let (mut socket, _) = tokio_tungstenite::connect_async(url).await?;
+    let (mut socket, _) = tokio_tungstenite::connect_async_with_config(
+        url,
+        Some(converger_client::socket_config()),
+        false,
+    )
+    .await?;
     let hello = json!({"type": "hello", "protocol": "converger/1", "token": token});
     socket.send(Message::text(hello.to_string())).await?;
     let text = json!({"type": "text", "clientId": format!("m-{index}"), "data": {"text": "hi"}});

@@ -30,7 +30,11 @@ pub async fn serve(
     let mut eligible = Some(eligible);
     let (mut socket, _) = tokio::time::timeout(
         Duration::from_secs(10),
-        tokio_tungstenite::connect_async_with_config(url, None, true),
+        tokio_tungstenite::connect_async_with_config(
+            url,
+            Some(converger_client::socket_config()),
+            true,
+        ),
     )
     .await
     .context("agent connect timed out")??;

@@ -337,7 +337,12 @@ struct ConnectedUser {
 
 /// Opens a user's session (hello → welcome).
 async fn connect_user(url: String, token: String) -> anyhow::Result<ConnectedUser> {
-    let (mut socket, _) = tokio_tungstenite::connect_async_with_config(url, None, true).await?;
+    let (mut socket, _) = tokio_tungstenite::connect_async_with_config(
+        url,
+        Some(converger_client::socket_config()),
+        true,
+    )
+    .await?;
     let hello = json!({"type": "hello", "protocol": "converger/1", "token": token});
     socket.send(Message::Text(hello.to_string().into())).await?;
     while let Some(message) = socket.next().await {

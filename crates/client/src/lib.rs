@@ -28,5 +28,5 @@ pub use rest::{
     ActivitiesPage, ChannelInfo, CreatedChannel, CreatedConversation, CreatedTenant, Posted,
     RestClient, TokenRequest, TokenResponse,
 };
-pub use session::SessionOptions;
+pub use session::{SessionOptions, socket_config};
 pub use streams::{AnswerStream, StreamAssembly};

@@ -488,7 +488,11 @@ async fn measure_converger(
 pub(crate) async fn connect(url: &str) -> anyhow::Result<Socket> {
     let (socket, _) = tokio::time::timeout(
         Duration::from_secs(10),
-        tokio_tungstenite::connect_async(url),
+        tokio_tungstenite::connect_async_with_config(
+            url,
+            Some(converger_client::socket_config()),
+            false,
+        ),
     )
     .await
     .context("connect timed out")??;

@@ -31,6 +31,7 @@ use crate::primary::Follower;
 use crate::turns::{AnswerOutcome, TurnAnswer};
 use crate::{StoreError, is_connection_failure, is_sqlx_connection_failure, within_deadline};
 use decide::{Decided, Plan, Request};
+use statements::{Keys, Written};
 
 /// The operation name in metrics and timeouts.
 const OPERATION: &str = "group_commit";
@@ -44,9 +45,11 @@ pub(crate) const MAX_BATCH: usize = 128;
 /// Writes queued beyond this wait for room (backpressure on the sessions).
 const QUEUE: usize = 4_096;
 
-/// How long a worker waits for the queue before it takes the queue for idle: the worker that
-/// holds it takes what is queued at once, and holds it longer only while nothing is queued.
-const QUEUE_LOCK_WAIT: Duration = Duration::from_millis(2);
+/// How long a worker keeps its connection while no write is queued for it. Between two batches
+/// under load the queue is often empty for a moment; a connection given back to the pool then
+/// costs the next batch the pool's check, one round trip more. An idle worker gives it back
+/// after this, so a closing pool waits at most this long for it.
+const KEEP_WHILE_IDLE: Duration = Duration::from_millis(50);
 
 /// One write and where its outcome goes after commit.
 enum Write {
@@ -242,20 +245,31 @@ async fn work(mut batches: Batches, receiver: Arc<Mutex<mpsc::Receiver<Write>>>)
     loop {
         let mut batch = Vec::new();
         {
-            let mut receiver = match tokio::time::timeout(QUEUE_LOCK_WAIT, receiver.lock()).await {
+            // The worker that holds the queue takes what is queued at once, and holds it longer
+            // only while nothing is queued.
+            let mut receiver = match tokio::time::timeout(KEEP_WHILE_IDLE, receiver.lock()).await {
                 Ok(receiver) => receiver,
-                // Another worker holds the queue while it waits for writes: nothing is queued.
                 Err(_) => {
                     batches.kept = None;
                     receiver.lock().await
                 }
             };
-            if receiver.is_empty() {
-                // Idle: the connection goes back to the pool (which checks it when it hands it
-                // out again), so a closing pool never waits for a worker that waits for writes.
-                batches.kept = None;
-            }
-            if receiver.recv_many(&mut batch, MAX_BATCH).await == 0 {
+            // `recv_many` is cancel safe: a timed-out wait took nothing from the queue.
+            let received = match tokio::time::timeout(
+                KEEP_WHILE_IDLE,
+                receiver.recv_many(&mut batch, MAX_BATCH),
+            )
+            .await
+            {
+                Ok(received) => received,
+                Err(_) => {
+                    // Idle: the connection goes back to the pool (which checks it when it hands
+                    // it out again), so a closing pool never waits for a worker that waits.
+                    batches.kept = None;
+                    receiver.recv_many(&mut batch, MAX_BATCH).await
+                }
+            };
+            if received == 0 {
                 return;
             }
         }
@@ -419,21 +433,51 @@ impl BatchError {
     }
 }
 
-/// One batch as one transaction: its statements, then the commit.
+/// One batch as one transaction: its statements, then the commit. A batch that met a key it
+/// assumed new runs again, reading its keys first (`statements`).
 async fn commit_transaction(
     connection: &mut PgConnection,
     requests: &[Request<'_>],
     node: Option<&str>,
 ) -> Result<Plan, BatchError> {
+    if let Some(plan) = transaction(connection, requests, node, Keys::CheckedOnWrite).await? {
+        return Ok(plan);
+    }
+    metrics::counter!("converger_group_commit_key_rereads_total").increment(1);
+    transaction(connection, requests, node, Keys::Read)
+        .await?
+        .ok_or_else(|| {
+            BatchError::Commit(sqlx::Error::Protocol(
+                "a batch that read its keys met a stored key".into(),
+            ))
+        })
+}
+
+/// The batch's statements in one transaction, committed; `None` when it rolled back because a
+/// key assumed new was stored.
+async fn transaction(
+    connection: &mut PgConnection,
+    requests: &[Request<'_>],
+    node: Option<&str>,
+    keys: Keys,
+) -> Result<Option<Plan>, BatchError> {
     let mut transaction = connection
         .begin_with(statements::BEGIN)
         .await
         .map_err(BatchError::classify)?;
-    let plan = statements::write_batch(&mut transaction, requests, node)
+    let written = statements::write_batch(&mut transaction, requests, node, keys)
         .await
         .map_err(BatchError::classify)?;
-    transaction.commit().await.map_err(BatchError::classify)?;
-    Ok(plan)
+    match written {
+        Written::Plan(plan) => {
+            transaction.commit().await.map_err(BatchError::classify)?;
+            Ok(Some(plan))
+        }
+        Written::KeyStoredBefore => {
+            transaction.rollback().await.map_err(BatchError::classify)?;
+            Ok(None)
+        }
+    }
 }
 
 /// Commits one frame in the caller's transaction (a send under a turn policy,
@@ -446,7 +490,14 @@ pub(crate) async fn frame_in_transaction(
     sqlx::query("SET LOCAL enable_seqscan = off")
         .execute(&mut *connection)
         .await?;
-    let plan = statements::write_batch(connection, &[Request::Frame(&new)], Some("")).await?;
+    // The caller's transaction cannot be run again, so the key is read before the write.
+    let written =
+        statements::write_batch(connection, &[Request::Frame(&new)], Some(""), Keys::Read).await?;
+    let Written::Plan(plan) = written else {
+        return Err(sqlx::Error::Protocol(
+            "a frame write that read its key met a stored key".into(),
+        ));
+    };
     match plan.outcomes.into_iter().next() {
         Some(Decided::Frame(outcome)) => Ok(Ok(outcome)),
         _ => Err(sqlx::Error::Protocol(

@@ -2,13 +2,19 @@
 //! (ADR 0036, candidate b): no plpgsql and no JSON argument or result per write.
 //!
 //! 1. Lock the batch's conversation rows in id order and read the commit time.
-//! 2. Read what the locks protect: the frames stored before under the batch's idempotency keys,
-//!    and the latest revision (locked) of each answered turn with its conversation's runtime.
-//!    Each is a statement of its own, after the locks: its snapshot then sees what the batch
-//!    that held a lock before committed.
+//! 2. Read what the locks protect: the latest revision (locked) of each answered turn with its
+//!    conversation's runtime, in a statement of its own, after the locks: its snapshot then
+//!    sees what the batch that held a lock before committed.
 //! 3. Decide every outcome in Rust (`decide`).
 //! 4. One statement writes the heads, the frames, the new turns, the answered turns, the
 //!    runtimes and the outbox row, and sends the batch's notifications.
+//!
+//! Idempotency keys are checked by the write itself (ADR 0038): a resent frame is rare, so the
+//! batch first assumes that none of its keys is stored, and the frames' insert skips a key
+//! that is. A batch whose write skipped one rolls back and runs again, this time reading the
+//! stored keys under the locks before it decides. So does a batch with a keyed frame for a
+//! conversation that is not open, whose outcome depends on the key (a resend is answered with
+//! the stored frame even after the conversation closed).
 //!
 //! Every look-up names a whole key, probed in `LATERAL … LIMIT 1`, and the answered turns are
 //! updated by their row's address: plans are cached while the tables are empty, and a
@@ -30,34 +36,70 @@ use crate::bus::batch_payloads;
 /// was cached (see the module comment).
 pub(super) const BEGIN: &str = "BEGIN; SET LOCAL enable_seqscan = off";
 
-/// Runs the batch's statements in the open transaction on `connection` and returns its plan.
-/// `node` names the committing node in the notifications (empty: none); `None` sends none (a
-/// bus that announces commits itself). Nothing is committed here.
+/// How a batch learns which of its idempotency keys are stored already.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Keys {
+    /// Assumed new, and checked by the write (see the module comment).
+    CheckedOnWrite,
+    /// Read under the locks before the batch decides.
+    Read,
+}
+
+/// What running a batch's statements came to.
+pub(super) enum Written {
+    /// Every write was decided and written; the transaction may commit.
+    Plan(Plan),
+    /// A key assumed new was stored already: the transaction must roll back, and the batch run
+    /// again with [`Keys::Read`].
+    KeyStoredBefore,
+}
+
+/// Runs the batch's statements in the open transaction on `connection`. `node` names the
+/// committing node in the notifications (empty: none); `None` sends none (a bus that
+/// announces commits itself). Nothing is committed here.
 pub(super) async fn write_batch(
     connection: &mut PgConnection,
     requests: &[Request<'_>],
     node: Option<&str>,
-) -> Result<Plan, sqlx::Error> {
+    keys: Keys,
+) -> Result<Written, sqlx::Error> {
     let mut conversations: Vec<Uuid> = requests.iter().map(Request::conversation_id).collect();
     conversations.sort_unstable();
     conversations.dedup();
     let (heads, now) = lock_heads(connection, &conversations).await?;
-    let keys = stored_keys(connection, requests).await?;
+    let keys = match keys {
+        Keys::CheckedOnWrite if !keyed_frame_for_closed(requests, &heads) => keys,
+        _ => Keys::Read,
+    };
+    let stored = match keys {
+        Keys::Read => stored_keys(connection, requests).await?,
+        Keys::CheckedOnWrite => HashMap::new(),
+    };
     let (turns, runtimes) = answered_turns(connection, requests).await?;
     let mut plan = decide(
         requests,
         Found {
             heads,
-            keys,
+            keys: stored,
             turns,
             runtimes,
             now,
         },
     );
     if plan.writes_nothing() {
-        return Ok(plan);
+        return Ok(Written::Plan(plan));
     }
-    let settled = write(connection, &mut plan, now, node).await?;
+    let Counts { settled, frames } = write(connection, &mut plan, now, node).await?;
+    if frames != plan.frames.len() as i64 {
+        if keys == Keys::CheckedOnWrite {
+            return Ok(Written::KeyStoredBefore);
+        }
+        // The keys were read under the locks, so this names a bug, not a race.
+        return Err(sqlx::Error::Protocol(format!(
+            "a batch stored {frames} of {} frames",
+            plan.frames.len()
+        )));
+    }
     if settled != plan.settled.len() as i64 {
         // The turns were locked in step 2, so this names a bug, not a race.
         return Err(sqlx::Error::Protocol(format!(
@@ -65,7 +107,19 @@ pub(super) async fn write_batch(
             plan.settled.len()
         )));
     }
-    Ok(plan)
+    Ok(Written::Plan(plan))
+}
+
+/// Whether a frame with an idempotency key is for a conversation that is missing or not open:
+/// its outcome is the stored frame if the key is stored, and nothing otherwise, so the write
+/// cannot check the key.
+fn keyed_frame_for_closed(requests: &[Request<'_>], heads: &HashMap<Uuid, Head>) -> bool {
+    requests.iter().any(|request| match request {
+        Request::Frame(new) if new.client_id.is_some() => !heads
+            .get(&new.conversation_id)
+            .is_some_and(|head| head.open),
+        _ => false,
+    })
 }
 
 /// The heads of `conversations` (sorted), locked in that order so that two batches cannot
@@ -320,21 +374,29 @@ impl<'a> Columns<'a> {
     }
 }
 
-/// The write statement; returns how many answered turns it settled.
+/// What the write statement stored.
+struct Counts {
+    /// Answered turns settled.
+    settled: i64,
+    /// Frames inserted: fewer than planned when a key was stored already.
+    frames: i64,
+}
+
+/// The write statement.
 async fn write(
     connection: &mut PgConnection,
     plan: &mut Plan,
     now: DateTime<Utc>,
     node: Option<&str>,
-) -> Result<i64, sqlx::Error> {
+) -> Result<Counts, sqlx::Error> {
     let (prefix, payloads) = match node {
         Some(node) if !plan.events.is_empty() => batch_payloads(node, &mut plan.events),
         _ => (String::new(), Vec::new()),
     };
     let plan = &*plan;
     let columns = Columns::of(plan);
-    let frames = plan.frames.len() as i64;
-    let (settled, _notified): (i64, i64) = sqlx::query_as(WRITE)
+    let frame_count = plan.frames.len() as i64;
+    let (settled, frames, _notified): (i64, i64, i64) = sqlx::query_as(WRITE)
         .bind(&columns.head_ids)
         .bind(&columns.head_last)
         .bind(&columns.conversation_ids)
@@ -361,12 +423,12 @@ async fn write(
         .bind(&columns.runtime_conversations)
         .bind(&columns.runtime_versions)
         .bind(&columns.runtime_states)
-        .bind(frames)
+        .bind(frame_count)
         .bind(prefix)
         .bind(&payloads)
         .fetch_one(&mut *connection)
         .await?;
-    Ok(settled)
+    Ok(Counts { settled, frames })
 }
 
 /// The batch's writes in one statement. Parameters: the moved heads $1–$2; the frames $3–$14
@@ -374,21 +436,33 @@ async fn write(
 /// seq, revision, fingerprint, first frame, frame count); the runtimes $24–$26; the frame count
 /// $27; the notification prefix $28 and rests $29 (each notification is the prefix, the outbox
 /// id and a rest). Every data-modifying `WITH` runs to its end whether or not it is read; the
-/// notifications are sent from a materialized `WITH`, read once.
+/// notifications are sent from a materialized `WITH`, read once. A frame whose idempotency key
+/// is stored already is skipped, and the count of frames inserted tells. Frames without a key
+/// are inserted apart: an insert that can skip a conflict writes one more WAL record a row.
 const WRITE: &str = "
 WITH heads AS (
     UPDATE conversations c SET last_seq = h.last_seq, updated_at = now()
       FROM unnest($1::uuid[], $2::bigint[]) AS h(id, last_seq)
      WHERE c.id = ANY($1::uuid[]) AND c.id = h.id
     RETURNING 1),
-frames AS (
+all_frames AS (
+    SELECT * FROM unnest($3::uuid[], $4::bigint[], $5::text[], $6::text[], $7::text[],
+                         $8::text[], $9::jsonb[], $10::jsonb[], $11::jsonb[], $12::text[],
+                         $13::bigint[], $14::integer[])
+        AS f(conversation_id, seq, id, type, sender_id, sender_role, data, metadata, extra,
+             client_id, turn_seq, turn_revision)),
+keyed_frames AS (
     INSERT INTO activities
         (conversation_id, seq, id, type, sender_id, sender_role, data, metadata, extra,
          client_id, turn_seq, turn_revision, created_at)
-    SELECT f.*, $15::timestamptz
-      FROM unnest($3::uuid[], $4::bigint[], $5::text[], $6::text[], $7::text[], $8::text[],
-                  $9::jsonb[], $10::jsonb[], $11::jsonb[], $12::text[], $13::bigint[],
-                  $14::integer[]) AS f
+    SELECT f.*, $15::timestamptz FROM all_frames f WHERE f.client_id IS NOT NULL
+    ON CONFLICT (conversation_id, sender_id, client_id) WHERE client_id IS NOT NULL DO NOTHING
+    RETURNING 1),
+unkeyed_frames AS (
+    INSERT INTO activities
+        (conversation_id, seq, id, type, sender_id, sender_role, data, metadata, extra,
+         client_id, turn_seq, turn_revision, created_at)
+    SELECT f.*, $15::timestamptz FROM all_frames f WHERE f.client_id IS NULL
     RETURNING 1),
 new_turns AS (
     INSERT INTO turns (conversation_id, seq, revision, status, created_at)
@@ -427,4 +501,6 @@ logged AS (
 notified AS MATERIALIZED (
     SELECT converger_notify($28::text || logged.id::text || rest)
       FROM logged, unnest($29::text[]) AS rest)
-SELECT (SELECT count(*) FROM settled), (SELECT count(*) FROM notified)";
+SELECT (SELECT count(*) FROM settled),
+       (SELECT count(*) FROM keyed_frames) + (SELECT count(*) FROM unkeyed_frames),
+       (SELECT count(*) FROM notified)";
