@@ -48,7 +48,8 @@ const QUEUE: usize = 4_096;
 /// How long a worker keeps its connection while no write is queued for it. Between two batches
 /// under load the queue is often empty for a moment; a connection given back to the pool then
 /// costs the next batch the pool's check, one round trip more. An idle worker gives it back
-/// after this, so a closing pool waits at most this long for it.
+/// after waiting this long for the queue or, holding the queue, this long for a write: a
+/// closing pool waits at most twice this for it.
 const KEEP_WHILE_IDLE: Duration = Duration::from_millis(50);
 
 /// One write and where its outcome goes after commit.
