@@ -105,6 +105,14 @@ async fn commit_together(
     join_all(frames.iter().map(|new| store.commit_activity(new))).await
 }
 
+/// The conversation's last seq, as stored.
+async fn head_of(db: &TestDb, conversation_id: Uuid) -> i64 {
+    db.count(&format!(
+        "SELECT last_seq FROM conversations WHERE id = '{conversation_id}'"
+    ))
+    .await
+}
+
 /// Each outcome's (seq, duplicate), `None` for a refused write.
 fn seqs_of(outcomes: &[Result<CommitOutcome, StoreError>]) -> Vec<Option<(i64, bool)>> {
     outcomes
@@ -235,11 +243,7 @@ async fn a_batch_that_meets_a_stored_key_runs_again_and_answers_the_resend_with_
         .unwrap()
         .expect("the conversation exists");
     let outbox_before = db.count("SELECT count(*) FROM outbox").await;
-    let closing_head = db
-        .count(&format!(
-            "SELECT last_seq FROM conversations WHERE id = '{closing}'"
-        ))
-        .await;
+    let closing_head = head_of(&db, closing).await;
 
     // One batch of new frames around a resend whose key it assumed new: its first run rolls
     // back, and its second reads the keys.
@@ -290,20 +294,8 @@ async fn a_batch_that_meets_a_stored_key_runs_again_and_answers_the_resend_with_
         .await,
         3
     );
-    assert_eq!(
-        db.count(&format!(
-            "SELECT last_seq FROM conversations WHERE id = '{open}'"
-        ))
-        .await,
-        3
-    );
-    assert_eq!(
-        db.count(&format!(
-            "SELECT last_seq FROM conversations WHERE id = '{closing}'"
-        ))
-        .await,
-        closing_head
-    );
+    assert_eq!(head_of(&db, open).await, 3);
+    assert_eq!(head_of(&db, closing).await, closing_head);
     assert_eq!(
         db.count("SELECT count(*) FROM outbox").await,
         outbox_before + 1

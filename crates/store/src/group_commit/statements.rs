@@ -67,13 +67,11 @@ pub(super) async fn write_batch(
     conversations.sort_unstable();
     conversations.dedup();
     let (heads, now) = lock_heads(connection, &conversations).await?;
-    let keys = match keys {
-        Keys::CheckedOnWrite if !keyed_frame_for_closed(requests, &heads) => keys,
-        _ => Keys::Read,
-    };
-    let stored = match keys {
-        Keys::Read => stored_keys(connection, requests).await?,
-        Keys::CheckedOnWrite => HashMap::new(),
+    let read_keys = keys == Keys::Read || keyed_frame_for_closed(requests, &heads);
+    let stored = if read_keys {
+        stored_keys(connection, requests).await?
+    } else {
+        HashMap::new()
     };
     let (turns, runtimes) = answered_turns(connection, requests).await?;
     let mut plan = decide(
@@ -91,7 +89,7 @@ pub(super) async fn write_batch(
     }
     let Counts { settled, frames } = write(connection, &mut plan, now, node).await?;
     if frames != plan.frames.len() as i64 {
-        if keys == Keys::CheckedOnWrite {
+        if !read_keys {
             return Ok(Written::KeyStoredBefore);
         }
         // The keys were read under the locks, so this names a bug, not a race.
