@@ -269,6 +269,12 @@ async fn a_member_gets_turns_with_meta_and_its_result_commits_and_reaches_the_us
     assert_eq!(stale["data"]["retryable"], true);
 }
 
+/// ADR 0039, on the `postgres` bus (`tests/nats_bus.rs` runs it on NATS).
+#[tokio::test]
+async fn a_runtime_written_on_one_node_travels_with_its_commit_to_the_next_turn_on_another() {
+    support::runtimes::travels_with_its_commit(fast_settle).await;
+}
+
 /// A node, a member of group `bot`, and alice's turn delivered to it (results may come fast).
 struct OneTurn {
     node: TestNode,

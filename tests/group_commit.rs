@@ -658,3 +658,116 @@ async fn a_node_hears_its_own_batch_once_from_its_worker_and_other_nodes_from_th
             if *last == seq && *named == channel && frames.len() == 1
     ));
 }
+
+/// The runtime versions the `Committed` events of `events` name, by last seq, up to `marker`.
+async fn runtime_versions_until(
+    events: &mut tokio::sync::mpsc::UnboundedReceiver<BusEvent>,
+    marker: &str,
+) -> Vec<(i64, Option<i64>)> {
+    bus_events_until(events, marker)
+        .await
+        .into_iter()
+        .filter_map(|event| match event {
+            BusEvent::Committed { seq, runtime, .. } => {
+                Some((seq, runtime.map(|runtime| runtime.version)))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+/// ADR 0039: every commit names the runtime version its conversation commits with: the one an
+/// answer without frames wrote, and the one a batch that held the conversation's lock left,
+/// even when that batch committed while this one waited for the lock (a row of another table
+/// read with the lock would still show the version from before the wait).
+#[tokio::test]
+async fn a_commit_names_the_runtime_version_left_by_the_batch_it_waited_for() {
+    let db = TestDb::create().await;
+    let store = db.store().await;
+    let channel = web_channel(&store).await;
+    let conversation = alice_conversation(&store, channel).await;
+    let (mut events, listening) = store.spawn_bus_listener("node-a");
+    listening.await.unwrap();
+    let marker = |name: &str| TransientFrame {
+        node: name.into(),
+        channel_id: None,
+        conversation_id: conversation,
+        frame: json!({"type": "typing"}),
+        origin: None,
+        agents_only: false,
+    };
+    let version_on_row =
+        format!("SELECT runtime_version FROM conversations WHERE id = '{conversation}'");
+
+    let first = store
+        .commit_activity(&frame(conversation, "one", "c-1"))
+        .await
+        .unwrap();
+    let mut runtime_only = answer(
+        conversation,
+        first.activity.seq,
+        Some(RuntimeWrite {
+            version: 0,
+            state: json!({"step": 1}),
+        }),
+    );
+    runtime_only.frames.clear();
+    let answered = store.commit_answer(&runtime_only).await.unwrap();
+    assert!(
+        matches!(answered, AnswerOutcome::Committed { .. }),
+        "{answered:?}"
+    );
+    assert_eq!(db.count(&version_on_row).await, 1);
+    store.publish_transient(&marker("first")).await.unwrap();
+    assert_eq!(
+        runtime_versions_until(&mut events, "first").await,
+        vec![(first.activity.seq, Some(0))],
+        "the answer without frames announces nothing"
+    );
+
+    // Another transaction holds the conversation's lock and moves the runtime, as a batch
+    // would, while the next frame's batch waits for the lock.
+    let mut holder = db.connect().await;
+    sqlx::query("BEGIN").execute(&mut holder).await.unwrap();
+    sqlx::query("SELECT 1 FROM conversations WHERE id = $1 FOR NO KEY UPDATE")
+        .bind(conversation)
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    let writer = store.clone();
+    let second = tokio::spawn(async move {
+        writer
+            .commit_activity(&frame(conversation, "two", "c-2"))
+            .await
+    });
+    eventually(
+        "the batch waits for the conversation's lock",
+        Duration::from_secs(10),
+        || async {
+            db.count("SELECT count(*) FROM pg_locks WHERE NOT granted")
+                .await
+                > 0
+        },
+    )
+    .await;
+    sqlx::query(
+        "UPDATE conversation_runtime SET version = 2, state = '{\"step\": 2}'
+          WHERE conversation_id = $1",
+    )
+    .bind(conversation)
+    .execute(&mut holder)
+    .await
+    .unwrap();
+    sqlx::query("UPDATE conversations SET runtime_version = 2 WHERE id = $1")
+        .bind(conversation)
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    sqlx::query("COMMIT").execute(&mut holder).await.unwrap();
+    let second = second.await.unwrap().unwrap();
+    store.publish_transient(&marker("second")).await.unwrap();
+    assert_eq!(
+        runtime_versions_until(&mut events, "second").await,
+        vec![(second.activity.seq, Some(2))]
+    );
+}

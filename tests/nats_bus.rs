@@ -169,6 +169,14 @@ async fn commits_streams_and_typing_cross_nodes_over_nats_with_no_notification()
     drop((node, peer, nats));
 }
 
+/// ADR 0039: the runtime an answer writes travels with its commit over NATS too.
+#[tokio::test]
+async fn a_runtime_written_on_one_node_travels_with_its_commit_over_nats() {
+    let nats = NatsServer::start().await;
+    support::runtimes::travels_with_its_commit(on_nats(vec![nats.url()], NO_SWEEP_MS)).await;
+    drop(nats);
+}
+
 #[tokio::test]
 async fn a_nats_server_killed_and_restarted_loses_no_frame_and_streams_resume() {
     let mut nats = NatsServer::start().await;

@@ -12,6 +12,7 @@ pub mod load;
 pub mod mekik;
 pub mod nats;
 pub mod proxy;
+pub mod runtimes;
 pub mod schemas;
 pub mod tab;
 pub mod ws;

@@ -8,5 +8,6 @@ pub mod http_agents;
 pub mod policies;
 pub mod recent;
 pub mod replay;
+pub mod runtimes;
 pub mod streams;
 pub mod transcript;

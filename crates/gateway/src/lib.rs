@@ -20,6 +20,7 @@ mod presence;
 mod publish;
 mod recent;
 mod routes;
+mod runtimes;
 pub mod server;
 pub mod state;
 mod status_rates;

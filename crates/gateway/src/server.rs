@@ -121,6 +121,7 @@ impl Server {
             admission: crate::listener::Admission::new(&config_http),
             channel_turns: Arc::default(),
             http_agents: Arc::default(),
+            runtimes: Arc::default(),
         };
         Ok(Server { state, listener })
     }
@@ -161,6 +162,7 @@ impl Server {
             self.state.store.clone(),
             Arc::clone(&self.state.hub),
             Arc::clone(&self.state.streams),
+            Arc::clone(&self.state.runtimes),
             events,
         );
         let pruner = spawn_outbox_pruner(self.state.clone());

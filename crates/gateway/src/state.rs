@@ -50,6 +50,8 @@ pub struct AppState {
     pub(crate) channel_turns: Arc<crate::policies::ChannelTurnsCache>,
     /// The URLs this node calls for HTTP agent groups (concurrency caps, breakers).
     pub(crate) http_agents: Arc<crate::http_agents::HttpAgents>,
+    /// The conversations' runtimes this node knows, handed out with delivered turns.
+    pub(crate) runtimes: Arc<crate::runtimes::Runtimes>,
 }
 
 impl AppState {

@@ -1,6 +1,7 @@
 //! The door into the node's hub for everything the bus hands over: other nodes' commits,
 //! stream events, transient frames and orders, this node's own committed batches, and what a
-//! catch-up or a sweep reads back from the outbox.
+//! catch-up or a sweep reads back from the outbox. Every commit teaches the node's runtimes
+//! (ADR 0039) before its frames go in.
 //!
 //! The de-duplication rule, stated once: a commit event whose last seq is at or below the
 //! highest seq this door already let in for its conversation is dropped here; anything else
@@ -18,6 +19,7 @@ use uuid::Uuid;
 
 use crate::hub::{Hub, HubEvent, SessionControl};
 use crate::recent::{RECENT_PERIOD_MS, RECENT_TICK, Recent, monotonic_ms};
+use crate::runtimes::Runtimes;
 use crate::streams::LiveStreams;
 
 /// Most frames one committed event is read back with (a batch commits at most 128 writes, each a
@@ -34,6 +36,7 @@ pub fn spawn(
     store: Store,
     hub: Arc<Hub>,
     streams: Arc<LiveStreams>,
+    runtimes: Arc<Runtimes>,
     mut events: mpsc::UnboundedReceiver<BusEvent>,
 ) {
     tokio::spawn(async move {
@@ -41,7 +44,7 @@ pub fn spawn(
         let mut seen = HighestSeen::default();
         let mut forget = tokio::time::interval(RECENT_TICK);
         loop {
-            let event = tokio::select! {
+            let mut event = tokio::select! {
                 event = events.recv() => match event {
                     Some(event) => event,
                     None => return,
@@ -50,9 +53,21 @@ pub fn spawn(
                     let now_ms = monotonic_ms();
                     channels.looked_up.forget_idle(now_ms);
                     seen.seqs.forget_idle(now_ms);
+                    runtimes.forget_idle();
                     continue;
                 }
             };
+            // Before anything it commits is delivered, repeated events included (they teach
+            // nothing new, or forget, which only costs a read).
+            if let BusEvent::Committed {
+                conversation_id,
+                seq,
+                runtime,
+                ..
+            } = &mut event
+            {
+                runtimes.committed(*conversation_id, *seq, runtime.take());
+            }
             match event {
                 BusEvent::Streams { node, events } => streams.apply_remote(&hub, &node, events),
                 BusEvent::StreamHoldings {
@@ -159,6 +174,7 @@ async fn dispatch(
             seq,
             channel_id,
             frames,
+            ..
         } => {
             let channel_id = channels.channel(store, conversation_id, channel_id).await;
             // Let in only with its channel known: without it the channel's agents miss it, and

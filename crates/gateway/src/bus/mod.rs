@@ -193,6 +193,8 @@ impl Bus {
             seq: last.seq,
             channel_id: Some(channel_id),
             frames: activities.iter().map(|frame| (**frame).clone()).collect(),
+            // Not read with the conversation's lock: receivers read the runtime.
+            runtime: None,
         });
     }
 

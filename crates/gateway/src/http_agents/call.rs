@@ -196,13 +196,15 @@ impl Caller {
         let conversation_id = delivered.activity.conversation_id;
         let store = &self.state.store;
         let store_error = |error: converger_store::StoreError| CallError::Store(error.to_string());
-        let runtimes = store
-            .runtimes(&[conversation_id])
+        let runtimes = self
+            .state
+            .runtimes
+            .for_turns(store, &[(conversation_id, delivered.activity.seq)])
             .await
             .map_err(store_error)?;
         let (version, runtime) = runtimes
             .get(&conversation_id)
-            .cloned()
+            .map(|(version, state)| (*version, Value::clone(state)))
             .unwrap_or_else(converger_store::initial_runtime);
         let limit = self.state.config.http_agents.max_history_frames;
         let history = crate::chat_history::chat_view_frames(

@@ -49,6 +49,7 @@ impl Store {
                 seq,
                 channel_id: None,
                 frames: Vec::new(),
+                runtime: None,
             }],
             (_, _, Some(payload)) => serde_json::from_value::<Payload>(payload)
                 .map(to_events)

@@ -117,6 +117,52 @@ pub struct TurnStop {
     pub reason: String,
 }
 
+/// Largest runtime state (serialized) a commit event carries; a larger one is read by the
+/// nodes that deliver the conversation's next turn.
+const RUNTIME_CARRIED_BYTES: usize = 4_096;
+
+/// A conversation's runtime as a commit left it (ADR 0039): the version it committed with,
+/// read under the conversation's lock, and the state when the commit wrote it (and it is
+/// small enough to travel).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CommittedRuntime {
+    /// The runtime version (0: none written yet).
+    #[serde(rename = "v")]
+    pub version: i64,
+    /// The state at `version`, when the commit wrote it.
+    #[serde(rename = "s", default, skip_serializing_if = "Option::is_none")]
+    pub state: Option<Value>,
+}
+
+impl CommittedRuntime {
+    /// The runtime a commit wrote: its state travels when it is small enough.
+    pub(crate) fn written(version: i64, state: &Value) -> CommittedRuntime {
+        let state = (serialized_len(state) <= RUNTIME_CARRIED_BYTES).then(|| state.clone());
+        CommittedRuntime { version, state }
+    }
+}
+
+/// The length of `value` serialized as JSON, counted without keeping the text.
+pub fn serialized_len(value: &Value) -> usize {
+    struct Counter(usize);
+    impl std::io::Write for Counter {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0 += bytes.len();
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut counter = Counter(0);
+    // Writing a JSON value into a counter cannot fail; were it to, the size would read as
+    // unbounded and the state would not be kept.
+    match serde_json::to_writer(&mut counter, value) {
+        Ok(()) => counter.0,
+        Err(_) => usize::MAX,
+    }
+}
+
 /// One event on the bus, as receivers see it.
 #[derive(Debug, Clone, PartialEq)]
 pub enum BusEvent {
@@ -141,6 +187,9 @@ pub enum BusEvent {
         /// The committed frames, in seq order, when the notification carried them (small
         /// enough); empty otherwise, and receivers read them.
         frames: Vec<Activity>,
+        /// The conversation's runtime as the commit left it, when the event says (catch-ups
+        /// and commits made outside the group-commit batches do not).
+        runtime: Option<CommittedRuntime>,
     },
     /// A transient frame (typing, receipts, presence, relayed agent frames).
     Transient(TransientFrame),
@@ -263,6 +312,8 @@ struct CommittedEvent {
         skip_serializing_if = "Vec::is_empty"
     )]
     frames: Vec<Activity>,
+    #[serde(rename = "r", default, skip_serializing_if = "Option::is_none")]
+    runtime: Option<CommittedRuntime>,
 }
 
 /// The frames a notification carries, or none when any of them does not read as a frame: the
@@ -332,6 +383,7 @@ fn committed(event: CommittedEvent) -> BusEvent {
         seq: event.seq,
         channel_id: event.channel_id,
         frames: event.frames,
+        runtime: event.runtime,
     }
 }
 
@@ -369,6 +421,7 @@ pub(crate) fn batch_payloads(node: &str, events: &mut [BusEvent]) -> (String, Ve
             seq,
             channel_id,
             frames,
+            runtime,
         } = event
         else {
             continue;
@@ -379,17 +432,28 @@ pub(crate) fn batch_payloads(node: &str, events: &mut [BusEvent]) -> (String, Ve
             seq: *seq,
             channel_id: *channel_id,
             frames: std::mem::take(frames),
+            runtime: runtime.take(),
         };
-        let with_frames = serde_json::to_string(&announced);
+        let full = serde_json::to_string(&announced);
+        let fits = matches!(&full, Ok(piece) if piece.len() + r#","v":[]}"#.len() <= room);
         *frames = std::mem::take(&mut announced.frames);
+        let piece = if fits {
+            full
+        } else {
+            // Too large: the frames and the runtime's state stay behind (receivers read them);
+            // the runtime's version goes.
+            let state = announced.runtime.as_mut().and_then(|r| r.state.take());
+            let bare = serde_json::to_string(&announced);
+            if let Some(runtime) = announced.runtime.as_mut() {
+                runtime.state = state;
+            }
+            bare
+        };
+        *runtime = announced.runtime.take();
         // Serializing ids, numbers and JSON values cannot fail; an event that did anyway is
         // left out, and receivers read its frames at the next commit's gap.
-        let piece = match with_frames {
-            Ok(piece) if piece.len() + r#","v":[]}"#.len() <= room => piece,
-            _ => match serde_json::to_string(&announced) {
-                Ok(piece) => piece,
-                Err(_) => continue,
-            },
+        let Ok(piece) = piece else {
+            continue;
         };
         if !pending.is_empty() && pending.len() + piece.len() + r#","v":[,]}"#.len() > room {
             rests.push(format!(r#","v":[{pending}]}}"#));
@@ -421,12 +485,14 @@ pub fn encode(event: BusEvent) -> Option<String> {
             seq,
             channel_id,
             frames,
+            runtime,
         } => Payload::Committed(CommittedEvent {
             conversation_id,
             first_seq: Some(first_seq),
             seq,
             channel_id,
             frames,
+            runtime,
         }),
         BusEvent::Transient(transient) => Payload::Transient(transient),
         BusEvent::Regenerated {
@@ -488,6 +554,7 @@ mod tests {
                 seq: 3,
                 channel_id: None,
                 frames: Vec::new(),
+                runtime: None,
             })
         );
         // As converger_committed_payload writes it, with the frame.
@@ -599,6 +666,10 @@ mod tests {
                         frame(conversation_id, 3, &"x".repeat(size)),
                         frame(conversation_id, 4, "y"),
                     ],
+                    runtime: Some(CommittedRuntime {
+                        version: n as i64,
+                        state: Some(serde_json::json!({ "n": n as i64 })),
+                    }),
                 }
             })
             .collect();
@@ -614,7 +685,7 @@ mod tests {
             heard.extend(decode(payload.as_bytes()));
         }
         // Every event as it was, but the one too large for any payload, which goes without its
-        // frames (receivers read them).
+        // frames and its runtime's state (receivers read them), with its runtime's version.
         assert_eq!(heard.len(), events.len());
         for (heard, sent) in heard.iter().zip(&events) {
             let (BusEvent::Committed { frames: got, .. }, BusEvent::Committed { frames, .. }) =
@@ -625,8 +696,14 @@ mod tests {
             if frames[0].data["text"].as_str().map_or(0, str::len) > 5_000 {
                 assert!(got.is_empty());
                 let mut bare = sent.clone();
-                if let BusEvent::Committed { frames, .. } = &mut bare {
+                if let BusEvent::Committed {
+                    frames, runtime, ..
+                } = &mut bare
+                {
                     frames.clear();
+                    if let Some(runtime) = runtime {
+                        runtime.state = None;
+                    }
                 }
                 assert_eq!(*heard, bare);
             } else {

@@ -18,7 +18,7 @@ use serde_json::Value;
 use uuid::Uuid;
 
 use crate::activities::{Activity, CommitOutcome, NewActivity, stored_id};
-use crate::bus::BusEvent;
+use crate::bus::{BusEvent, CommittedRuntime};
 use crate::turns::{AnswerOutcome, TurnAnswer};
 
 /// One write of a batch, as the decision reads it.
@@ -48,6 +48,8 @@ pub(super) struct Head {
     pub(super) last_seq: i64,
     pub(super) open: bool,
     pub(super) channel_id: Uuid,
+    /// The conversation's runtime version (0 without one), read under the lock.
+    pub(super) runtime_version: i64,
 }
 
 /// The latest revision of a turn an answer names, as the batch locked it.
@@ -137,20 +139,37 @@ impl Plan {
         self.frames.is_empty() && self.settled.is_empty() && self.runtimes.is_empty()
     }
 
-    /// The heads that moved: (conversation, new last seq), in conversation order. A head moves
-    /// exactly when its conversation got new frames, so the events name them all.
-    pub(super) fn moved_heads(&self) -> Vec<(Uuid, i64)> {
+    /// The heads that moved: (conversation, new last seq, the runtime version it commits
+    /// with), in conversation order. A head moves exactly when its conversation got new frames,
+    /// so the events name them all.
+    pub(super) fn moved_heads(&self) -> Vec<(Uuid, i64, Option<i64>)> {
         self.events
             .iter()
             .filter_map(|event| match event {
                 BusEvent::Committed {
                     conversation_id,
                     seq,
+                    runtime,
                     ..
-                } => Some((*conversation_id, *seq)),
+                } => Some((
+                    *conversation_id,
+                    *seq,
+                    runtime.as_ref().map(|runtime| runtime.version),
+                )),
                 _ => None,
             })
             .collect()
+    }
+
+    /// The runtimes written in conversations whose head did not move (an answer without
+    /// frames): their rows still take the new version (ADR 0039).
+    pub(super) fn runtimes_without_frames(&self) -> impl Iterator<Item = &RuntimeRow> {
+        self.runtimes.iter().filter(|row| {
+            !self.events.iter().any(|event| {
+                matches!(event, BusEvent::Committed { conversation_id, .. }
+                    if *conversation_id == row.conversation_id)
+            })
+        })
     }
 }
 
@@ -228,7 +247,7 @@ pub(super) fn decide(requests: &[Request<'_>], found: Found) -> Plan {
             state,
         })
         .collect();
-    plan.events = events(&plan.frames, &found.heads);
+    plan.events = events(&plan.frames, &found.heads, &plan.runtimes);
     plan
 }
 
@@ -371,8 +390,14 @@ fn duplicate_of(stored: &Activity) -> CommitOutcome {
 }
 
 /// One `Committed` event per conversation with new frames, in conversation order. A
-/// conversation's frames are allocated in seq order, so they stay in it.
-fn events(frames: &[Activity], heads: &HashMap<Uuid, Head>) -> Vec<BusEvent> {
+/// conversation's frames are allocated in seq order, so they stay in it. Each names the
+/// runtime version its conversation commits with, and carries the runtime's state when the
+/// batch writes it (ADR 0039).
+fn events(
+    frames: &[Activity],
+    heads: &HashMap<Uuid, Head>,
+    written: &[RuntimeRow],
+) -> Vec<BusEvent> {
     let mut by_conversation: BTreeMap<Uuid, Vec<Activity>> = BTreeMap::new();
     for frame in frames {
         by_conversation
@@ -385,12 +410,24 @@ fn events(frames: &[Activity], heads: &HashMap<Uuid, Head>) -> Vec<BusEvent> {
         .filter_map(|(conversation_id, frames)| {
             let first_seq = frames.first()?.seq;
             let seq = frames.last()?.seq;
+            let head = heads.get(&conversation_id);
+            let runtime = match written
+                .iter()
+                .find(|row| row.conversation_id == conversation_id)
+            {
+                Some(row) => CommittedRuntime::written(row.version, &row.state),
+                None => CommittedRuntime {
+                    version: head.map_or(0, |head| head.runtime_version),
+                    state: None,
+                },
+            };
             Some(BusEvent::Committed {
                 conversation_id,
                 first_seq,
                 seq,
-                channel_id: heads.get(&conversation_id).map(|head| head.channel_id),
+                channel_id: head.map(|head| head.channel_id),
                 frames,
+                runtime: Some(runtime),
             })
         })
         .collect()
@@ -473,6 +510,7 @@ mod tests {
                             last_seq: *last_seq,
                             open: *open,
                             channel_id: conversation(99),
+                            runtime_version: 0,
                         },
                     )
                 })
@@ -522,7 +560,7 @@ mod tests {
                 None
             ]
         );
-        assert_eq!(plan.moved_heads(), vec![(a, 6), (b, 1)]);
+        assert_eq!(plan.moved_heads(), vec![(a, 6, Some(0)), (b, 1, Some(0))]);
         assert_eq!(plan.new_turns, vec![0, 1, 2]);
         assert!(plan.frames.iter().all(|frame| frame.created_at == at()));
         // One event per conversation, its range and its channel named.
@@ -536,6 +574,7 @@ mod tests {
                     seq,
                     channel_id,
                     frames,
+                    ..
                 } => (
                     *conversation_id,
                     *first_seq,
@@ -633,7 +672,7 @@ mod tests {
                 count: 2,
             }]
         );
-        assert_eq!(plan.moved_heads(), vec![(a, 5)]);
+        assert_eq!(plan.moved_heads(), vec![(a, 5, Some(0))]);
         assert_eq!(plan.new_turns, vec![0]);
     }
 
@@ -676,7 +715,7 @@ mod tests {
             Decided::Answer(AnswerOutcome::Conflict { seqs: vec![2] })
         );
         assert_eq!(plan.settled.len(), 1);
-        assert_eq!(plan.moved_heads(), vec![(a, 2)]);
+        assert_eq!(plan.moved_heads(), vec![(a, 2, Some(0))]);
     }
 
     #[test]
@@ -808,6 +847,70 @@ mod tests {
             }]
         );
         assert_eq!(plan.settled[0].count, 0);
-        assert_eq!(plan.moved_heads(), vec![(a, 4)]);
+        assert_eq!(plan.moved_heads(), vec![(a, 4, Some(6))]);
+    }
+
+    #[test]
+    fn each_event_names_the_runtime_its_conversation_commits_with() {
+        let (a, b) = (conversation(1), conversation(2));
+        let mut written = answer(a, 2, 1);
+        written.runtime = Some(RuntimeWrite {
+            version: 4,
+            state: json!({"step": 1}),
+        });
+        let text = frame(b, None);
+        let requests = [
+            Request::Frame(&text),
+            Request::Answer {
+                answer: &written,
+                fingerprint: "a2",
+            },
+        ];
+        let mut found = found(&[(a, 2, true), (b, 7, true)]);
+        for (id, version) in [(a, 4), (b, 3)] {
+            if let Some(head) = found.heads.get_mut(&id) {
+                head.runtime_version = version;
+            }
+        }
+        found.turns.insert((a, 2), pending(0));
+        found.runtimes.insert(a, 4);
+        let plan = decide(&requests, found);
+        let runtimes: Vec<_> = plan
+            .events
+            .iter()
+            .map(|event| match event {
+                BusEvent::Committed {
+                    conversation_id,
+                    runtime,
+                    ..
+                } => (*conversation_id, runtime.clone()),
+                other => panic!("a commit event, not {other:?}"),
+            })
+            .collect();
+        assert_eq!(
+            runtimes,
+            vec![
+                // Written by the batch: the new version and its state.
+                (
+                    a,
+                    Some(CommittedRuntime {
+                        version: 5,
+                        state: Some(json!({"step": 1})),
+                    })
+                ),
+                // Untouched: the version read under the lock, no state.
+                (
+                    b,
+                    Some(CommittedRuntime {
+                        version: 3,
+                        state: None,
+                    })
+                ),
+            ]
+        );
+        // A state too large to travel stays behind; its version goes.
+        let large = json!({"notes": "n".repeat(5_000)});
+        assert_eq!(CommittedRuntime::written(9, &large).state, None);
+        assert_eq!(CommittedRuntime::written(9, &large).version, 9);
     }
 }

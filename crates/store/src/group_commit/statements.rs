@@ -1,7 +1,8 @@
 //! A batch as plain statements with typed array parameters, in the caller's transaction
 //! (ADR 0036, candidate b): no plpgsql and no JSON argument or result per write.
 //!
-//! 1. Lock the batch's conversation rows in id order and read the commit time.
+//! 1. Lock the batch's conversation rows in id order; read their runtimes' versions and the
+//!    commit time.
 //! 2. Read what the locks protect: the latest revision (locked) of each answered turn with its
 //!    conversation's runtime, in a statement of its own, after the locks: its snapshot then
 //!    sees what the batch that held a lock before committed.
@@ -127,11 +128,15 @@ async fn lock_heads(
     connection: &mut PgConnection,
     conversations: &[Uuid],
 ) -> Result<(HashMap<Uuid, Head>, DateTime<Utc>), sqlx::Error> {
-    let rows: Vec<(Uuid, i64, bool, Uuid, DateTime<Utc>)> = sqlx::query_as(
-        "SELECT c.id, c.last_seq, c.status = 'open', c.channel_id, clock_timestamp()
+    // The runtime's version is on the locked row, so it is read as the last batch that held
+    // the lock left it: the version this batch commits with (ADR 0039).
+    let rows: Vec<(Uuid, i64, bool, Uuid, i64, DateTime<Utc>)> = sqlx::query_as(
+        "SELECT c.id, c.last_seq, c.status = 'open', c.channel_id, c.runtime_version,
+                clock_timestamp()
            FROM unnest($1::uuid[]) WITH ORDINALITY AS k(id, ord)
           CROSS JOIN LATERAL (
-                SELECT c.id, c.last_seq, c.status, c.channel_id FROM conversations c
+                SELECT c.id, c.last_seq, c.status, c.channel_id, c.runtime_version
+                  FROM conversations c
                  WHERE c.id = k.id
                    FOR NO KEY UPDATE) AS c
           ORDER BY k.ord",
@@ -140,16 +145,17 @@ async fn lock_heads(
     .fetch_all(&mut *connection)
     .await?;
     // Each row's clock is read after its own lock; the last is after all of them.
-    let now = rows.last().map_or_else(Utc::now, |row| row.4);
+    let now = rows.last().map_or_else(Utc::now, |row| row.5);
     let heads = rows
         .into_iter()
-        .map(|(id, last_seq, open, channel_id, _)| {
+        .map(|(id, last_seq, open, channel_id, runtime_version, _)| {
             (
                 id,
                 Head {
                     last_seq,
                     open,
                     channel_id,
+                    runtime_version,
                 },
             )
         })
@@ -327,6 +333,10 @@ struct Columns<'a> {
     // heads
     head_ids: Vec<Uuid>,
     head_last: Vec<i64>,
+    head_runtime_versions: Vec<Option<i64>>,
+    // runtimes written without frames: their heads' versions
+    unmoved_ids: Vec<Uuid>,
+    unmoved_runtime_versions: Vec<i64>,
 }
 
 impl<'a> Columns<'a> {
@@ -364,9 +374,14 @@ impl<'a> Columns<'a> {
             columns.runtime_versions.push(runtime.version);
             columns.runtime_states.push(&runtime.state);
         }
-        for (id, last_seq) in plan.moved_heads() {
+        for (id, last_seq, runtime_version) in plan.moved_heads() {
             columns.head_ids.push(id);
             columns.head_last.push(last_seq);
+            columns.head_runtime_versions.push(runtime_version);
+        }
+        for runtime in plan.runtimes_without_frames() {
+            columns.unmoved_ids.push(runtime.conversation_id);
+            columns.unmoved_runtime_versions.push(runtime.version);
         }
         columns
     }
@@ -424,6 +439,9 @@ async fn write(
         .bind(frame_count)
         .bind(prefix)
         .bind(&payloads)
+        .bind(&columns.head_runtime_versions)
+        .bind(&columns.unmoved_ids)
+        .bind(&columns.unmoved_runtime_versions)
         .fetch_one(&mut *connection)
         .await?;
     Ok(Counts { settled, frames })
@@ -433,15 +451,24 @@ async fn write(
 /// and the commit time $15; the new turns $16–$17; the settled turns $18–$23 (conversation,
 /// seq, revision, fingerprint, first frame, frame count); the runtimes $24–$26; the frame count
 /// $27; the notification prefix $28 and rests $29 (each notification is the prefix, the outbox
-/// id and a rest). Every data-modifying `WITH` runs to its end whether or not it is read; the
-/// notifications are sent from a materialized `WITH`, read once. A frame whose idempotency key
-/// is stored already is skipped, and the count of frames inserted tells. Frames without a key
-/// are inserted apart: an insert that can skip a conflict writes one more WAL record a row.
+/// id and a rest); the moved heads' runtime versions $30 (with $1); the heads that did not move
+/// but whose runtime was written, $31, and their versions $32 (ADR 0039). Every
+/// data-modifying `WITH` runs to its end whether or not it is read; the notifications are sent
+/// from a materialized `WITH`, read once. A frame whose idempotency key is stored already is
+/// skipped, and the count of frames inserted tells. Frames without a key are inserted apart:
+/// an insert that can skip a conflict writes one more WAL record a row.
 const WRITE: &str = "
 WITH heads AS (
-    UPDATE conversations c SET last_seq = h.last_seq, updated_at = now()
-      FROM unnest($1::uuid[], $2::bigint[]) AS h(id, last_seq)
+    UPDATE conversations c
+       SET last_seq = h.last_seq, updated_at = now(),
+           runtime_version = coalesce(h.runtime_version, c.runtime_version)
+      FROM unnest($1::uuid[], $2::bigint[], $30::bigint[]) AS h(id, last_seq, runtime_version)
      WHERE c.id = ANY($1::uuid[]) AND c.id = h.id
+    RETURNING 1),
+unmoved_heads AS (
+    UPDATE conversations c SET runtime_version = h.runtime_version
+      FROM unnest($31::uuid[], $32::bigint[]) AS h(id, runtime_version)
+     WHERE c.id = ANY($31::uuid[]) AND c.id = h.id
     RETURNING 1),
 all_frames AS (
     SELECT * FROM unnest($3::uuid[], $4::bigint[], $5::text[], $6::text[], $7::text[],

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use async_nats::{ConnectOptions, Event, ServerAddr};
 use converger_store::Store;
-use converger_store::bus::{BusEvent, encode, encode_streams};
+use converger_store::bus::{BusEvent, CommittedRuntime, encode, encode_streams};
 use futures_util::StreamExt;
 use tokio::sync::{Notify, mpsc, oneshot};
 use uuid::Uuid;
@@ -392,20 +392,27 @@ fn committed_message(prefix: &str, event: BusEvent) -> Option<Outgoing> {
         seq,
         channel_id,
         frames,
+        runtime,
     } = event
     else {
         return None;
     };
-    let without_frames = |frames| BusEvent::Committed {
+    let with = |frames, runtime| BusEvent::Committed {
         conversation_id,
         first_seq,
         seq,
         channel_id,
         frames,
+        runtime,
     };
-    let mut text = encode(without_frames(frames))?;
+    // The runtime's version always goes; its state only with the frames.
+    let version_only = runtime.as_ref().map(|runtime| CommittedRuntime {
+        version: runtime.version,
+        state: None,
+    });
+    let mut text = encode(with(frames, runtime))?;
     if text.len() > MESSAGE_LIMIT {
-        text = encode(without_frames(Vec::new()))?;
+        text = encode(with(Vec::new(), version_only))?;
     }
     Some(Outgoing {
         subject: format!("{prefix}.c.{conversation_id}"),

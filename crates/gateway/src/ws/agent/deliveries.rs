@@ -1,20 +1,21 @@
 //! What the channel actor hands this connection, sent in order: frames ready to go, and user
-//! turns, which are serialized here with their `meta` and the conversation's runtime.
+//! turns, which are serialized here with their `meta` and the conversation's runtime (from
+//! the node's memory where it knows one new enough, ADR 0039).
 
 use std::collections::HashMap;
 use std::time::Duration;
 
 use converger_protocol::{ChannelRef, RuntimeRef, TurnMeta, Viewer, delivered_turn};
-use serde_json::Value;
 use tokio::sync::mpsc;
 use uuid::Uuid;
 
 use super::AgentSession;
 use crate::actors::Delivery;
+use crate::runtimes::Runtime;
 use crate::wire;
 use crate::ws::session::{Ending, internal_close};
 
-/// Deliveries sent together, with one runtime read for the user turns among them.
+/// Deliveries sent together, with at most one runtime read for the user turns among them.
 const DELIVERY_BATCH: usize = 256;
 
 /// Runtime reads tried before a connection gives up on its deliveries.
@@ -25,8 +26,8 @@ const RUNTIME_READ_BACKOFF: Duration = Duration::from_millis(200);
 
 impl AgentSession<'_> {
     /// Sends `first` and whatever else the actor has queued (up to [`DELIVERY_BATCH`]), in
-    /// order; the user turns among them get their conversations' runtimes, read in one query
-    /// just before they go out.
+    /// order; the user turns among them get their conversations' runtimes, as the node knows
+    /// them or read in one query, just before they go out.
     pub(super) async fn deliver(
         &mut self,
         first: Delivery,
@@ -41,24 +42,24 @@ impl AgentSession<'_> {
             };
             batch.push(delivery);
         }
-        let mut conversations: Vec<Uuid> = batch
+        let turns: Vec<(Uuid, i64)> = batch
             .iter()
             .filter_map(|delivery| match delivery {
-                Delivery::Turn { activity, .. } => Some(activity.conversation_id),
+                // The frame's own seq: an edited turn's frame committed after the turn.
+                Delivery::Turn { activity, .. } => Some((activity.conversation_id, activity.seq)),
                 Delivery::Frame(_) => None,
             })
             .collect();
-        conversations.sort_unstable();
-        conversations.dedup();
-        let runtimes = self.read_runtimes(&conversations).await?;
-        let initial = converger_store::initial_runtime();
+        let runtimes = self.runtimes_of(&turns).await?;
         let channel_id = self.channel_id.to_string();
         for delivery in batch {
             let text = match delivery {
                 Delivery::Frame(text) => text,
                 Delivery::Turn { activity, turn } => {
-                    let (version, state) =
-                        runtimes.get(&activity.conversation_id).unwrap_or(&initial);
+                    let Some((version, state)) = runtimes.get(&activity.conversation_id) else {
+                        // `runtimes_of` answers for every conversation it is given.
+                        return Err(internal_close(self.outbound));
+                    };
                     let meta = TurnMeta {
                         channel: ChannelRef { id: &channel_id },
                         participant: wire::sender(&activity),
@@ -79,19 +80,21 @@ impl AgentSession<'_> {
         Ok(())
     }
 
-    /// The runtimes of `conversations` (absent: the initial one), tried a few times; if the
-    /// database stays unreachable the connection closes, and the turns it was passed are taken
-    /// over when it leaves.
-    async fn read_runtimes(
-        &self,
-        conversations: &[Uuid],
-    ) -> Result<HashMap<Uuid, (i64, Value)>, Ending> {
-        if conversations.is_empty() {
+    /// The runtimes `turns` are delivered with (ADR 0039), from memory where the node knows
+    /// them, else read, tried a few times; if the database stays unreachable the connection
+    /// closes, and the turns it was passed are taken over when it leaves.
+    async fn runtimes_of(&self, turns: &[(Uuid, i64)]) -> Result<HashMap<Uuid, Runtime>, Ending> {
+        if turns.is_empty() {
             return Ok(HashMap::new());
         }
         let mut attempt = 1;
         loop {
-            match self.state.store.runtimes(conversations).await {
+            match self
+                .state
+                .runtimes
+                .for_turns(&self.state.store, turns)
+                .await
+            {
                 Ok(runtimes) => return Ok(runtimes),
                 Err(error) if attempt < RUNTIME_READ_ATTEMPTS => {
                     tracing::warn!(%error, attempt, "delivery: runtimes unreadable; retrying");
