@@ -275,6 +275,83 @@ async fn a_runtime_written_on_one_node_travels_with_its_commit_to_the_next_turn_
     support::runtimes::travels_with_its_commit(fast_settle).await;
 }
 
+/// ADR 0039: an answer without frames moves the runtime and announces nothing, so a
+/// regenerated revision is delivered with the runtime read, not the one the node held; and
+/// after a `stale_runtime` refusal the node forgets what it held, so the agent's `sync` gets the
+/// stored runtime.
+#[tokio::test]
+async fn a_runtime_moved_without_an_event_is_read_for_a_regenerate_and_after_a_stale_refusal() {
+    let node = TestNode::start_with(fast_settle).await;
+    let acme = node.tenant_with_channel("acme").await;
+    let token = agent_token(&node, &acme).await;
+    let (mut bot, welcome) = agent(&node, &token, Some("bot")).await;
+    support::settle(&welcome).await;
+    let (mut alice, conversation_id) = user(&node, &acme, "alice").await;
+    let answer = |client_id: &str, seq: i64, revision: i64, runtime: Value, frames: Value| {
+        let mut frame = turn_result(client_id, seq, "noted", Some(runtime));
+        frame["turn"]["revision"] = json!(revision);
+        frame["frames"] = frames;
+        json!({"conversationId": conversation_id, "frame": frame})
+    };
+
+    let first = say(&mut alice, "a-1", "hello").await;
+    let (_, turn) = delivery(&mut bot, "text").await;
+    assert_eq!(turn["meta"]["runtime"], json!({"version": 0, "state": {}}));
+    let state = json!({"version": 0, "state": {"count": 1}});
+    bot.send(answer("r-1", first, 0, state, json!([]))).await;
+    assert_eq!(delivery(&mut bot, "ack").await.1["turn"]["seq"], first);
+    alice
+        .send(json!({"type": "regenerate", "clientId": "g-1", "seq": first}))
+        .await;
+    alice.recv_until("ack").await;
+    let (_, regenerated) = delivery(&mut bot, "text").await;
+    assert_eq!(regenerated["meta"]["turn"]["revision"], 1);
+    assert_eq!(
+        regenerated["meta"]["runtime"],
+        json!({"version": 1, "state": {"count": 1}})
+    );
+
+    // Answered with frames: the next turn gets the new runtime from the answer's event.
+    let state = json!({"version": 1, "state": {"count": 2}});
+    let frames = json!([{"type": "text", "data": {"text": "again"}}]);
+    bot.send(answer("r-2", first, 1, state, frames)).await;
+    delivery(&mut bot, "ack").await;
+    alice.recv_type("text").await;
+    // The stored runtime moves behind the node's back (as a node of the previous release,
+    // which does not keep the conversation row's version, would move it).
+    let mut db = node.db.connect().await;
+    sqlx::query(
+        "UPDATE conversation_runtime SET version = 7, state = '{\"count\": 7}'
+          WHERE conversation_id = $1",
+    )
+    .bind(conversation_id)
+    .execute(&mut db)
+    .await
+    .unwrap();
+    let next = say(&mut alice, "a-2", "and again").await;
+    let (_, turn) = delivery(&mut bot, "text").await;
+    assert_eq!(
+        turn["meta"]["runtime"],
+        json!({"version": 2, "state": {"count": 2}})
+    );
+    let state = json!({"version": 2, "state": {"count": 3}});
+    bot.send(answer("r-3", next, 0, state, json!([]))).await;
+    let (_, refused) = delivery(&mut bot, "error").await;
+    assert_eq!(refused["data"]["code"], "stale_runtime");
+    bot.send(json!({"conversationId": conversation_id, "frame": {"type": "sync", "watermark": 0}}))
+        .await;
+    loop {
+        let (_, replayed) = delivery(&mut bot, "text").await;
+        if replayed["meta"]["turn"]["seq"] == next {
+            assert_eq!(
+                replayed["meta"]["runtime"],
+                json!({"version": 7, "state": {"count": 7}})
+            );
+            break;
+        }
+    }
+}
+
 /// A node, a member of group `bot`, and alice's turn delivered to it (results may come fast).
 struct OneTurn {
     node: TestNode,

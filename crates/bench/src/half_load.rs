@@ -73,6 +73,7 @@ fn turns_args(args: &HalfLoadArgs, users: usize, rate: Option<f64>) -> TurnsArgs
         rate,
         bus: "postgres".into(),
         nats_url: String::new(),
+        runtime_writes: false,
     }
 }
 

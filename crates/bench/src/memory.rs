@@ -137,7 +137,9 @@ async fn measure(
         first.ws_url.clone(),
         agent_token,
         "bench",
+        false,
         Arc::clone(&arrivals),
+        Arc::default(),
         eligible,
     ));
     tokio::time::timeout(Duration::from_secs(10), since)

@@ -3,7 +3,7 @@
 //! (The client crate's `Agent::reply` waits for each ack, which would measure the agent, not
 //! the gateway.)
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -17,14 +17,21 @@ use uuid::Uuid;
 /// When each turn reached an agent, by (conversation, seq).
 pub type Arrivals = Arc<Mutex<HashMap<(Uuid, i64), Instant>>>;
 
+/// The agents' results the gateway refused, by error code.
+pub type Refusals = Arc<Mutex<BTreeMap<String, u64>>>;
+
 /// Connects as a member of `group`, reports its `since` (ms) from the welcome on `eligible`,
-/// and answers every delivered turn with one text frame until the connection ends. Acks and
-/// refusals are only counted: a refusal would show up as a user who never gets an answer.
+/// and answers every delivered turn with one text frame until the connection ends, with a
+/// runtime write when `runtime_writes` (the delivered state's `count` plus one, against the
+/// delivered version). Refusals are counted by code on `refusals` (a refused result also
+/// shows as a user who never gets an answer).
 pub async fn serve(
     url: String,
     token: String,
     group: &str,
+    runtime_writes: bool,
     arrivals: Arrivals,
+    refusals: Refusals,
     eligible: tokio::sync::oneshot::Sender<i64>,
 ) -> anyhow::Result<()> {
     let mut eligible = Some(eligible);
@@ -51,6 +58,12 @@ pub async fn serve(
         {
             let _ = eligible.send(since);
         }
+        if envelope["frame"]["type"] == "error"
+            && let Some(code) = envelope["frame"]["data"]["code"].as_str()
+            && let Ok(mut refused) = refusals.lock()
+        {
+            *refused.entry(code.to_owned()).or_default() += 1;
+        }
         let Some(turn) = Turn::from_envelope(&envelope) else {
             continue;
         };
@@ -58,7 +71,11 @@ pub async fn serve(
             seen.insert((turn.conversation_id, turn.seq), Instant::now());
         }
         let frames = vec![json!({"type": "text", "data": {"text": "ok"}})];
-        let result = result_envelope(&turn, &result_client_id(&turn), frames, None);
+        let runtime = runtime_writes.then(|| {
+            let count = turn.runtime_state["count"].as_i64().unwrap_or(0);
+            json!({"count": count + 1})
+        });
+        let result = result_envelope(&turn, &result_client_id(&turn), frames, runtime);
         socket.send(Message::text(result.to_string())).await?;
     }
     Ok(())

@@ -2,7 +2,7 @@
 //! agents of one group answering every turn with `turnResult`. The users run in closed loop, or
 //! with `--rate R` paced: together they send R turns per second, each on a fixed schedule.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -15,7 +15,7 @@ use tokio_tungstenite::tungstenite::Message;
 use uuid::Uuid;
 
 use crate::gateway::{DEFAULT_DATABASE_URL, Gateway, bench_channel, default_binary};
-use crate::pipelined_agent::{self, Arrivals};
+use crate::pipelined_agent::{self, Arrivals, Refusals};
 use crate::stats::{Samples, percentiles};
 use crate::usage::Usage;
 use crate::{gateway_metrics, machine};
@@ -50,6 +50,10 @@ pub struct TurnsArgs {
     /// NATS server for `--bus nats`.
     #[arg(long, default_value = "nats://127.0.0.1:4222")]
     pub nats_url: String,
+    /// The agents answer every turn with a runtime write (how many turns of the conversation
+    /// they answered), against the version the turn was delivered with.
+    #[arg(long)]
+    pub runtime_writes: bool,
 }
 
 /// `--rate`: a finite rate of at least 0.01 turns per second.
@@ -89,6 +93,8 @@ pub struct TurnsFigures {
     pub usage_per_turn: Value,
     /// The gateway's group commit over the measurement ([`gateway_metrics::group_commit`]).
     pub group_commit: Value,
+    /// The agents' results the gateway refused, by error code.
+    pub agent_refusals: BTreeMap<String, u64>,
 }
 
 impl TurnsFigures {
@@ -108,6 +114,7 @@ impl TurnsFigures {
             "gateway_cpu_percent": self.gateway_cpu_percent,
             "usage_per_turn": self.usage_per_turn,
             "group_commit": self.group_commit,
+            "agent_refusals": self.agent_refusals,
         })
     }
 }
@@ -141,6 +148,7 @@ async fn measure(args: &TurnsArgs, gateway: &Gateway) -> anyhow::Result<TurnsFig
     let (channel, agent_token) =
         bench_channel(&client, "turns", &TokenRequest::channel_scope()).await?;
     let arrivals: Arrivals = Arc::new(Mutex::new(HashMap::new()));
+    let refusals: Refusals = Arc::default();
     let mut agents = Vec::new();
     let mut eligibility = Vec::new();
     for _ in 0..args.agents {
@@ -150,7 +158,9 @@ async fn measure(args: &TurnsArgs, gateway: &Gateway) -> anyhow::Result<TurnsFig
             gateway.ws_url.clone(),
             agent_token.clone(),
             "bench",
+            args.runtime_writes,
             Arc::clone(&arrivals),
+            Arc::clone(&refusals),
             eligible,
         );
         agents.push(tokio::spawn(async move {
@@ -228,6 +238,10 @@ async fn measure(args: &TurnsArgs, gateway: &Gateway) -> anyhow::Result<TurnsFig
                 Value::Null
             }
         },
+        agent_refusals: refusals
+            .lock()
+            .map(|refused| refused.clone())
+            .unwrap_or_default(),
     })
 }
 
@@ -445,6 +459,7 @@ mod tests {
             rate,
             bus: "postgres".into(),
             nats_url: String::new(),
+            runtime_writes: false,
         }
     }
 

@@ -11,7 +11,8 @@
 //! hands it out; otherwise it reads, and remembers what it read.
 //!
 //! Events may arrive late, twice, out of order, or without the version (a catch-up read back
-//! from the outbox): an event without the version forgets the conversation, and anything this
+//! from the outbox): an event without the version, for a seq not yet covered, forgets the
+//! conversation, and so does an answer refused for a stale runtime; anything this
 //! cache does not know is read. Entries live in a [`Recent`] map, and only states of at most
 //! `max_state_bytes` are kept, so the memory is bounded.
 
@@ -65,7 +66,9 @@ impl<K: Hash + Eq + Copy, S: Clone> RuntimeCache<K, S> {
 
     /// A commit of the conversation through `seq` was seen. `version` is the runtime version it
     /// committed with (`None`: the event did not say); `written` is the state and its
-    /// serialized size when that commit wrote the runtime (at `version`).
+    /// serialized size when that commit wrote the runtime (at `version`). An event that does
+    /// not say, for a seq already covered, teaches nothing (the versions seen bound it); for a
+    /// later seq it makes the conversation forgotten.
     pub fn committed(
         &mut self,
         conversation: K,
@@ -74,7 +77,13 @@ impl<K: Hash + Eq + Copy, S: Clone> RuntimeCache<K, S> {
         written: Option<(S, usize)>,
     ) {
         let Some(version) = version else {
-            self.forget(conversation);
+            let covered = self
+                .entries
+                .get(&conversation)
+                .is_some_and(|entry| seq <= entry.through_seq);
+            if !covered {
+                self.forget(conversation);
+            }
             return;
         };
         let known = written.and_then(|(state, bytes)| self.keepable(version, state, bytes));
@@ -216,9 +225,12 @@ mod tests {
     }
 
     #[test]
-    fn an_event_without_the_version_forgets_the_conversation() {
+    fn an_event_without_the_version_forgets_the_conversation_unless_it_is_covered() {
         let mut cache = cache();
         cache.committed(1, 2, Some(0), None);
+        // A catch-up of a seq already seen teaches nothing.
+        cache.committed(1, 2, None, None);
+        assert_eq!(cache.lookup(1, 2), Lookup::Initial);
         cache.committed(1, 3, None, None);
         assert_eq!(cache.lookup(1, 2), Lookup::Read);
         assert_eq!(cache.lookup(1, 3), Lookup::Read);
@@ -265,6 +277,8 @@ mod tests {
         Deliver { index: usize },
         /// Time passes: idle entries are dropped.
         Idle,
+        /// An answer was refused for a stale runtime: the node forgets the conversation.
+        Forget,
     }
 
     fn step() -> impl Strategy<Value = Step> {
@@ -280,6 +294,7 @@ mod tests {
             any::<usize>().prop_map(|index| Step::Read { index }),
             any::<usize>().prop_map(|index| Step::Deliver { index }),
             Just(Step::Idle),
+            Just(Step::Forget),
         ]
     }
 
@@ -334,6 +349,7 @@ mod tests {
                         now_ms += 7;
                         cache.forget_idle(now_ms);
                     }
+                    Step::Forget => cache.forget(7),
                     _ => {}
                 }
             }

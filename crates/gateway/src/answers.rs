@@ -31,6 +31,11 @@ pub(crate) async fn commit(
         state.streams.flush().await;
     }
     let outcome = state.store.commit_answer(answer).await;
+    if matches!(outcome, Ok(AnswerOutcome::StaleRuntime { .. })) {
+        // The runtime moved without this node hearing of it (an answer without frames
+        // announces nothing): the agent's next delivery or `sync` reads it (ADR 0039).
+        state.runtimes.forget(conversation_id);
+    }
     let refused_input = matches!(&outcome, Err(error) if error.is_refused_input());
     let settled = stream_settlement(&outcome);
     if streaming && let Some(aborted) = settled {

@@ -8,8 +8,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use converger_core::runtimes::{Lookup, RuntimeCache};
+use converger_protocol::TurnRef;
 use converger_store::bus::{CommittedRuntime, serialized_len};
-use converger_store::{Store, StoreError};
+use converger_store::{Activity, Store, StoreError};
 use serde_json::Value;
 use uuid::Uuid;
 
@@ -24,6 +25,20 @@ const KEPT_STATE_BYTES: usize = 8_192;
 
 /// A runtime as a delivered turn carries it: its version and its state.
 pub(crate) type Runtime = (i64, Arc<Value>);
+
+/// What a delivery asks [`Runtimes::for_turns`] about: the conversation, and the seq of the
+/// commit the delivered revision was opened by. Revision 0 was opened by its frame's commit.
+/// A later revision was opened after its frame: a regenerate commits no frame, and the runtime
+/// may have moved since without an event (an answer without frames announces none), so it is
+/// read (a seq no commit reaches).
+pub(crate) fn delivered_at(activity: &Activity, turn: &TurnRef) -> (Uuid, i64) {
+    let seq = if turn.revision == 0 {
+        activity.seq
+    } else {
+        i64::MAX
+    };
+    (activity.conversation_id, seq)
+}
 
 /// The node's runtimes, shared by the bus door (which teaches them) and the connections that
 /// deliver turns.
@@ -66,6 +81,11 @@ impl Runtimes {
         };
         self.lock()
             .committed(conversation_id, seq, version, written);
+    }
+
+    /// Forgets the conversation: its next turn is read.
+    pub(crate) fn forget(&self, conversation_id: Uuid) {
+        self.lock().forget(conversation_id);
     }
 
     /// Drops the conversations idle for a while.

@@ -64,6 +64,9 @@ pub struct PeersArgs {
     /// Also append the JSON line to this file (for `plot`).
     #[arg(long)]
     save: Option<PathBuf>,
+    /// converger's agents answer every turn with a runtime write (`turns --runtime-writes`).
+    #[arg(long)]
+    runtime_writes: bool,
 }
 
 /// The closed loop every peer runs: U users, A agents, S seconds.
@@ -442,6 +445,7 @@ async fn measure_converger(args: &PeersArgs, bus: &str, mut interrupt: Interrupt
         rate: None,
         bus: bus.to_owned(),
         nats_url: args.nats_url.clone(),
+        runtime_writes: args.runtime_writes,
     };
     let figures = tokio::select! {
         figures = turns::figures(&turns_args) => figures,

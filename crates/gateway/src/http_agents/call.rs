@@ -199,7 +199,13 @@ impl Caller {
         let runtimes = self
             .state
             .runtimes
-            .for_turns(store, &[(conversation_id, delivered.activity.seq)])
+            .for_turns(
+                store,
+                &[crate::runtimes::delivered_at(
+                    &delivered.activity,
+                    &delivered.turn,
+                )],
+            )
             .await
             .map_err(store_error)?;
         let (version, runtime) = runtimes

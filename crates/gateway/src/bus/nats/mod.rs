@@ -72,9 +72,11 @@ pub(super) struct Link {
     interest: Interest,
 }
 
-/// The highest seq published per conversation, so a commit announced both by its worker and
-/// by its session goes out once.
-struct Published(std::sync::Mutex<Recent<uuid::Uuid, i64>>);
+/// The highest seq published per conversation, and whether that publication named the runtime
+/// version, so a commit announced both by its worker and by its session goes out once; twice
+/// only when the session's announcement, which cannot name the version, went first (receivers
+/// learn the runtime from the second, ADR 0039, and drop its frames).
+struct Published(std::sync::Mutex<Recent<uuid::Uuid, (i64, bool)>>);
 
 impl Default for Published {
     fn default() -> Self {
@@ -93,12 +95,13 @@ impl Published {
         }
     }
 
-    /// True when the commit ending at `seq` of `conversation_id` was not published yet (it now
-    /// counts as published).
+    /// True when the commit ending at `seq` of `conversation_id` was not published yet, or was
+    /// published without the runtime version this one names (it now counts as published).
     fn claim(&self, event: &BusEvent) -> bool {
         let BusEvent::Committed {
             conversation_id,
             seq,
+            runtime,
             ..
         } = event
         else {
@@ -107,13 +110,17 @@ impl Published {
         let Ok(mut published) = self.0.lock() else {
             return true;
         };
-        if published
-            .get(conversation_id)
-            .is_some_and(|&last| last >= *seq)
-        {
+        let versioned = runtime.is_some();
+        let published_before =
+            published
+                .get(conversation_id)
+                .is_some_and(|&(last, last_versioned)| {
+                    last > *seq || (last == *seq && (last_versioned || !versioned))
+                });
+        if published_before {
             return false;
         }
-        let _ = published.insert(*conversation_id, *seq);
+        let _ = published.insert(*conversation_id, (*seq, versioned));
         true
     }
 }

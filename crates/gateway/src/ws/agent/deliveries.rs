@@ -11,7 +11,7 @@ use uuid::Uuid;
 
 use super::AgentSession;
 use crate::actors::Delivery;
-use crate::runtimes::Runtime;
+use crate::runtimes::{Runtime, delivered_at};
 use crate::wire;
 use crate::ws::session::{Ending, internal_close};
 
@@ -45,8 +45,7 @@ impl AgentSession<'_> {
         let turns: Vec<(Uuid, i64)> = batch
             .iter()
             .filter_map(|delivery| match delivery {
-                // The frame's own seq: an edited turn's frame committed after the turn.
-                Delivery::Turn { activity, .. } => Some((activity.conversation_id, activity.seq)),
+                Delivery::Turn { activity, turn } => Some(delivered_at(activity, turn)),
                 Delivery::Frame(_) => None,
             })
             .collect();
