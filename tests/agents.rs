@@ -297,24 +297,29 @@ async fn a_runtime_moved_without_an_event_is_read_for_a_regenerate_and_after_a_s
     let first = say(&mut alice, "a-1", "hello").await;
     let (_, turn) = delivery(&mut bot, "text").await;
     assert_eq!(turn["meta"]["runtime"], json!({"version": 0, "state": {}}));
-    let state = json!({"version": 0, "state": {"count": 1}});
-    bot.send(answer("r-1", first, 0, state, json!([]))).await;
-    assert_eq!(delivery(&mut bot, "ack").await.1["turn"]["seq"], first);
-    alice
-        .send(json!({"type": "regenerate", "clientId": "g-1", "seq": first}))
-        .await;
-    alice.recv_until("ack").await;
-    let (_, regenerated) = delivery(&mut bot, "text").await;
-    assert_eq!(regenerated["meta"]["turn"]["revision"], 1);
-    assert_eq!(
-        regenerated["meta"]["runtime"],
-        json!({"version": 1, "state": {"count": 1}})
-    );
+    // Each revision is answered without frames, then regenerated.
+    for revision in 0..2 {
+        let state = json!({"version": revision, "state": {"count": revision + 1}});
+        let client_id = format!("r-{revision}");
+        bot.send(answer(&client_id, first, revision, state, json!([])))
+            .await;
+        assert_eq!(delivery(&mut bot, "ack").await.1["turn"]["seq"], first);
+        alice
+            .send(json!({"type": "regenerate", "clientId": format!("g-{revision}"), "seq": first}))
+            .await;
+        alice.recv_until("ack").await;
+        let (_, regenerated) = delivery(&mut bot, "text").await;
+        assert_eq!(regenerated["meta"]["turn"]["revision"], revision + 1);
+        assert_eq!(
+            regenerated["meta"]["runtime"],
+            json!({"version": revision + 1, "state": {"count": revision + 1}})
+        );
+    }
 
     // Answered with frames: the next turn gets the new runtime from the answer's event.
-    let state = json!({"version": 1, "state": {"count": 2}});
+    let state = json!({"version": 2, "state": {"count": 2}});
     let frames = json!([{"type": "text", "data": {"text": "again"}}]);
-    bot.send(answer("r-2", first, 1, state, frames)).await;
+    bot.send(answer("r-2", first, 2, state, frames)).await;
     delivery(&mut bot, "ack").await;
     alice.recv_type("text").await;
     // The stored runtime moves behind the node's back (as a node of the previous release,
@@ -332,9 +337,9 @@ async fn a_runtime_moved_without_an_event_is_read_for_a_regenerate_and_after_a_s
     let (_, turn) = delivery(&mut bot, "text").await;
     assert_eq!(
         turn["meta"]["runtime"],
-        json!({"version": 2, "state": {"count": 2}})
+        json!({"version": 3, "state": {"count": 2}})
     );
-    let state = json!({"version": 2, "state": {"count": 3}});
+    let state = json!({"version": 3, "state": {"count": 3}});
     bot.send(answer("r-3", next, 0, state, json!([]))).await;
     let (_, refused) = delivery(&mut bot, "error").await;
     assert_eq!(refused["data"]["code"], "stale_runtime");

@@ -26,18 +26,26 @@ const KEPT_STATE_BYTES: usize = 8_192;
 /// A runtime as a delivered turn carries it: its version and its state.
 pub(crate) type Runtime = (i64, Arc<Value>);
 
-/// What a delivery asks [`Runtimes::for_turns`] about: the conversation, and the seq of the
-/// commit the delivered revision was opened by. Revision 0 was opened by its frame's commit.
-/// A later revision was opened after its frame: a regenerate commits no frame, and the runtime
-/// may have moved since without an event (an answer without frames announces none), so it is
-/// read (a seq no commit reaches).
-pub(crate) fn delivered_at(activity: &Activity, turn: &TurnRef) -> (Uuid, i64) {
-    let seq = if turn.revision == 0 {
-        activity.seq
-    } else {
-        i64::MAX
-    };
-    (activity.conversation_id, seq)
+/// What a delivery asks [`Runtimes::for_turns`] about.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct DeliveredAt {
+    /// The conversation.
+    pub(crate) conversation_id: Uuid,
+    /// The delivered frame's seq (committed: a read now is at least as new as its runtime).
+    pub(crate) seq: i64,
+    /// A revision above 0. Revision 0 was opened by its frame's commit; a later one after it
+    /// (a regenerate commits no frame), and the runtime may have moved since without an event
+    /// (an answer without frames announces none): it is read.
+    pub(crate) reopened: bool,
+}
+
+/// What delivering `activity` as `turn` asks [`Runtimes::for_turns`] about.
+pub(crate) fn delivered_at(activity: &Activity, turn: &TurnRef) -> DeliveredAt {
+    DeliveredAt {
+        conversation_id: activity.conversation_id,
+        seq: activity.seq,
+        reopened: turn.revision > 0,
+    }
 }
 
 /// The node's runtimes, shared by the bus door (which teaches them) and the connections that
@@ -93,24 +101,31 @@ impl Runtimes {
         self.lock().forget_idle(monotonic_ms());
     }
 
-    /// The runtime each of `turns` (conversation, seq: committed turns) is delivered with, per
-    /// conversation: from memory when the node knows one at least as new as the turn's, else
-    /// read, in one query for all conversations this node does not know.
+    /// The runtime each of `turns` is delivered with, per conversation: from memory when the
+    /// node knows one at least as new as the turn's, else read, in one query for all
+    /// conversations this node does not know (and those with a reopened revision).
     pub(crate) async fn for_turns(
         &self,
         store: &Store,
-        turns: &[(Uuid, i64)],
+        turns: &[DeliveredAt],
     ) -> Result<HashMap<Uuid, Runtime>, StoreError> {
-        let mut latest: HashMap<Uuid, i64> = HashMap::new();
-        for &(conversation_id, seq) in turns {
-            let highest = latest.entry(conversation_id).or_insert(seq);
-            *highest = (*highest).max(seq);
+        // Per conversation: its highest delivered seq, and whether a revision was reopened.
+        let mut latest: HashMap<Uuid, (i64, bool)> = HashMap::new();
+        for turn in turns {
+            let entry = latest
+                .entry(turn.conversation_id)
+                .or_insert((turn.seq, turn.reopened));
+            *entry = (entry.0.max(turn.seq), entry.1 || turn.reopened);
         }
         let mut runtimes = HashMap::with_capacity(latest.len());
         let mut unknown = Vec::new();
         {
             let cache = self.lock();
-            for (&conversation_id, &seq) in &latest {
+            for (&conversation_id, &(seq, reopened)) in &latest {
+                if reopened {
+                    unknown.push(conversation_id);
+                    continue;
+                }
                 match cache.lookup(conversation_id, seq) {
                     Lookup::Initial => {
                         runtimes.insert(conversation_id, (0, Arc::clone(&self.initial)));
@@ -137,8 +152,8 @@ impl Runtimes {
                 .unwrap_or_else(converger_store::initial_runtime);
             let bytes = serialized_len(&state);
             let state = Arc::new(state);
-            // Read after every one of these turns committed: at least as new as theirs.
-            let seq = latest.get(&conversation_id).copied().unwrap_or(0);
+            // Read after every one of these frames committed: at least as new as theirs.
+            let seq = latest.get(&conversation_id).map_or(0, |&(seq, _)| seq);
             cache.read(conversation_id, seq, version, Arc::clone(&state), bytes);
             runtimes.insert(conversation_id, (version, state));
         }

@@ -11,7 +11,7 @@ use uuid::Uuid;
 
 use super::AgentSession;
 use crate::actors::Delivery;
-use crate::runtimes::{Runtime, delivered_at};
+use crate::runtimes::{DeliveredAt, Runtime, delivered_at};
 use crate::wire;
 use crate::ws::session::{Ending, internal_close};
 
@@ -42,7 +42,7 @@ impl AgentSession<'_> {
             };
             batch.push(delivery);
         }
-        let turns: Vec<(Uuid, i64)> = batch
+        let turns: Vec<DeliveredAt> = batch
             .iter()
             .filter_map(|delivery| match delivery {
                 Delivery::Turn { activity, turn } => Some(delivered_at(activity, turn)),
@@ -82,7 +82,7 @@ impl AgentSession<'_> {
     /// The runtimes `turns` are delivered with (ADR 0039), from memory where the node knows
     /// them, else read, tried a few times; if the database stays unreachable the connection
     /// closes, and the turns it was passed are taken over when it leaves.
-    async fn runtimes_of(&self, turns: &[(Uuid, i64)]) -> Result<HashMap<Uuid, Runtime>, Ending> {
+    async fn runtimes_of(&self, turns: &[DeliveredAt]) -> Result<HashMap<Uuid, Runtime>, Ending> {
         if turns.is_empty() {
             return Ok(HashMap::new());
         }
