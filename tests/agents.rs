@@ -324,15 +324,8 @@ async fn a_runtime_moved_without_an_event_is_read_for_a_regenerate_and_after_a_s
     alice.recv_type("text").await;
     // The stored runtime moves behind the node's back (as a node of the previous release,
     // which does not keep the conversation row's version, would move it).
-    let mut db = node.db.connect().await;
-    sqlx::query(
-        "UPDATE conversation_runtime SET version = 7, state = '{\"count\": 7}'
-          WHERE conversation_id = $1",
-    )
-    .bind(conversation_id)
-    .execute(&mut db)
-    .await
-    .unwrap();
+    let count = json!({"count": 7});
+    support::runtimes::overwrite_stored_runtime(&node, conversation_id, Some(7), &count).await;
     let next = say(&mut alice, "a-2", "and again").await;
     let (_, turn) = delivery(&mut bot, "text").await;
     assert_eq!(

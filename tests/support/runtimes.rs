@@ -19,16 +19,26 @@ async fn user_turn(agent: &mut WsClient) -> Value {
     }
 }
 
-/// Changes the stored runtime's state behind the gateways' backs, at the same version: a
-/// delivery that reads the runtime shows the change, one from the commit event does not.
-async fn overwrite_stored_state(node: &TestNode, conversation_id: Uuid, state: &Value) {
+/// Changes the stored runtime behind the gateways' backs (its state, and its version when
+/// given; never the conversation row's copy): a delivery that reads the runtime shows the
+/// change, one from the commit event does not.
+pub async fn overwrite_stored_runtime(
+    node: &TestNode,
+    conversation_id: Uuid,
+    version: Option<i64>,
+    state: &Value,
+) {
     let mut db = node.db.connect().await;
-    sqlx::query("UPDATE conversation_runtime SET state = $2 WHERE conversation_id = $1")
-        .bind(conversation_id)
-        .bind(state)
-        .execute(&mut db)
-        .await
-        .unwrap();
+    sqlx::query(
+        "UPDATE conversation_runtime SET state = $2, version = coalesce($3, version)
+          WHERE conversation_id = $1",
+    )
+    .bind(conversation_id)
+    .bind(state)
+    .bind(version)
+    .execute(&mut db)
+    .await
+    .unwrap();
 }
 
 /// Two nodes configured by `adjust`; a `writer` member on the first answers each turn with a
@@ -71,7 +81,7 @@ pub async fn travels_with_its_commit(adjust: impl Fn(&mut Config) + Clone) {
         let ack = enveloped(&mut writer, "ack").await;
         assert_eq!(ack["turn"]["seq"], seq, "{ack}");
         alice.recv_type("text").await;
-        overwrite_stored_state(&node, conversation_id, &overwritten).await;
+        overwrite_stored_runtime(&node, conversation_id, None, &overwritten).await;
         let delivered = if round == 1 { written } else { &overwritten };
         expected = json!({"version": round, "state": delivered});
     }
