@@ -38,6 +38,46 @@ async fn migrations_apply_on_an_empty_database_then_are_no_ops() {
     store.pool().close().await;
 }
 
+/// ADR 0040: an operator with a large `activities` table builds the index of id hashes with
+/// `CREATE INDEX CONCURRENTLY` before upgrading; the migration then keeps that index and drops
+/// the one it replaces.
+#[tokio::test]
+async fn the_index_of_id_hashes_may_be_built_before_its_migration() {
+    let db = TestDb::create_empty().await;
+    let store = db.store().await;
+    store.migrate().await.expect("first run applies");
+    // The database as that operator leaves it: the previous release's index, the new one built
+    // beside it, and the migration not yet applied.
+    let mut connection = db.connect().await;
+    for statement in [
+        "CREATE INDEX activities_by_id ON activities (conversation_id, id)",
+        "DELETE FROM _sqlx_migrations WHERE version = 20261208000001",
+    ] {
+        sqlx::query(statement)
+            .execute(&mut connection)
+            .await
+            .expect(statement);
+    }
+    let report = store.migrate().await.expect("the migration applies");
+    assert_eq!(report.applied, vec![20261208000001]);
+    let indexes: Vec<String> = sqlx::query_scalar(
+        "SELECT indexname::text FROM pg_indexes WHERE tablename = 'activities' ORDER BY 1",
+    )
+    .fetch_all(&mut connection)
+    .await
+    .expect("indexes");
+    assert_eq!(
+        indexes,
+        [
+            "activities_by_id_hash",
+            "activities_idempotency",
+            "activities_pkey"
+        ]
+    );
+    drop(connection);
+    store.pool().close().await;
+}
+
 #[tokio::test]
 async fn the_commit_functions_notify_on_the_stores_channel() {
     let db = TestDb::create().await;

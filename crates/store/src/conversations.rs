@@ -148,6 +148,7 @@ impl Store {
         &self,
         conversation_id: Uuid,
     ) -> Result<Vec<PendingInterrupt>, StoreError> {
+        // The resolution is found through the index of id hashes (ADR 0040), the id compared too.
         self.timed("pending_interrupts", async {
             sqlx::query_as::<_, PendingInterrupt>(
                 "SELECT asked.id, asked.data FROM activities asked
@@ -155,6 +156,7 @@ impl Store {
                    AND NOT EXISTS (
                        SELECT 1 FROM activities resolved
                        WHERE resolved.conversation_id = asked.conversation_id
+                         AND hashtextextended(resolved.id, 0) = hashtextextended(asked.id, 0)
                          AND resolved.id = asked.id
                          AND resolved.type = 'interrupt_resolved'
                          AND resolved.seq > asked.seq)

@@ -236,7 +236,10 @@ struct AnsweredTurnRow {
 type AnsweredTurns = (HashMap<(Uuid, i64), LatestTurn>, HashMap<Uuid, i64>);
 
 /// The latest revisions of the turns the batch's answers name, locked (concurrent answers to
-/// one turn queue here), and the runtimes they write, locked too.
+/// one turn queue here), and the runtimes they write, locked too. The runtime's version is read
+/// from `conversation_runtime`, not taken from the locked head: a node of a release before
+/// ADR 0039 writes runtimes without moving the head's version, and this read is what refuses an
+/// answer written against the runtime it replaced (the regenerate test in `tests/agents.rs`).
 async fn answered_turns(
     connection: &mut PgConnection,
     requests: &[Request<'_>],

@@ -156,13 +156,16 @@ impl Store {
         if ids.is_empty() {
             return Ok(Vec::new());
         }
+        // Ids are found through the index of their hashes (ADR 0040), compared themselves too.
         self.timed("known_message_ids", async {
             sqlx::query_scalar::<_, String>(
                 "SELECT client_id FROM activities
                  WHERE conversation_id = $1 AND sender_id = $2 AND client_id = ANY($3)
                  UNION
                  SELECT id FROM activities
-                 WHERE conversation_id = $1 AND sender_id = $2 AND id = ANY($3)",
+                 WHERE conversation_id = $1
+                   AND hashtextextended(id, 0) = ANY(ARRAY(SELECT hashtextextended(asked, 0) FROM unnest($3::text[]) AS asked))
+                   AND id = ANY($3) AND sender_id = $2",
             )
             .bind(conversation_id)
             .bind(user_id)

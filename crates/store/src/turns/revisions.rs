@@ -80,6 +80,7 @@ impl Store {
             .map(|column| format!("a.{column}"))
             .collect::<Vec<_>>()
             .join(", ");
+        // A message id is found through the index of id hashes (ADR 0040), the id compared too.
         let found = self
             .timed("resolve_turn", async {
                 sqlx::query_as::<_, Activity>(sqlx::AssertSqlSafe(format!(
@@ -87,7 +88,7 @@ impl Store {
                      JOIN turns t ON t.conversation_id = a.conversation_id AND t.seq = a.seq AND t.revision = 0
                      WHERE a.conversation_id = $1 AND a.sender_role = 'user' AND a.sender_id = $2
                        AND ($3::bigint IS NULL OR a.seq = $3)
-                       AND ($3::bigint IS NOT NULL OR $4::text IS NULL OR a.id = $4 OR a.client_id = $4)
+                       AND ($3::bigint IS NOT NULL OR $4::text IS NULL OR (hashtextextended(a.id, 0) = hashtextextended($4, 0) AND a.id = $4) OR a.client_id = $4)
                      ORDER BY CASE WHEN a.id = $4 THEN 0 ELSE 1 END, a.seq DESC
                      LIMIT 1"
                 )))
