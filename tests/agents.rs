@@ -144,6 +144,57 @@ fn fast_settle(config: &mut converger_gateway::Config) {
     config.group_settle_ms = 150;
 }
 
+/// The node's count of agent feeds that fell behind their buffer.
+async fn agent_feed_lags(node: &TestNode) -> u64 {
+    node.metrics()
+        .await
+        .lines()
+        .find_map(|line| line.strip_prefix("converger_agent_feed_lagged_total "))
+        .and_then(|value| value.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// A channel's agents whose live feed falls behind its buffer lose the overflow. The turns lost
+/// with it are read back at once, not when their conversation gets its next frame: a user who
+/// waits for the answer sends none. The feed holds one event here, so bursts of turns overflow
+/// it; the bursts go on until one did.
+#[tokio::test]
+async fn turns_lost_by_a_lagging_agent_feed_are_read_back_without_another_frame() {
+    let node = TestNode::start_with(|config| {
+        fast_settle(config);
+        config.turns.agent_feed_buffer = 1;
+    })
+    .await;
+    let acme = node.tenant_with_channel("acme").await;
+    let token = agent_token(&node, &acme).await;
+    let (mut bot, welcome) = agent(&node, &token, Some("bot")).await;
+    support::settle(&welcome).await;
+    for burst in 0..20 {
+        let mut users = Vec::new();
+        for n in 0..16 {
+            users.push(user(&node, &acme, &format!("user-{burst}-{n}")).await);
+        }
+        for (client, _) in &mut users {
+            client
+                .send(json!({"type": "text", "clientId": "t-1", "data": {"text": "hello"}}))
+                .await;
+        }
+        // Each turn reaches the agent, although no conversation gets another frame.
+        let mut waiting: std::collections::HashSet<Uuid> = users
+            .iter()
+            .map(|(_, conversation_id)| *conversation_id)
+            .collect();
+        while !waiting.is_empty() {
+            let (conversation_id, _) = delivery(&mut bot, "text").await;
+            waiting.remove(&conversation_id);
+        }
+        if agent_feed_lags(&node).await > 0 {
+            return;
+        }
+    }
+    panic!("the agents' feed never fell behind in 20 bursts");
+}
+
 #[tokio::test]
 async fn channel_welcome_announces_since_group_and_max_conversations_and_bad_groups_close_4400() {
     let node = TestNode::start().await;

@@ -263,12 +263,11 @@ pub struct ChannelEvent {
     pub event: HubEvent,
 }
 
-/// Live events buffered per channel for its agent actor.
-const CHANNEL_BUFFER: usize = 1024;
-
 /// Node-local fan-out and session registry.
 pub struct Hub {
     node_id: String,
+    /// Live events buffered per channel for its agent actor (`turns.agent_feed_buffer`).
+    agent_feed_buffer: usize,
     channels: Mutex<HashMap<Uuid, broadcast::Sender<ChannelEvent>>>,
     agents_connected: Mutex<HashMap<Uuid, usize>>,
     conversations: Mutex<HashMap<Uuid, Topic>>,
@@ -294,10 +293,17 @@ pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Hub {
-    /// An empty hub for node `node_id`.
+    /// An empty hub for node `node_id`, buffering the default 1,024 events per channel for its
+    /// agents.
     pub fn new(node_id: impl Into<String>) -> Hub {
+        Hub::with_agent_feed_buffer(node_id, 1_024)
+    }
+
+    /// An empty hub for node `node_id`, buffering `events` per channel for its agents.
+    pub fn with_agent_feed_buffer(node_id: impl Into<String>, events: usize) -> Hub {
         Hub {
             node_id: node_id.into(),
+            agent_feed_buffer: events.max(1),
             channels: Mutex::new(HashMap::new()),
             agents_connected: Mutex::new(HashMap::new()),
             conversations: Mutex::new(HashMap::new()),
@@ -389,7 +395,7 @@ impl Hub {
     pub fn subscribe_channel(&self, channel_id: Uuid) -> broadcast::Receiver<ChannelEvent> {
         lock(&self.channels)
             .entry(channel_id)
-            .or_insert_with(|| broadcast::channel(CHANNEL_BUFFER).0)
+            .or_insert_with(|| broadcast::channel(self.agent_feed_buffer).0)
             .subscribe()
     }
 

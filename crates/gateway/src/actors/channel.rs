@@ -80,8 +80,12 @@ impl ChannelActor {
                 _ = forget.tick() => self.decider.forget_idle(crate::recent::monotonic_ms()),
                 event = feed.recv() => match event {
                     Ok(event) => self.on_event(event).await,
+                    // A lost turn's conversation may never get another frame (its user waits
+                    // for the answer), so the turns are read back now, not at the next frame.
                     Err(broadcast::error::RecvError::Lagged(missed)) => {
-                        tracing::warn!(channel_id = %self.channel_id, missed, "agents: channel feed lagged; gaps are read back on the next frame");
+                        tracing::warn!(channel_id = %self.channel_id, missed, "agents: channel feed lagged; the channel's unanswered turns are read back");
+                        metrics::counter!("converger_agent_feed_lagged_total").increment(1);
+                        self.read_back_unanswered().await;
                     }
                     Err(broadcast::error::RecvError::Closed) => return,
                 },
@@ -133,6 +137,7 @@ impl ChannelActor {
                 group,
             } => self.decider.remote_leave(&connection_id, &group),
             ActorMessage::Retry(event) => return self.on_event(event).await,
+            ActorMessage::ReadBackUnanswered => return self.read_back_unanswered().await,
             ActorMessage::Redeliver {
                 connection_id,
                 conversation_id,
@@ -332,6 +337,33 @@ impl ChannelActor {
                 }
                 Decision::ReleaseLeases { holder } => self.release_leases(&holder).await,
             }
+        }
+    }
+
+    /// After the feed lost events: each unanswered turn of the channel is planned as if its
+    /// commit had just arrived. The decider skips what it handled already, reads back the holes
+    /// of the conversations it knows and hands each turn to its owner when that owner is here,
+    /// as it does for a commit it heard. A failed read is tried again.
+    async fn read_back_unanswered(&mut self) {
+        let limit = converger_core::channel::MEMORY_CONVERSATIONS as i64;
+        let pending = match self
+            .store
+            .pending_turns_of_channel(self.channel_id, PENDING_TURNS_HORIZON, limit)
+            .await
+        {
+            Ok(pending) => pending,
+            Err(error) => {
+                tracing::warn!(%error, channel_id = %self.channel_id, "agents: unanswered turns unreadable after a lag; retrying");
+                self.send_to_self_after(ActorMessage::ReadBackUnanswered, FRAMES_RETRY);
+                return;
+            }
+        };
+        for turn in pending {
+            let event = ChannelEvent {
+                conversation_id: turn.conversation_id,
+                event: HubEvent::committed_seq(turn.seq),
+            };
+            self.on_event(event).await;
         }
     }
 

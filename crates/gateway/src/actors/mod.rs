@@ -84,6 +84,10 @@ pub enum ActorMessage {
     },
     /// A feed event whose frames could not be read the first time; sent by the actor itself.
     Retry(ChannelEvent),
+    /// The actor's feed lost events (it fell behind its buffer): read the channel's unanswered
+    /// turns back and hand on those no member here was given. Sent by the actor itself, again
+    /// after a failed read.
+    ReadBackUnanswered,
 }
 
 /// What the channel actor hands an agent connection, in the order to send it.

@@ -214,6 +214,9 @@ impl Config {
                     .into(),
             );
         }
+        if !(1..=1_048_576).contains(&self.turns.agent_feed_buffer) {
+            return Err("turns.agent_feed_buffer must be between 1 and 1048576".into());
+        }
         if converger_core::policies::TurnPolicy::parse(&self.turns.default_policy).is_none() {
             return Err(
                 "turns.default_policy must be \"enqueue\", \"reject\", \"interrupt\" or \"rollback\""

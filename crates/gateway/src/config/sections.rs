@@ -245,6 +245,10 @@ pub struct TurnsConfig {
     /// On a channel with `on_disconnect = "cancel"`: how long (ms) a conversation stays without
     /// an end-user connection before its running turn is cancelled.
     pub disconnect_cancel_ms: u64,
+    /// Live events a node buffers per channel for its agents. A channel's agents that fall
+    /// further behind lose the overflow, and the node reads the channel's unanswered turns back
+    /// from the database instead.
+    pub agent_feed_buffer: usize,
 }
 
 impl Default for TurnsConfig {
@@ -253,6 +257,7 @@ impl Default for TurnsConfig {
             stop_grace_ms: 2_000,
             default_policy: "enqueue".into(),
             disconnect_cancel_ms: 5_000,
+            agent_feed_buffer: 1_024,
         }
     }
 }
