@@ -144,20 +144,22 @@ fn fast_settle(config: &mut converger_gateway::Config) {
     config.group_settle_ms = 150;
 }
 
-/// The node's count of agent feeds that fell behind their buffer.
-async fn agent_feed_lags(node: &TestNode) -> u64 {
+/// The turns this test process's nodes handed on after their agents' feed lagged.
+async fn turns_read_back_after_lags(node: &TestNode) -> u64 {
     node.metrics()
         .await
         .lines()
-        .find_map(|line| line.strip_prefix("converger_agent_feed_lagged_total "))
+        .find_map(|line| line.strip_prefix("converger_agent_feed_read_back_turns_total "))
         .and_then(|value| value.trim().parse().ok())
         .unwrap_or(0)
 }
 
 /// A channel's agents whose live feed falls behind its buffer lose the overflow. The turns lost
 /// with it are read back at once, not when their conversation gets its next frame: a user who
-/// waits for the answer sends none. The feed holds one event here, so bursts of turns overflow
-/// it; the bursts go on until one did.
+/// waits for the answer sends none. The feed holds one event here, so bursts of turns, then of
+/// edits of those turns, overflow it. Every turn and every edit must arrive, once; without the
+/// read-back a lost one never does. The bursts go on until a read-back handed a turn on, and
+/// at least five ran.
 #[tokio::test]
 async fn turns_lost_by_a_lagging_agent_feed_are_read_back_without_another_frame() {
     let node = TestNode::start_with(|config| {
@@ -179,20 +181,37 @@ async fn turns_lost_by_a_lagging_agent_feed_are_read_back_without_another_frame(
                 .send(json!({"type": "text", "clientId": "t-1", "data": {"text": "hello"}}))
                 .await;
         }
-        // Each turn reaches the agent, although no conversation gets another frame.
-        let mut waiting: std::collections::HashSet<Uuid> = users
-            .iter()
-            .map(|(_, conversation_id)| *conversation_id)
-            .collect();
-        while !waiting.is_empty() {
-            let (conversation_id, _) = delivery(&mut bot, "text").await;
-            waiting.remove(&conversation_id);
+        expect_each_once(&mut bot, &users, 0).await;
+        for (client, _) in &mut users {
+            let seq = client.recv_until("ack").await.last().unwrap()["seq"].clone();
+            client
+                .send(
+                    json!({"type": "edit", "clientId": "e-1", "seq": seq, "data": {"text": "hi"}}),
+                )
+                .await;
         }
-        if agent_feed_lags(&node).await > 0 {
+        expect_each_once(&mut bot, &users, 1).await;
+        if burst >= 4 && turns_read_back_after_lags(&node).await > 0 {
             return;
         }
     }
-    panic!("the agents' feed never fell behind in 20 bursts");
+    panic!("no turn was lost by the agents' feed and read back in 20 bursts");
+}
+
+/// Each user's turn at `revision` reaches the agent once, and nothing else of theirs does.
+async fn expect_each_once(bot: &mut WsClient, users: &[(WsClient, Uuid)], revision: i64) {
+    let mut waiting: std::collections::HashSet<Uuid> = users
+        .iter()
+        .map(|(_, conversation_id)| *conversation_id)
+        .collect();
+    while !waiting.is_empty() {
+        let (conversation_id, turn) = delivery(bot, "text").await;
+        assert_eq!(turn["meta"]["turn"]["revision"], revision, "{turn}");
+        assert!(
+            waiting.remove(&conversation_id),
+            "a turn of {conversation_id} arrived twice"
+        );
+    }
 }
 
 #[tokio::test]

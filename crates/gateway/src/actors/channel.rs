@@ -31,6 +31,12 @@ const FORGET_TICK: Duration = Duration::from_secs(10);
 /// Unanswered turns older than this are not handed on when a node starts serving a channel.
 const PENDING_TURNS_HORIZON: Duration = Duration::from_secs(3_600);
 
+/// After a lag, unanswered turns are read back from this long before the newest commit the
+/// feed delivered: commits reach the feed out of order by less than that (two commit workers,
+/// other nodes' notifications), and it covers the skew between this node's clock and the
+/// database's.
+const READ_BACK_MARGIN_MS: i64 = 10_000;
+
 /// A local agent connection: where its deliveries go, and its lease duration in lease mode.
 struct Link {
     lease: Option<Duration>,
@@ -44,6 +50,13 @@ pub(super) struct ChannelActor {
     store: Store,
     links: HashMap<String, Link>,
     decider: ChannelDecider,
+    /// The newest commit time (database clock, ms) of a frame the feed delivered: a lag lost
+    /// only commits after it, give or take [`READ_BACK_MARGIN_MS`].
+    newest_heard_ms: Option<i64>,
+    /// A read-back after a lag failed and its retry is scheduled: later lags wait for it.
+    read_back_retrying: bool,
+    /// Turns handed to a member here for the first time, so a read-back can tell what it found.
+    first_deliveries: u64,
 }
 
 impl ChannelActor {
@@ -59,6 +72,9 @@ impl ChannelActor {
             store,
             links: HashMap::new(),
             decider: ChannelDecider::new(remote_members),
+            newest_heard_ms: None,
+            read_back_retrying: false,
+            first_deliveries: 0,
         }
     }
 
@@ -85,7 +101,9 @@ impl ChannelActor {
                     Err(broadcast::error::RecvError::Lagged(missed)) => {
                         tracing::warn!(channel_id = %self.channel_id, missed, "agents: channel feed lagged; the channel's unanswered turns are read back");
                         metrics::counter!("converger_agent_feed_lagged_total").increment(1);
-                        self.read_back_unanswered().await;
+                        if !self.read_back_retrying {
+                            self.read_back_unanswered().await;
+                        }
                     }
                     Err(broadcast::error::RecvError::Closed) => return,
                 },
@@ -137,7 +155,10 @@ impl ChannelActor {
                 group,
             } => self.decider.remote_leave(&connection_id, &group),
             ActorMessage::Retry(event) => return self.on_event(event).await,
-            ActorMessage::ReadBackUnanswered => return self.read_back_unanswered().await,
+            ActorMessage::ReadBackUnanswered => {
+                self.read_back_retrying = false;
+                return self.read_back_unanswered().await;
+            }
             ActorMessage::Redeliver {
                 connection_id,
                 conversation_id,
@@ -159,6 +180,10 @@ impl ChannelActor {
         match event {
             HubEvent::Committed { seq, activity, .. } => {
                 let frame_at_ms = activity.as_ref().map(|activity| activity.timestamp_ms());
+                if let Some(at_ms) = frame_at_ms {
+                    self.newest_heard_ms =
+                        Some(self.newest_heard_ms.map_or(at_ms, |ms| ms.max(at_ms)));
+                }
                 let plan = self.decider.plan_committed(&conversation, seq, frame_at_ms);
                 let read = match (plan, activity) {
                     (CommittedPlan::Skip, _) => return,
@@ -274,6 +299,7 @@ impl ChannelActor {
                 } => {
                     let activity = &frames[frame];
                     if self.deliver_turn(&to, activity, turn).await && first {
+                        self.first_deliveries += 1;
                         metrics::counter!("converger_deliveries_total", "kind" => "first")
                             .increment(1);
                         // Commit (database clock) to hand-off to the member's connection on this
@@ -340,31 +366,45 @@ impl ChannelActor {
         }
     }
 
-    /// After the feed lost events: each unanswered turn of the channel is planned as if its
-    /// commit had just arrived. The decider skips what it handled already, reads back the holes
-    /// of the conversations it knows and hands each turn to its owner when that owner is here,
-    /// as it does for a commit it heard. A failed read is tried again.
+    /// After the feed lost events: each unanswered turn of the channel committed since shortly
+    /// before the newest commit the feed delivered is planned as if its commit had just
+    /// arrived, at the seq of its newest frame (an edit's, for an edited turn). The decider
+    /// skips what it handled already, reads back the holes of the conversations it knows and
+    /// hands each turn to its owner when that owner is here, as it does for a commit it heard.
+    /// A failed read is tried again.
     async fn read_back_unanswered(&mut self) {
+        let now_ms = chrono::Utc::now().timestamp_millis();
+        let horizon = self
+            .newest_heard_ms
+            .map_or(PENDING_TURNS_HORIZON, |newest_ms| {
+                let back_ms = (now_ms - newest_ms + READ_BACK_MARGIN_MS).max(READ_BACK_MARGIN_MS);
+                Duration::from_millis(back_ms.unsigned_abs()).min(PENDING_TURNS_HORIZON)
+            });
         let limit = converger_core::channel::MEMORY_CONVERSATIONS as i64;
         let pending = match self
             .store
-            .pending_turns_of_channel(self.channel_id, PENDING_TURNS_HORIZON, limit)
+            .pending_turns_of_channel(self.channel_id, horizon, limit)
             .await
         {
             Ok(pending) => pending,
             Err(error) => {
                 tracing::warn!(%error, channel_id = %self.channel_id, "agents: unanswered turns unreadable after a lag; retrying");
+                self.read_back_retrying = true;
                 self.send_to_self_after(ActorMessage::ReadBackUnanswered, FRAMES_RETRY);
                 return;
             }
         };
+        let delivered_before = self.first_deliveries;
         for turn in pending {
             let event = ChannelEvent {
                 conversation_id: turn.conversation_id,
-                event: HubEvent::committed_seq(turn.seq),
+                event: HubEvent::committed_seq(turn.frame_seq),
             };
             self.on_event(event).await;
         }
+        let handed_on = self.first_deliveries - delivered_before;
+        metrics::counter!("converger_agent_feed_read_back_turns_total").increment(handed_on);
+        tracing::info!(channel_id = %self.channel_id, handed_on, "agents: unanswered turns read back after a lag");
     }
 
     /// The channel's unanswered turns, for a node that starts serving it (or a group new here),

@@ -79,6 +79,8 @@ pub struct ChannelPendingTurn {
     pub conversation_id: Uuid,
     /// The turn's seq.
     pub seq: i64,
+    /// The seq of the turn's newest frame: its latest edit's, or the turn's own.
+    pub frame_seq: i64,
     /// When its latest revision was opened (database clock, ms).
     pub at_ms: i64,
 }
@@ -96,6 +98,10 @@ impl Store {
             .timed("pending_turns_of_channel", async {
                 sqlx::query_as::<_, ChannelPendingTurn>(
                     "SELECT t.conversation_id, t.seq,
+                            coalesce((SELECT e.source_seq FROM turns e
+                                       WHERE e.conversation_id = t.conversation_id AND e.seq = t.seq
+                                         AND e.reason = 'edit'
+                                       ORDER BY e.revision DESC LIMIT 1), t.seq) AS frame_seq,
                             floor(extract(epoch FROM t.created_at) * 1000)::bigint AS at_ms
                      FROM turns t JOIN conversations c ON c.id = t.conversation_id
                      WHERE t.status = 'pending'
@@ -166,6 +172,10 @@ impl Store {
             .timed("pending_turns_up_to", async {
                 sqlx::query_as::<_, ChannelPendingTurn>(
                     "SELECT t.conversation_id, t.seq,
+                            coalesce((SELECT e.source_seq FROM turns e
+                                       WHERE e.conversation_id = t.conversation_id AND e.seq = t.seq
+                                         AND e.reason = 'edit'
+                                       ORDER BY e.revision DESC LIMIT 1), t.seq) AS frame_seq,
                             floor(extract(epoch FROM t.created_at) * 1000)::bigint AS at_ms
                      FROM turns t
                      WHERE t.conversation_id = $1 AND t.seq <= $2 AND t.status = 'pending'
