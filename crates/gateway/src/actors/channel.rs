@@ -33,8 +33,7 @@ const PENDING_TURNS_HORIZON: Duration = Duration::from_secs(3_600);
 
 /// After a lag, unanswered turns are read back from this long before the newest commit the
 /// feed delivered: commits reach the feed out of order by less than that (two commit workers,
-/// other nodes' notifications), and it covers the skew between this node's clock and the
-/// database's.
+/// other nodes' notifications).
 const READ_BACK_MARGIN_MS: i64 = 10_000;
 
 /// A local agent connection: where its deliveries go, and its lease duration in lease mode.
@@ -53,8 +52,10 @@ pub(super) struct ChannelActor {
     /// The newest commit time (database clock, ms) of a frame the feed delivered: a lag lost
     /// only commits after it, give or take [`READ_BACK_MARGIN_MS`].
     newest_heard_ms: Option<i64>,
-    /// A read-back after a lag failed and its retry is scheduled: later lags wait for it.
-    read_back_retrying: bool,
+    /// A read-back owed since a lag and not done yet (a failed read waits for its retry): the
+    /// commit time (database clock, ms) it reads from, `None` for the whole horizon. A later
+    /// lag only moves it earlier; a read that succeeds clears it.
+    owed_read_back: Option<Option<i64>>,
     /// Turns handed to a member here for the first time, so a read-back can tell what it found.
     first_deliveries: u64,
 }
@@ -73,7 +74,7 @@ impl ChannelActor {
             links: HashMap::new(),
             decider: ChannelDecider::new(remote_members),
             newest_heard_ms: None,
-            read_back_retrying: false,
+            owed_read_back: None,
             first_deliveries: 0,
         }
     }
@@ -101,7 +102,7 @@ impl ChannelActor {
                     Err(broadcast::error::RecvError::Lagged(missed)) => {
                         tracing::warn!(channel_id = %self.channel_id, missed, "agents: channel feed lagged; the channel's unanswered turns are read back");
                         metrics::counter!("converger_agent_feed_lagged_total").increment(1);
-                        if !self.read_back_retrying {
+                        if self.owe_read_back() {
                             self.read_back_unanswered().await;
                         }
                     }
@@ -155,10 +156,7 @@ impl ChannelActor {
                 group,
             } => self.decider.remote_leave(&connection_id, &group),
             ActorMessage::Retry(event) => return self.on_event(event).await,
-            ActorMessage::ReadBackUnanswered => {
-                self.read_back_retrying = false;
-                return self.read_back_unanswered().await;
-            }
+            ActorMessage::ReadBackUnanswered => return self.read_back_unanswered().await,
             ActorMessage::Redeliver {
                 connection_id,
                 conversation_id,
@@ -366,34 +364,56 @@ impl ChannelActor {
         }
     }
 
-    /// After the feed lost events: each unanswered turn of the channel committed since shortly
-    /// before the newest commit the feed delivered is planned as if its commit had just
-    /// arrived, at the seq of its newest frame (an edit's, for an edited turn). The decider
-    /// skips what it handled already, reads back the holes of the conversations it knows and
-    /// hands each turn to its owner when that owner is here, as it does for a commit it heard.
-    /// A failed read is tried again.
-    async fn read_back_unanswered(&mut self) {
-        let now_ms = chrono::Utc::now().timestamp_millis();
-        let horizon = self
+    /// Records the read-back a lag owes: from [`READ_BACK_MARGIN_MS`] before the newest commit
+    /// the feed delivered (the lag lost only later ones), or the whole horizon before any.
+    /// True when no read-back was owed already; else the one owed, whose retry is scheduled,
+    /// now reads from the earlier of the two starts.
+    fn owe_read_back(&mut self) -> bool {
+        let from_ms = self
             .newest_heard_ms
-            .map_or(PENDING_TURNS_HORIZON, |newest_ms| {
-                let back_ms = (now_ms - newest_ms + READ_BACK_MARGIN_MS).max(READ_BACK_MARGIN_MS);
-                Duration::from_millis(back_ms.unsigned_abs()).min(PENDING_TURNS_HORIZON)
-            });
+            .map(|newest_ms| newest_ms - READ_BACK_MARGIN_MS);
+        match self.owed_read_back {
+            None => {
+                self.owed_read_back = Some(from_ms);
+                true
+            }
+            Some(owed) => {
+                self.owed_read_back = Some(owed.zip(from_ms).map(|(a, b)| a.min(b)));
+                false
+            }
+        }
+    }
+
+    /// The read-back a lag owes: each unanswered turn of the channel opened since its start
+    /// ([`ChannelActor::owe_read_back`]) is planned as if its commit had just arrived, at the
+    /// seq of its newest frame (an edit's, for an edited turn). The decider skips what it
+    /// handled already, reads back the holes of the conversations it knows and hands each turn
+    /// to its owner when that owner is here, as it does for a commit it heard. A failed read
+    /// stays owed and is tried again. The start is a commit time on the database's clock, read
+    /// by the database: this node's clock plays no part.
+    async fn read_back_unanswered(&mut self) {
+        let Some(opened_after_ms) = self.owed_read_back else {
+            return;
+        };
         let limit = converger_core::channel::MEMORY_CONVERSATIONS as i64;
         let pending = match self
             .store
-            .pending_turns_of_channel(self.channel_id, horizon, limit)
+            .pending_turns_of_channel(
+                self.channel_id,
+                PENDING_TURNS_HORIZON,
+                opened_after_ms,
+                limit,
+            )
             .await
         {
             Ok(pending) => pending,
             Err(error) => {
                 tracing::warn!(%error, channel_id = %self.channel_id, "agents: unanswered turns unreadable after a lag; retrying");
-                self.read_back_retrying = true;
                 self.send_to_self_after(ActorMessage::ReadBackUnanswered, FRAMES_RETRY);
                 return;
             }
         };
+        self.owed_read_back = None;
         let delivered_before = self.first_deliveries;
         for turn in pending {
             let event = ChannelEvent {
@@ -418,7 +438,7 @@ impl ChannelActor {
             let read_at_ms = self.store.database_now_ms().await?;
             let pending = self
                 .store
-                .pending_turns_of_channel(self.channel_id, PENDING_TURNS_HORIZON, limit)
+                .pending_turns_of_channel(self.channel_id, PENDING_TURNS_HORIZON, None, limit)
                 .await?;
             Ok::<_, converger_store::StoreError>((pending, read_at_ms))
         };

@@ -86,12 +86,14 @@ pub struct ChannelPendingTurn {
 }
 
 impl Store {
-    /// The channel's turns whose latest revision is unanswered and younger than `horizon`,
-    /// oldest first, at most `limit`.
+    /// The channel's turns whose latest revision is unanswered and younger than `horizon`, and
+    /// opened after `opened_after_ms` when that is named (database clock, ms), oldest first, at
+    /// most `limit`.
     pub async fn pending_turns_of_channel(
         &self,
         channel_id: Uuid,
         horizon: std::time::Duration,
+        opened_after_ms: Option<i64>,
         limit: i64,
     ) -> Result<Vec<ChannelPendingTurn>, StoreError> {
         let rows = self
@@ -106,6 +108,8 @@ impl Store {
                      FROM turns t JOIN conversations c ON c.id = t.conversation_id
                      WHERE t.status = 'pending'
                        AND t.created_at > now() - make_interval(secs => $2)
+                       AND ($4::bigint IS NULL
+                            OR t.created_at > to_timestamp($4::bigint / 1000.0))
                        AND c.channel_id = $1
                        AND NOT EXISTS (
                            SELECT 1 FROM turns later
@@ -117,6 +121,7 @@ impl Store {
                 .bind(channel_id)
                 .bind(horizon.as_secs_f64())
                 .bind(limit)
+                .bind(opened_after_ms)
                 .fetch_all(&self.pool)
                 .await
             })
