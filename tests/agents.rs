@@ -144,6 +144,15 @@ fn fast_settle(config: &mut converger_gateway::Config) {
     config.group_settle_ms = 150;
 }
 
+/// Channel `acme` on `node` and a settled member of its group `bot`.
+async fn settled_bot(node: &TestNode) -> (TenantFixture, WsClient) {
+    let acme = node.tenant_with_channel("acme").await;
+    let token = agent_token(node, &acme).await;
+    let (bot, welcome) = agent(node, &token, Some("bot")).await;
+    support::settle(&welcome).await;
+    (acme, bot)
+}
+
 /// The turns this test process's nodes handed on after their agents' feed lagged.
 async fn turns_read_back_after_lags(node: &TestNode) -> u64 {
     node.metrics()
@@ -167,10 +176,7 @@ async fn turns_lost_by_a_lagging_agent_feed_are_read_back_without_another_frame(
         config.turns.agent_feed_buffer = 1;
     })
     .await;
-    let acme = node.tenant_with_channel("acme").await;
-    let token = agent_token(&node, &acme).await;
-    let (mut bot, welcome) = agent(&node, &token, Some("bot")).await;
-    support::settle(&welcome).await;
+    let (acme, mut bot) = settled_bot(&node).await;
     for burst in 0..20 {
         let mut users = Vec::new();
         for n in 0..16 {
@@ -296,10 +302,7 @@ async fn observers_receive_every_frame_of_the_channel_and_forwarded_client_frame
 #[tokio::test]
 async fn a_member_gets_turns_with_meta_and_its_result_commits_and_reaches_the_user() {
     let node = TestNode::start_with(fast_settle).await;
-    let acme = node.tenant_with_channel("acme").await;
-    let token = agent_token(&node, &acme).await;
-    let (mut bot, welcome) = agent(&node, &token, Some("bot")).await;
-    support::settle(&welcome).await;
+    let (acme, mut bot) = settled_bot(&node).await;
     let (mut alice, conversation_id) = user(&node, &acme, "alice").await;
     let seq = say(&mut alice, "a-1", "hello bot").await;
 
@@ -352,10 +355,7 @@ async fn a_runtime_written_on_one_node_travels_with_its_commit_to_the_next_turn_
 #[tokio::test]
 async fn a_runtime_moved_without_an_event_is_read_for_a_regenerate_and_after_a_stale_refusal() {
     let node = TestNode::start_with(fast_settle).await;
-    let acme = node.tenant_with_channel("acme").await;
-    let token = agent_token(&node, &acme).await;
-    let (mut bot, welcome) = agent(&node, &token, Some("bot")).await;
-    support::settle(&welcome).await;
+    let (acme, mut bot) = settled_bot(&node).await;
     let (mut alice, conversation_id) = user(&node, &acme, "alice").await;
     let answer = |client_id: &str, seq: i64, revision: i64, runtime: Value, frames: Value| {
         let mut frame = turn_result(client_id, seq, "noted", Some(runtime));
@@ -435,10 +435,7 @@ async fn one_delivered_turn() -> OneTurn {
         config.limits.max_frames_per_sec = 1_000;
     })
     .await;
-    let acme = node.tenant_with_channel("acme").await;
-    let token = agent_token(&node, &acme).await;
-    let (mut bot, welcome) = agent(&node, &token, Some("bot")).await;
-    support::settle(&welcome).await;
+    let (acme, mut bot) = settled_bot(&node).await;
     let (mut alice, conversation_id) = user(&node, &acme, "alice").await;
     let seq = say(&mut alice, "a-1", "hi").await;
     delivery(&mut bot, "text").await;
@@ -783,10 +780,7 @@ async fn an_unanswered_turn_is_taken_over_when_its_member_leaves_and_an_answered
 #[tokio::test]
 async fn agent_transient_frames_are_relayed_to_the_user_and_proactive_frames_are_acked() {
     let node = TestNode::start_with(fast_settle).await;
-    let acme = node.tenant_with_channel("acme").await;
-    let token = agent_token(&node, &acme).await;
-    let (mut bot, welcome) = agent(&node, &token, Some("bot")).await;
-    support::settle(&welcome).await;
+    let (acme, mut bot) = settled_bot(&node).await;
     let (mut alice, conversation_id) = user(&node, &acme, "alice").await;
     say(&mut alice, "a-1", "are you there?").await;
     delivery(&mut bot, "text").await;
@@ -884,10 +878,7 @@ async fn a_silent_member_is_dropped_at_the_idle_timeout_and_its_turn_taken_over(
 #[tokio::test]
 async fn edit_and_regenerate_open_new_revisions_for_the_current_owner() {
     let node = TestNode::start_with(fast_settle).await;
-    let acme = node.tenant_with_channel("acme").await;
-    let token = agent_token(&node, &acme).await;
-    let (mut bot, welcome) = agent(&node, &token, Some("bot")).await;
-    support::settle(&welcome).await;
+    let (acme, mut bot) = settled_bot(&node).await;
     let (conversation_id, user_token) = node.conversation(&acme, "alice").await;
     let mut alice = WsClient::connect(&node.ws_url("")).await;
     alice.hello(&user_token, json!({})).await;

@@ -293,17 +293,13 @@ pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Hub {
-    /// An empty hub for node `node_id`, buffering the default 1,024 events per channel for its
-    /// agents.
-    pub fn new(node_id: impl Into<String>) -> Hub {
-        Hub::with_agent_feed_buffer(node_id, 1_024)
-    }
-
-    /// An empty hub for node `node_id`, buffering `events` per channel for its agents.
-    pub fn with_agent_feed_buffer(node_id: impl Into<String>, events: usize) -> Hub {
+    /// An empty hub for node `node_id`, buffering `agent_feed_buffer` events per channel for its
+    /// agents (`turns.agent_feed_buffer`).
+    pub fn new(node_id: impl Into<String>, agent_feed_buffer: usize) -> Hub {
         Hub {
             node_id: node_id.into(),
-            agent_feed_buffer: events.max(1),
+            // A broadcast channel of capacity 0 panics; the configuration never asks for it.
+            agent_feed_buffer: agent_feed_buffer.max(1),
             channels: Mutex::new(HashMap::new()),
             agents_connected: Mutex::new(HashMap::new()),
             conversations: Mutex::new(HashMap::new()),
@@ -566,7 +562,7 @@ mod tests {
 
     #[test]
     fn a_conversations_feed_goes_with_its_last_follower() {
-        let hub = Arc::new(Hub::new("node"));
+        let hub = Arc::new(Hub::new("node", 1_024));
         let conversation = Uuid::new_v4();
         let first = hub.subscribe(conversation);
         let second = hub.subscribe(conversation);

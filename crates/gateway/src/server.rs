@@ -81,10 +81,7 @@ impl Server {
             config.admin.clone(),
             config.http.clone(),
         );
-        let hub = Arc::new(Hub::with_agent_feed_buffer(
-            node_id.clone(),
-            config.turns.agent_feed_buffer,
-        ));
+        let hub = Arc::new(Hub::new(node_id.clone(), config.turns.agent_feed_buffer));
         let bus = Arc::new(crate::bus::Bus::open(&config, store.clone(), &node_id).await?);
         let streams = crate::streams::LiveStreams::start(
             &node_id,

@@ -84,9 +84,8 @@ pub enum ActorMessage {
     },
     /// A feed event whose frames could not be read the first time; sent by the actor itself.
     Retry(ChannelEvent),
-    /// The actor's feed lost events (it fell behind its buffer): read the channel's unanswered
-    /// turns back and hand on those no member here was given. Sent by the actor itself, again
-    /// after a failed read.
+    /// Try again the read-back a lag owes (the channel's unanswered turns, handed on where no
+    /// member here was given them) after a read that failed; sent by the actor itself.
     ReadBackUnanswered,
 }
 

@@ -7,6 +7,23 @@ use uuid::Uuid;
 use crate::activities::{ACTIVITY_COLUMNS, Activity};
 use crate::{Store, StoreError};
 
+/// The seq of the newest frame of the turn that `$turn` (an SQL alias with `conversation_id`
+/// and `seq`) names: its latest edit's, or the turn's own. The frame a pending turn is
+/// delivered as.
+macro_rules! newest_frame_seq {
+    ($turn:literal) => {
+        concat!(
+            "coalesce((SELECT e.source_seq FROM turns e WHERE e.conversation_id = ",
+            $turn,
+            ".conversation_id AND e.seq = ",
+            $turn,
+            ".seq AND e.reason = 'edit' ORDER BY e.revision DESC LIMIT 1), ",
+            $turn,
+            ".seq)"
+        )
+    };
+}
+
 /// A turn as delivered to an agent.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PendingTurn {
@@ -36,20 +53,22 @@ impl Store {
         let rows = self
             .timed("pending_turns", async {
                 sqlx::query(sqlx::AssertSqlSafe(format!(
-                    "SELECT {columns}, a.seq AS pending_seq, t.revision AS pending_revision, t.reason AS pending_reason
+                    concat!(
+                        "SELECT {columns}, a.seq AS pending_seq, t.revision AS pending_revision, t.reason AS pending_reason
                      FROM activities a
                      JOIN LATERAL (
                          SELECT revision, status, reason FROM turns
                          WHERE conversation_id = a.conversation_id AND seq = a.seq
                          ORDER BY revision DESC LIMIT 1
                      ) t ON t.status = 'pending'
-                     JOIN activities shown ON shown.conversation_id = a.conversation_id AND shown.seq = COALESCE(
-                         (SELECT source_seq FROM turns e
-                          WHERE e.conversation_id = a.conversation_id AND e.seq = a.seq AND e.reason = 'edit'
-                          ORDER BY e.revision DESC LIMIT 1),
-                         a.seq)
+                     JOIN activities shown ON shown.conversation_id = a.conversation_id
+                      AND shown.seq = ",
+                        newest_frame_seq!("a"),
+                        "
                      WHERE a.conversation_id = $1 AND a.seq = ANY($2)
                      ORDER BY a.seq"
+                    ),
+                    columns = columns
                 )))
                 .bind(conversation_id)
                 .bind(seqs)
@@ -98,12 +117,10 @@ impl Store {
     ) -> Result<Vec<ChannelPendingTurn>, StoreError> {
         let rows = self
             .timed("pending_turns_of_channel", async {
-                sqlx::query_as::<_, ChannelPendingTurn>(
-                    "SELECT t.conversation_id, t.seq,
-                            coalesce((SELECT e.source_seq FROM turns e
-                                       WHERE e.conversation_id = t.conversation_id AND e.seq = t.seq
-                                         AND e.reason = 'edit'
-                                       ORDER BY e.revision DESC LIMIT 1), t.seq) AS frame_seq,
+                sqlx::query_as::<_, ChannelPendingTurn>(concat!(
+                    "SELECT t.conversation_id, t.seq, ",
+                    newest_frame_seq!("t"),
+                    " AS frame_seq,
                             floor(extract(epoch FROM t.created_at) * 1000)::bigint AS at_ms
                      FROM turns t JOIN conversations c ON c.id = t.conversation_id
                      WHERE t.status = 'pending'
@@ -116,8 +133,8 @@ impl Store {
                            WHERE later.conversation_id = t.conversation_id
                              AND later.seq = t.seq AND later.revision > t.revision)
                      ORDER BY t.created_at, t.conversation_id, t.seq
-                     LIMIT $3",
-                )
+                     LIMIT $3"
+                ))
                 .bind(channel_id)
                 .bind(horizon.as_secs_f64())
                 .bind(limit)
@@ -175,12 +192,10 @@ impl Store {
     ) -> Result<Vec<ChannelPendingTurn>, StoreError> {
         let rows = self
             .timed("pending_turns_up_to", async {
-                sqlx::query_as::<_, ChannelPendingTurn>(
-                    "SELECT t.conversation_id, t.seq,
-                            coalesce((SELECT e.source_seq FROM turns e
-                                       WHERE e.conversation_id = t.conversation_id AND e.seq = t.seq
-                                         AND e.reason = 'edit'
-                                       ORDER BY e.revision DESC LIMIT 1), t.seq) AS frame_seq,
+                sqlx::query_as::<_, ChannelPendingTurn>(concat!(
+                    "SELECT t.conversation_id, t.seq, ",
+                    newest_frame_seq!("t"),
+                    " AS frame_seq,
                             floor(extract(epoch FROM t.created_at) * 1000)::bigint AS at_ms
                      FROM turns t
                      WHERE t.conversation_id = $1 AND t.seq <= $2 AND t.status = 'pending'
@@ -188,8 +203,8 @@ impl Store {
                            SELECT 1 FROM turns later
                            WHERE later.conversation_id = t.conversation_id
                              AND later.seq = t.seq AND later.revision > t.revision)
-                     ORDER BY t.seq",
-                )
+                     ORDER BY t.seq"
+                ))
                 .bind(conversation_id)
                 .bind(up_to)
                 .fetch_all(&self.pool)
