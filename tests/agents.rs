@@ -166,9 +166,9 @@ async fn turns_read_back_after_lags(node: &TestNode) -> u64 {
 /// A channel's agents whose live feed falls behind its buffer lose the overflow. The turns lost
 /// with it are read back at once, not when their conversation gets its next frame: a user who
 /// waits for the answer sends none. The feed holds one event here, so bursts of turns, then of
-/// edits of those turns, overflow it. Every turn and every edit must arrive, once; without the
-/// read-back a lost one never does. The bursts go on until a read-back handed a turn on, and
-/// at least five ran.
+/// edits of those turns, then of regenerates, overflow it. Every turn, edit and regenerate must
+/// arrive, once; without the read-back a lost one never does. The bursts go on until a
+/// read-back handed a turn on, and at least five ran.
 #[tokio::test]
 async fn turns_lost_by_a_lagging_agent_feed_are_read_back_without_another_frame() {
     let node = TestNode::start_with(|config| {
@@ -188,6 +188,7 @@ async fn turns_lost_by_a_lagging_agent_feed_are_read_back_without_another_frame(
                 .await;
         }
         expect_each_once(&mut bot, &users, 0).await;
+        let mut seqs = Vec::new();
         for (client, _) in &mut users {
             let seq = client.recv_until("ack").await.last().unwrap()["seq"].clone();
             client
@@ -195,8 +196,16 @@ async fn turns_lost_by_a_lagging_agent_feed_are_read_back_without_another_frame(
                     json!({"type": "edit", "clientId": "e-1", "seq": seq, "data": {"text": "hi"}}),
                 )
                 .await;
+            seqs.push(seq);
         }
         expect_each_once(&mut bot, &users, 1).await;
+        // A regenerate stores no frame: only its event, or the read-back, hands it on.
+        for ((client, _), seq) in users.iter_mut().zip(&seqs) {
+            client
+                .send(json!({"type": "regenerate", "clientId": "g-1", "seq": seq}))
+                .await;
+        }
+        expect_each_once(&mut bot, &users, 2).await;
         if burst >= 4 && turns_read_back_after_lags(&node).await > 0 {
             return;
         }

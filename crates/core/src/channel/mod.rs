@@ -30,6 +30,7 @@ pub use decision::{
 pub use handled::FORGET_AFTER_MS;
 
 use crate::groups::{GroupView, NOBODY, PassedTurns};
+use crate::recent::Recent;
 use handled::HandledSeqs;
 
 /// Conversations remembered per group.
@@ -58,6 +59,10 @@ pub struct ChannelDecider {
     memories: BTreeMap<String, PassedTurns>,
     /// Highest seq handled per conversation, for conversations handled lately.
     handled: HandledSeqs,
+    /// The newest revision decided per regenerated turn (conversation, seq), for turns
+    /// regenerated lately: a regenerate stores no frame, so this is how a read-back after a lag
+    /// tells a regenerate it missed from one it handled (ADR 0041).
+    regenerations: Recent<(String, i64), i32>,
     /// Turns whose stop arrived before their commit (the two come by different paths): they
     /// are never delivered. Bounded by [`MEMORY_STOPPED_AHEAD`].
     stopped_ahead: HashMap<String, BTreeSet<i64>>,
@@ -100,6 +105,7 @@ impl ChannelDecider {
             views,
             memories: BTreeMap::new(),
             handled: HandledSeqs::new(FORGET_AFTER_MS),
+            regenerations: Recent::new(conversations, FORGET_AFTER_MS),
             stopped_ahead: HashMap::new(),
             joining: None,
             following_from_ms: None,
@@ -118,6 +124,7 @@ impl ChannelDecider {
     /// The same decider forgetting idle conversations after another time (simulations).
     pub fn with_forget_after(mut self, forget_after_ms: i64) -> Self {
         self.handled = HandledSeqs::new(forget_after_ms);
+        self.regenerations = Recent::new(self.memory_conversations, forget_after_ms);
         self
     }
 
@@ -128,6 +135,7 @@ impl ChannelDecider {
     /// forgotten (ADR 0034).
     pub fn forget_idle(&mut self, now_ms: i64) {
         self.handled.forget_idle(now_ms);
+        let _ = self.regenerations.forget_idle(now_ms);
     }
 
     /// The local agent connection, if it is here.
@@ -569,9 +577,49 @@ impl ChannelDecider {
         decisions
     }
 
-    /// The local members that own the conversation now, one per group at most: a regenerated
-    /// turn is answered again by them.
-    pub fn current_local_owners(&self, conversation_id: &str, now_ms: i64) -> Vec<String> {
+    /// A regenerate opened `revision` of the turn `seq`, heard on the feed or found unanswered
+    /// by a read-back after a lag: the local members that own the conversation now (`now_ms`),
+    /// one per group at most, answer it again. None do when this revision or a newer one was
+    /// handed on already ([`ChannelDecider::note_regeneration`]), so a revision is not handed
+    /// on twice by its event and a read-back. A turn regenerated more than about
+    /// [`FORGET_AFTER_MS`] ago is no longer remembered, and a read-back that finds it still
+    /// unanswered hands it on again (agents de-duplicate by the turn's key).
+    pub fn regeneration_owners(
+        &self,
+        conversation_id: &str,
+        turn: (i64, i32),
+        now_ms: i64,
+    ) -> Vec<String> {
+        let (seq, revision) = turn;
+        let handed_on = self
+            .regenerations
+            .get(&(conversation_id.to_owned(), seq))
+            .is_some_and(|noted| *noted >= revision);
+        if handed_on {
+            return Vec::new();
+        }
+        self.current_local_owners(conversation_id, now_ms)
+    }
+
+    /// Remembers that `revision` of the regenerated turn `seq` was handed on here (after its
+    /// event, a read-back or a takeover); false when it or a newer revision was already. The
+    /// actor notes a revision once its frame was read, so a failed read is tried again.
+    pub fn note_regeneration(&mut self, conversation_id: &str, turn: (i64, i32)) -> bool {
+        let (seq, revision) = turn;
+        let key = (conversation_id.to_owned(), seq);
+        if self
+            .regenerations
+            .get(&key)
+            .is_some_and(|noted| *noted >= revision)
+        {
+            return false;
+        }
+        let _ = self.regenerations.insert(key, revision);
+        true
+    }
+
+    /// The local members that own the conversation now, one per group at most.
+    fn current_local_owners(&self, conversation_id: &str, now_ms: i64) -> Vec<String> {
         self.views
             .values()
             .filter_map(|view| view.owner(conversation_id, now_ms))

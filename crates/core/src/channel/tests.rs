@@ -1,4 +1,5 @@
-//! The decider's forgetting of idle conversations (ADR 0034), step by step.
+//! The decider's memories, step by step: the forgetting of idle conversations (ADR 0034), and
+//! the regenerations it handed on, which a read-back after a lag consults (ADR 0041).
 
 use super::*;
 
@@ -85,5 +86,96 @@ fn a_stop_of_a_forgotten_conversations_turn_is_not_kept_for_a_commit_to_come() {
     assert!(
         decider.stopped_ahead.is_empty(),
         "the stop of a handled turn is not remembered"
+    );
+}
+
+/// A decider with one local member, `m-1` of group `bot`, eligible from time 0, forgetting
+/// after 100 ms.
+fn with_a_member() -> ChannelDecider {
+    let mut decider = ChannelDecider::new(std::iter::empty())
+        .with_follow_margin(0)
+        .with_forget_after(100);
+    let member = LocalAgent {
+        group: Some("bot".into()),
+        since_ms: 0,
+        sender_id: "bot".into(),
+        leased: false,
+    };
+    decider.join("m-1", member);
+    decider.pending_read(None, &[], Some(0));
+    decider.forget_idle(0);
+    decider
+}
+
+/// What the channel actor does with a regeneration: asks whom it goes to, and notes it once
+/// handed on.
+fn hand_on(decider: &mut ChannelDecider, turn: (i64, i32), now_ms: i64) -> Vec<String> {
+    let owners = decider.regeneration_owners("x", turn, now_ms);
+    if !owners.is_empty() {
+        assert!(decider.note_regeneration("x", turn));
+    }
+    owners
+}
+
+#[test]
+fn a_regenerated_revision_is_handed_on_once_whether_its_event_or_a_read_back_comes_first() {
+    let mut decider = with_a_member();
+    let member = vec!["m-1".to_owned()];
+    assert_eq!(hand_on(&mut decider, (1, 1), 10), member);
+    assert!(
+        hand_on(&mut decider, (1, 1), 20).is_empty(),
+        "the read-back after a lag finds the revision its event handed on"
+    );
+    assert!(
+        hand_on(&mut decider, (1, 0), 20).is_empty(),
+        "an older revision is superseded"
+    );
+    assert_eq!(
+        hand_on(&mut decider, (1, 2), 30),
+        member,
+        "a newer revision is handed on"
+    );
+    assert_eq!(
+        hand_on(&mut decider, (3, 1), 30),
+        member,
+        "another turn of the conversation is another regeneration"
+    );
+}
+
+#[test]
+fn a_regeneration_not_noted_is_handed_on_by_the_next_read_back() {
+    let decider = with_a_member();
+    let member = vec!["m-1".to_owned()];
+    assert_eq!(
+        decider.regeneration_owners("x", (1, 1), 10),
+        member,
+        "its frame was unreadable, so the actor did not note it"
+    );
+    assert_eq!(decider.regeneration_owners("x", (1, 1), 20), member);
+}
+
+#[test]
+fn a_regeneration_a_takeover_handed_on_is_not_handed_on_again() {
+    let mut decider = with_a_member();
+    assert!(decider.note_regeneration("x", (1, 1)));
+    assert!(!decider.note_regeneration("x", (1, 1)));
+    assert!(decider.regeneration_owners("x", (1, 1), 10).is_empty());
+}
+
+#[test]
+fn a_regeneration_idle_for_two_periods_is_forgotten_and_handed_on_again() {
+    let mut decider = with_a_member();
+    let member = vec!["m-1".to_owned()];
+    assert_eq!(hand_on(&mut decider, (1, 1), 10), member);
+    decider.forget_idle(100);
+    assert!(
+        hand_on(&mut decider, (1, 1), 110).is_empty(),
+        "kept for a period at least"
+    );
+    decider.forget_idle(200);
+    assert_eq!(
+        hand_on(&mut decider, (1, 1), 210),
+        member,
+        "forgotten: a read-back then hands it on again, and the agent de-duplicates by its key"
     );
 }

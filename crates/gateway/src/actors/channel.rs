@@ -224,24 +224,10 @@ impl ChannelActor {
                 self.perform(decisions, &frames).await;
             }
             HubEvent::Regenerated { turn, revision } => {
-                // Answered again by the conversation's current owner in each group, when that
-                // owner is here.
-                let now = chrono::Utc::now().timestamp_millis();
-                let owners = self.decider.current_local_owners(&conversation, now);
-                if owners.is_empty() {
-                    return;
-                }
-                let Some(frame) = self.regenerated_frame(&turn, revision).await else {
-                    return;
-                };
-                let turn = TurnId {
-                    seq: turn.seq,
-                    revision,
-                    reason: Some(TurnReason::Regenerate),
-                };
-                for owner in owners {
-                    self.deliver_turn(&owner, &frame, turn).await;
-                }
+                // A frame unreadable here is delivered as the turn was sent, never held back.
+                let _ = self
+                    .hand_on_regenerated(conversation_id, (turn.seq, revision), Some(&*turn))
+                    .await;
             }
             HubEvent::TurnStopped(stop) => {
                 let now = chrono::Utc::now().timestamp_millis();
@@ -415,16 +401,87 @@ impl ChannelActor {
         };
         self.owed_read_back = None;
         let delivered_before = self.first_deliveries;
+        let mut regenerations = 0;
+        let mut unreadable = false;
         for turn in pending {
             let event = ChannelEvent {
                 conversation_id: turn.conversation_id,
                 event: HubEvent::committed_seq(turn.frame_seq),
             };
             self.on_event(event).await;
+            // A regenerate stores no frame, so the commit planned above is one this actor may
+            // have handled; the regeneration itself is handed on unless it was already.
+            if turn.reason.as_deref() != Some(TurnReason::Regenerate.as_str()) {
+                continue;
+            }
+            let regenerated = (turn.seq, turn.revision);
+            match self
+                .hand_on_regenerated(turn.conversation_id, regenerated, None)
+                .await
+            {
+                Ok(handed_on) => regenerations += handed_on,
+                Err(error) => {
+                    // Not noted as handed on: the retry reads it again, and skips the rest.
+                    tracing::warn!(%error, conversation_id = %turn.conversation_id, seq = turn.seq, "agents: a regenerated turn unreadable after a lag; retrying");
+                    unreadable = true;
+                }
+            }
         }
-        let handed_on = self.first_deliveries - delivered_before;
+        if unreadable {
+            self.owed_read_back = Some(opened_after_ms);
+            self.send_to_self_after(ActorMessage::ReadBackUnanswered, FRAMES_RETRY);
+        }
+        let handed_on = self.first_deliveries - delivered_before + regenerations;
         metrics::counter!("converger_agent_feed_read_back_turns_total").increment(handed_on);
         tracing::info!(channel_id = %self.channel_id, handed_on, "agents: unanswered turns read back after a lag");
+    }
+
+    /// Hands a regenerated revision of a turn to the conversation's current owner in each
+    /// group when that owner is here, unless it was handed on already (its event and a
+    /// read-back after a lag may both find it), and returns how many members got it. When its
+    /// frame is unreadable it is delivered as `sent` (the turn as its event carried it) when
+    /// that is at hand; else the error is returned and nothing is noted, so a retry hands it on.
+    async fn hand_on_regenerated(
+        &mut self,
+        conversation_id: Uuid,
+        regenerated: (i64, i32),
+        sent: Option<&Activity>,
+    ) -> Result<u64, converger_store::StoreError> {
+        let (seq, revision) = regenerated;
+        let conversation = conversation_id.to_string();
+        let now = chrono::Utc::now().timestamp_millis();
+        let owners = self
+            .decider
+            .regeneration_owners(&conversation, regenerated, now);
+        if owners.is_empty() {
+            return Ok(0);
+        }
+        let frame = match (
+            self.regenerated_frame(conversation_id, regenerated).await,
+            sent,
+        ) {
+            (Ok(Some(frame)), _) => frame,
+            // Answered, or superseded by a newer revision, which is handed on by itself.
+            (Ok(None), _) => return Ok(0),
+            (Err(error), Some(sent)) => {
+                tracing::warn!(%error, %conversation_id, seq, "regenerate: latest edit unreadable; delivering the turn as sent");
+                Arc::new(sent.clone())
+            }
+            (Err(error), None) => return Err(error),
+        };
+        self.decider.note_regeneration(&conversation, regenerated);
+        let turn = TurnId {
+            seq,
+            revision,
+            reason: Some(TurnReason::Regenerate),
+        };
+        let mut handed_on = 0;
+        for owner in owners {
+            if self.deliver_turn(&owner, &frame, turn).await {
+                handed_on += 1;
+            }
+        }
+        Ok(handed_on)
     }
 
     /// The channel's unanswered turns, for a node that starts serving it (or a group new here),
@@ -491,25 +548,21 @@ impl ChannelActor {
     /// The frame a regenerated turn is delivered with: its latest edit when it has one (as a
     /// takeover would deliver it), else the turn itself; `None` when that revision is no longer
     /// pending (answered, or superseded by a newer revision, which has its own event).
-    async fn regenerated_frame(&self, turn: &Activity, revision: i32) -> Option<Arc<Activity>> {
-        match self
-            .store
-            .pending_turns(turn.conversation_id, &[turn.seq])
-            .await
-        {
-            Ok(pending) => pending
-                .into_iter()
-                .find(|pending| pending.revision == revision)
-                .map(|pending| Arc::new(pending.activity)),
-            Err(error) => {
-                tracing::warn!(%error, conversation_id = %turn.conversation_id, seq = turn.seq, "regenerate: latest edit unreadable; delivering the turn as sent");
-                Some(Arc::new(turn.clone()))
-            }
-        }
+    async fn regenerated_frame(
+        &self,
+        conversation_id: Uuid,
+        regenerated: (i64, i32),
+    ) -> Result<Option<Arc<Activity>>, converger_store::StoreError> {
+        let (seq, revision) = regenerated;
+        let pending = self.store.pending_turns(conversation_id, &[seq]).await?;
+        Ok(pending
+            .into_iter()
+            .find(|pending| pending.revision == revision)
+            .map(|pending| Arc::new(pending.activity)))
     }
 
     /// Delivers those of `seqs` still unanswered to a local member, as taken over.
-    async fn deliver_pending(&self, conversation_id: &str, owner: &str, seqs: &[i64]) {
+    async fn deliver_pending(&mut self, conversation_id: &str, owner: &str, seqs: &[i64]) {
         let Ok(id) = Uuid::parse_str(conversation_id) else {
             return;
         };
@@ -527,6 +580,11 @@ impl ChannelActor {
                 revision: turn.revision,
                 reason: turn.reason.as_deref().and_then(TurnReason::parse),
             };
+            // A read-back after a lag must not hand this revision on a second time.
+            if turn_id.reason == Some(TurnReason::Regenerate) {
+                self.decider
+                    .note_regeneration(conversation_id, (turn_id.seq, turn_id.revision));
+            }
             self.deliver_turn(owner, &Arc::new(turn.activity), turn_id)
                 .await;
         }

@@ -100,6 +100,10 @@ pub struct ChannelPendingTurn {
     pub seq: i64,
     /// The seq of the turn's newest frame: its latest edit's, or the turn's own.
     pub frame_seq: i64,
+    /// The turn's latest revision.
+    pub revision: i32,
+    /// Why that revision exists (`edit` or `regenerate`), above revision 0.
+    pub reason: Option<String>,
     /// When its latest revision was opened (database clock, ms).
     pub at_ms: i64,
 }
@@ -120,7 +124,7 @@ impl Store {
                 sqlx::query_as::<_, ChannelPendingTurn>(concat!(
                     "SELECT t.conversation_id, t.seq, ",
                     newest_frame_seq!("t"),
-                    " AS frame_seq,
+                    " AS frame_seq, t.revision, t.reason,
                             floor(extract(epoch FROM t.created_at) * 1000)::bigint AS at_ms
                      FROM turns t JOIN conversations c ON c.id = t.conversation_id
                      WHERE t.status = 'pending'
@@ -195,7 +199,7 @@ impl Store {
                 sqlx::query_as::<_, ChannelPendingTurn>(concat!(
                     "SELECT t.conversation_id, t.seq, ",
                     newest_frame_seq!("t"),
-                    " AS frame_seq,
+                    " AS frame_seq, t.revision, t.reason,
                             floor(extract(epoch FROM t.created_at) * 1000)::bigint AS at_ms
                      FROM turns t
                      WHERE t.conversation_id = $1 AND t.seq <= $2 AND t.status = 'pending'
