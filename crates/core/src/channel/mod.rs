@@ -59,10 +59,10 @@ pub struct ChannelDecider {
     memories: BTreeMap<String, PassedTurns>,
     /// Highest seq handled per conversation, for conversations handled lately.
     handled: HandledSeqs,
-    /// The newest revision decided per regenerated turn (conversation, seq), for turns
-    /// regenerated lately: a regenerate stores no frame, so this is how a read-back after a lag
-    /// tells a regenerate it missed from one it handled (ADR 0041).
-    regenerations: Recent<(String, i64), i32>,
+    /// The newest revision handed on per regenerated turn and group (conversation, seq,
+    /// group), for turns regenerated lately: a regenerate stores no frame, so this is how a
+    /// read-back after a lag tells a regenerate it missed from one it handled (ADR 0041).
+    regenerations: Recent<(String, i64, String), i32>,
     /// Turns whose stop arrived before their commit (the two come by different paths): they
     /// are never delivered. Bounded by [`MEMORY_STOPPED_AHEAD`].
     stopped_ahead: HashMap<String, BTreeSet<i64>>,
@@ -578,35 +578,46 @@ impl ChannelDecider {
     }
 
     /// A regenerate opened `revision` of the turn `seq`, heard on the feed or found unanswered
-    /// by a read-back after a lag: the local members that own the conversation now (`now_ms`),
-    /// one per group at most, answer it again. None do when this revision or a newer one was
-    /// handed on already ([`ChannelDecider::note_regeneration`]), so a revision is not handed
-    /// on twice by its event and a read-back. A turn regenerated more than about
-    /// [`FORGET_AFTER_MS`] ago is no longer remembered, and a read-back that finds it still
-    /// unanswered hands it on again (agents de-duplicate by the turn's key).
+    /// by a read-back after a lag: the local members that own the conversation at `at_ms` (one
+    /// per group at most) answer it again, except in the groups it was handed on in already
+    /// ([`ChannelDecider::note_regeneration`]), so neither its event nor a read-back hands a
+    /// revision on twice. A revision is remembered for at least [`FORGET_AFTER_MS`] after it was
+    /// noted; a read-back that finds it still unanswered later hands it on again (agents
+    /// de-duplicate by the turn's key).
     pub fn regeneration_owners(
         &self,
         conversation_id: &str,
         turn: (i64, i32),
-        now_ms: i64,
+        at_ms: i64,
     ) -> Vec<String> {
         let (seq, revision) = turn;
-        let handed_on = self
-            .regenerations
-            .get(&(conversation_id.to_owned(), seq))
-            .is_some_and(|noted| *noted >= revision);
-        if handed_on {
-            return Vec::new();
-        }
-        self.current_local_owners(conversation_id, now_ms)
+        self.views
+            .iter()
+            .filter_map(|(group, view)| {
+                let owner = view.owner(conversation_id, at_ms)?;
+                if !self.agents.contains_key(owner) {
+                    return None;
+                }
+                let key = (conversation_id.to_owned(), seq, group.clone());
+                let handed_on = self
+                    .regenerations
+                    .get(&key)
+                    .is_some_and(|noted| *noted >= revision);
+                (!handed_on).then(|| owner.to_owned())
+            })
+            .collect()
     }
 
-    /// Remembers that `revision` of the regenerated turn `seq` was handed on here (after its
-    /// event, a read-back or a takeover); false when it or a newer revision was already. The
+    /// Remembers that `revision` of the regenerated turn `seq` was handed to the local member
+    /// `to` (after its event, a read-back or a takeover), for `to`'s group; false when it or a
+    /// newer revision was handed on in that group already, or `to` is not a member here. The
     /// actor notes a revision once its frame was read, so a failed read is tried again.
-    pub fn note_regeneration(&mut self, conversation_id: &str, turn: (i64, i32)) -> bool {
+    pub fn note_regeneration(&mut self, conversation_id: &str, turn: (i64, i32), to: &str) -> bool {
         let (seq, revision) = turn;
-        let key = (conversation_id.to_owned(), seq);
+        let Some(group) = self.agents.get(to).and_then(|agent| agent.group.clone()) else {
+            return false;
+        };
+        let key = (conversation_id.to_owned(), seq, group);
         if self
             .regenerations
             .get(&key)
@@ -616,16 +627,6 @@ impl ChannelDecider {
         }
         let _ = self.regenerations.insert(key, revision);
         true
-    }
-
-    /// The local members that own the conversation now, one per group at most.
-    fn current_local_owners(&self, conversation_id: &str, now_ms: i64) -> Vec<String> {
-        self.views
-            .values()
-            .filter_map(|view| view.owner(conversation_id, now_ms))
-            .filter(|owner| self.agents.contains_key(*owner))
-            .map(str::to_owned)
-            .collect()
     }
 
     /// A turn was stopped (ADR 0028): it is forgotten, so no takeover hands it on, and its

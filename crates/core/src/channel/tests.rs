@@ -89,39 +89,49 @@ fn a_stop_of_a_forgotten_conversations_turn_is_not_kept_for_a_commit_to_come() {
     );
 }
 
-/// A decider with one local member, `m-1` of group `bot`, eligible from time 0, forgetting
+/// A local member of `group`, eligible from time 0.
+fn member_of(group: &str) -> LocalAgent {
+    LocalAgent {
+        group: Some(group.into()),
+        since_ms: 0,
+        sender_id: group.into(),
+        leased: false,
+    }
+}
+
+/// A decider with local members `m-1` of group `bot` and `c-1` of group `critic`, forgetting
 /// after 100 ms.
-fn with_a_member() -> ChannelDecider {
+fn with_two_groups() -> ChannelDecider {
     let mut decider = ChannelDecider::new(std::iter::empty())
         .with_follow_margin(0)
         .with_forget_after(100);
-    let member = LocalAgent {
-        group: Some("bot".into()),
-        since_ms: 0,
-        sender_id: "bot".into(),
-        leased: false,
-    };
-    decider.join("m-1", member);
+    decider.join("m-1", member_of("bot"));
     decider.pending_read(None, &[], Some(0));
+    decider.join("c-1", member_of("critic"));
+    decider.pending_read(Some("critic"), &[], Some(0));
     decider.forget_idle(0);
     decider
 }
 
-/// What the channel actor does with a regeneration: asks whom it goes to, and notes it once
-/// handed on.
-fn hand_on(decider: &mut ChannelDecider, turn: (i64, i32), now_ms: i64) -> Vec<String> {
-    let owners = decider.regeneration_owners("x", turn, now_ms);
-    if !owners.is_empty() {
-        assert!(decider.note_regeneration("x", turn));
+/// What the channel actor does with a regeneration: asks whom it goes to, and notes it for
+/// each member it hands it to.
+fn hand_on(decider: &mut ChannelDecider, turn: (i64, i32), at_ms: i64) -> Vec<String> {
+    let owners = decider.regeneration_owners("x", turn, at_ms);
+    for owner in &owners {
+        assert!(decider.note_regeneration("x", turn, owner));
     }
     owners
 }
 
+/// Both members, in the order of their groups.
+fn both() -> Vec<String> {
+    vec!["m-1".to_owned(), "c-1".to_owned()]
+}
+
 #[test]
 fn a_regenerated_revision_is_handed_on_once_whether_its_event_or_a_read_back_comes_first() {
-    let mut decider = with_a_member();
-    let member = vec!["m-1".to_owned()];
-    assert_eq!(hand_on(&mut decider, (1, 1), 10), member);
+    let mut decider = with_two_groups();
+    assert_eq!(hand_on(&mut decider, (1, 1), 10), both());
     assert!(
         hand_on(&mut decider, (1, 1), 20).is_empty(),
         "the read-back after a lag finds the revision its event handed on"
@@ -132,41 +142,59 @@ fn a_regenerated_revision_is_handed_on_once_whether_its_event_or_a_read_back_com
     );
     assert_eq!(
         hand_on(&mut decider, (1, 2), 30),
-        member,
+        both(),
         "a newer revision is handed on"
     );
     assert_eq!(
         hand_on(&mut decider, (3, 1), 30),
-        member,
+        both(),
         "another turn of the conversation is another regeneration"
     );
 }
 
 #[test]
-fn a_regeneration_not_noted_is_handed_on_by_the_next_read_back() {
-    let decider = with_a_member();
-    let member = vec!["m-1".to_owned()];
+fn a_regeneration_a_takeover_handed_to_one_group_still_goes_to_the_other() {
+    let mut decider = with_two_groups();
+    assert!(decider.note_regeneration("x", (1, 1), "c-1"));
+    assert!(!decider.note_regeneration("x", (1, 1), "c-1"));
     assert_eq!(
         decider.regeneration_owners("x", (1, 1), 10),
-        member,
-        "its frame was unreadable, so the actor did not note it"
+        vec!["m-1".to_owned()]
     );
-    assert_eq!(decider.regeneration_owners("x", (1, 1), 20), member);
+    assert!(
+        !decider.note_regeneration("x", (1, 1), "nobody-here"),
+        "only a member here is noted"
+    );
 }
 
 #[test]
-fn a_regeneration_a_takeover_handed_on_is_not_handed_on_again() {
-    let mut decider = with_a_member();
-    assert!(decider.note_regeneration("x", (1, 1)));
-    assert!(!decider.note_regeneration("x", (1, 1)));
-    assert!(decider.regeneration_owners("x", (1, 1), 10).is_empty());
+fn a_regeneration_goes_to_the_owners_when_it_was_opened() {
+    let mut decider = with_two_groups();
+    let late = LocalAgent {
+        since_ms: 50,
+        ..member_of("bot")
+    };
+    decider.join("m-2", late);
+    // A conversation the late member owns from its eligibility on.
+    let conversation = (0..100)
+        .map(|n| format!("x-{n}"))
+        .find(|conversation| {
+            decider
+                .regeneration_owners(conversation, (1, 1), 60)
+                .contains(&"m-2".to_owned())
+        })
+        .expect("the late member owns some conversation");
+    assert_eq!(
+        decider.regeneration_owners(&conversation, (1, 1), 10),
+        both(),
+        "a regenerate opened before the late member was eligible goes to the owner then"
+    );
 }
 
 #[test]
 fn a_regeneration_idle_for_two_periods_is_forgotten_and_handed_on_again() {
-    let mut decider = with_a_member();
-    let member = vec!["m-1".to_owned()];
-    assert_eq!(hand_on(&mut decider, (1, 1), 10), member);
+    let mut decider = with_two_groups();
+    assert_eq!(hand_on(&mut decider, (1, 1), 10), both());
     decider.forget_idle(100);
     assert!(
         hand_on(&mut decider, (1, 1), 110).is_empty(),
@@ -175,7 +203,7 @@ fn a_regeneration_idle_for_two_periods_is_forgotten_and_handed_on_again() {
     decider.forget_idle(200);
     assert_eq!(
         hand_on(&mut decider, (1, 1), 210),
-        member,
+        both(),
         "forgotten: a read-back then hands it on again, and the agent de-duplicates by its key"
     );
 }

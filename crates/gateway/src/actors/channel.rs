@@ -225,8 +225,10 @@ impl ChannelActor {
             }
             HubEvent::Regenerated { turn, revision } => {
                 // A frame unreadable here is delivered as the turn was sent, never held back.
+                // Opened just now: the owners are the conversation's owners now.
+                let now = chrono::Utc::now().timestamp_millis();
                 let _ = self
-                    .hand_on_regenerated(conversation_id, (turn.seq, revision), Some(&*turn))
+                    .hand_on_regenerated(conversation_id, (turn.seq, revision), now, Some(&*turn))
                     .await;
             }
             HubEvent::TurnStopped(stop) => {
@@ -416,12 +418,13 @@ impl ChannelActor {
             }
             let regenerated = (turn.seq, turn.revision);
             match self
-                .hand_on_regenerated(turn.conversation_id, regenerated, None)
+                .hand_on_regenerated(turn.conversation_id, regenerated, turn.at_ms, None)
                 .await
             {
                 Ok(handed_on) => regenerations += handed_on,
                 Err(error) => {
-                    // Not noted as handed on: the retry reads it again, and skips the rest.
+                    // Not noted as handed on: the retry reads it again (and skips what this
+                    // read-back handed on).
                     tracing::warn!(%error, conversation_id = %turn.conversation_id, seq = turn.seq, "agents: a regenerated turn unreadable after a lag; retrying");
                     unreadable = true;
                 }
@@ -431,28 +434,31 @@ impl ChannelActor {
             self.owed_read_back = Some(opened_after_ms);
             self.send_to_self_after(ActorMessage::ReadBackUnanswered, FRAMES_RETRY);
         }
-        let handed_on = self.first_deliveries - delivered_before + regenerations;
+        let handed_on = self.first_deliveries - delivered_before;
         metrics::counter!("converger_agent_feed_read_back_turns_total").increment(handed_on);
-        tracing::info!(channel_id = %self.channel_id, handed_on, "agents: unanswered turns read back after a lag");
+        metrics::counter!("converger_agent_feed_read_back_regenerations_total")
+            .increment(regenerations);
+        tracing::info!(channel_id = %self.channel_id, handed_on, regenerations, "agents: unanswered turns read back after a lag");
     }
 
-    /// Hands a regenerated revision of a turn to the conversation's current owner in each
-    /// group when that owner is here, unless it was handed on already (its event and a
-    /// read-back after a lag may both find it), and returns how many members got it. When its
-    /// frame is unreadable it is delivered as `sent` (the turn as its event carried it) when
-    /// that is at hand; else the error is returned and nothing is noted, so a retry hands it on.
+    /// Hands a regenerated revision of a turn to the conversation's owner at `at_ms` (when it
+    /// was opened) in each group when that owner is here, unless it was handed on in that group
+    /// already (its event and a read-back after a lag may both find it), and returns how many
+    /// members got it. When its frame is unreadable it is delivered as `sent` (the turn as its
+    /// event carried it) when that is at hand; else the error is returned and nothing is noted,
+    /// so a retry hands it on.
     async fn hand_on_regenerated(
         &mut self,
         conversation_id: Uuid,
         regenerated: (i64, i32),
+        at_ms: i64,
         sent: Option<&Activity>,
     ) -> Result<u64, converger_store::StoreError> {
         let (seq, revision) = regenerated;
         let conversation = conversation_id.to_string();
-        let now = chrono::Utc::now().timestamp_millis();
         let owners = self
             .decider
-            .regeneration_owners(&conversation, regenerated, now);
+            .regeneration_owners(&conversation, regenerated, at_ms);
         if owners.is_empty() {
             return Ok(0);
         }
@@ -469,7 +475,6 @@ impl ChannelActor {
             }
             (Err(error), None) => return Err(error),
         };
-        self.decider.note_regeneration(&conversation, regenerated);
         let turn = TurnId {
             seq,
             revision,
@@ -477,6 +482,8 @@ impl ChannelActor {
         };
         let mut handed_on = 0;
         for owner in owners {
+            self.decider
+                .note_regeneration(&conversation, regenerated, &owner);
             if self.deliver_turn(&owner, &frame, turn).await {
                 handed_on += 1;
             }
@@ -582,8 +589,11 @@ impl ChannelActor {
             };
             // A read-back after a lag must not hand this revision on a second time.
             if turn_id.reason == Some(TurnReason::Regenerate) {
-                self.decider
-                    .note_regeneration(conversation_id, (turn_id.seq, turn_id.revision));
+                self.decider.note_regeneration(
+                    conversation_id,
+                    (turn_id.seq, turn_id.revision),
+                    owner,
+                );
             }
             self.deliver_turn(owner, &Arc::new(turn.activity), turn_id)
                 .await;
