@@ -112,6 +112,20 @@ pub struct CommitOutcome {
 
 pub(crate) const ACTIVITY_COLUMNS: &str = "conversation_id, seq, id, type, sender_id, sender_role, data, metadata, extra, client_id, created_at, turn_seq, turn_revision";
 
+/// Frames of one conversation to read: after `after_seq`, up to `up_to_seq`, and committed at
+/// or after `since_ms` (ms since the epoch) when that is named.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FrameRange {
+    /// The conversation.
+    pub conversation_id: Uuid,
+    /// Frames after this seq.
+    pub after_seq: i64,
+    /// Frames up to this seq.
+    pub up_to_seq: i64,
+    /// Frames committed at or after this time, when named.
+    pub since_ms: Option<i64>,
+}
+
 impl Activity {
     /// Commit time in milliseconds since the Unix epoch, as sent on the wire.
     pub fn timestamp_ms(&self) -> i64 {
@@ -241,6 +255,47 @@ impl Store {
             .bind(upto)
             .bind(since_ms as f64)
             .bind(window)
+            .fetch_all(&self.pool)
+            .await
+        })
+        .await
+    }
+
+    /// The frames of several conversations in one read, in order of conversation and seq:
+    /// the holes a read-back after a lag finds in many conversations at once (ADR 0041).
+    pub async fn activities_in_ranges(
+        &self,
+        ranges: &[FrameRange],
+    ) -> Result<Vec<Activity>, StoreError> {
+        if crate::faults::injected(crate::faults::LIST_ACTIVITIES) {
+            return Err(StoreError::Injected(crate::faults::LIST_ACTIVITIES));
+        }
+        let conversations: Vec<Uuid> = ranges.iter().map(|range| range.conversation_id).collect();
+        let afters: Vec<i64> = ranges.iter().map(|range| range.after_seq).collect();
+        let up_tos: Vec<i64> = ranges.iter().map(|range| range.up_to_seq).collect();
+        let sinces: Vec<Option<f64>> = ranges
+            .iter()
+            .map(|range| range.since_ms.map(|ms| ms as f64))
+            .collect();
+        // One probe of the primary key per range (a join could read whole conversations).
+        self.timed("activities_in_ranges", async {
+            sqlx::query_as::<_, Activity>(sqlx::AssertSqlSafe(format!(
+                "SELECT frame.* FROM unnest($1::uuid[], $2::bigint[], $3::bigint[],
+                                            $4::double precision[])
+                      AS range(range_conversation, after_seq, up_to_seq, since_ms)
+                 CROSS JOIN LATERAL (
+                     SELECT {ACTIVITY_COLUMNS} FROM activities
+                     WHERE conversation_id = range.range_conversation
+                       AND seq > range.after_seq AND seq <= range.up_to_seq
+                       AND (range.since_ms IS NULL
+                            OR created_at >= to_timestamp(range.since_ms / 1000))
+                     ORDER BY seq) frame
+                 ORDER BY frame.conversation_id, frame.seq"
+            )))
+            .bind(&conversations)
+            .bind(&afters)
+            .bind(&up_tos)
+            .bind(&sinces)
             .fetch_all(&self.pool)
             .await
         })

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 
-pub use activities::{Activity, CommitOutcome, NewActivity, Sender, SenderRole};
+pub use activities::{Activity, CommitOutcome, FrameRange, NewActivity, Sender, SenderRole};
 pub use channels::{Channel, ChannelStatus, TurnSettings};
 pub use conversations::{ChannelCatalogs, Conversation, ConversationFilter, PendingInterrupt};
 pub use error::StoreError;

@@ -10,7 +10,7 @@ use converger_core::channel::{
     ChannelDecider, CommittedPlan, Decision, LocalAgent, TurnId, TurnReason,
 };
 use converger_protocol::{Cancel, Envelope, TurnRef, Viewer};
-use converger_store::{Activity, Claim, Store};
+use converger_store::{Activity, Claim, FrameRange, Store};
 use tokio::sync::{broadcast, mpsc};
 use uuid::Uuid;
 
@@ -403,14 +403,9 @@ impl ChannelActor {
         };
         self.owed_read_back = None;
         let delivered_before = self.first_deliveries;
+        let mut unreadable = !self.read_back_frames(&pending).await;
         let mut regenerations = 0;
-        let mut unreadable = false;
         for turn in pending {
-            let event = ChannelEvent {
-                conversation_id: turn.conversation_id,
-                event: HubEvent::committed_seq(turn.frame_seq),
-            };
-            self.on_event(event).await;
             // A regenerate stores no frame, so the commit planned above is one this actor may
             // have handled; the regeneration itself is handed on unless it was already.
             if turn.reason.as_deref() != Some(TurnReason::Regenerate.as_str()) {
@@ -439,6 +434,73 @@ impl ChannelActor {
         metrics::counter!("converger_agent_feed_read_back_regenerations_total")
             .increment(regenerations);
         tracing::info!(channel_id = %self.channel_id, handed_on, regenerations, "agents: unanswered turns read back after a lag");
+    }
+
+    /// Plans each conversation of `pending` as if the commit of its newest unanswered turn's
+    /// newest frame had just arrived, and reads the frames those plans need (the holes, the
+    /// lost turns among them; a conversation new here or forgotten, its frames since it was
+    /// followed) in one query: a lag under load loses the turns of hundreds of conversations,
+    /// and a read for each kept the actor so long behind its feed that the feed lagged again
+    /// while it read. False when the read failed.
+    async fn read_back_frames(&mut self, pending: &[converger_store::ChannelPendingTurn]) -> bool {
+        let mut newest: HashMap<Uuid, i64> = HashMap::new();
+        for turn in pending {
+            let seq = newest.entry(turn.conversation_id).or_insert(turn.frame_seq);
+            *seq = (*seq).max(turn.frame_seq);
+        }
+        let mut ranges = Vec::new();
+        for (conversation_id, frame_seq) in newest {
+            let range = |after_seq, since_ms| FrameRange {
+                conversation_id,
+                after_seq,
+                up_to_seq: frame_seq,
+                since_ms,
+            };
+            match self
+                .decider
+                .plan_committed(&conversation_id.to_string(), frame_seq, None)
+            {
+                CommittedPlan::Skip => {}
+                CommittedPlan::Read { after, .. } => ranges.push(range(after, None)),
+                CommittedPlan::ReadSince { since_ms, .. } => {
+                    ranges.push(range(frame_seq - READ_SINCE_WINDOW, Some(since_ms)));
+                }
+                // Only a frame at hand is used as it is; none is here.
+                CommittedPlan::Use => ranges.push(range(frame_seq - 1, None)),
+            }
+        }
+        if ranges.is_empty() {
+            return true;
+        }
+        let frames = match self.store.activities_in_ranges(&ranges).await {
+            Ok(frames) => frames,
+            Err(error) => {
+                tracing::warn!(%error, channel_id = %self.channel_id, conversations = ranges.len(), "agents: frames unreadable after a lag; retrying");
+                return false;
+            }
+        };
+        let mut by_conversation: HashMap<Uuid, Vec<Arc<Activity>>> = HashMap::new();
+        for frame in frames {
+            by_conversation
+                .entry(frame.conversation_id)
+                .or_default()
+                .push(Arc::new(frame));
+        }
+        for range in ranges {
+            let frames = by_conversation
+                .remove(&range.conversation_id)
+                .unwrap_or_default();
+            let conversation = range.conversation_id.to_string();
+            let facts: Vec<_> = frames
+                .iter()
+                .map(|frame| wire::facts(frame, &conversation))
+                .collect();
+            let decisions = self
+                .decider
+                .committed(&conversation, range.up_to_seq, &facts);
+            self.perform(decisions, &frames).await;
+        }
+        true
     }
 
     /// Hands a regenerated revision of a turn to the conversation's owner at `at_ms` (when it
