@@ -771,3 +771,54 @@ async fn a_commit_names_the_runtime_version_left_by_the_batch_it_waited_for() {
         vec![(second.activity.seq, Some(2))]
     );
 }
+
+#[tokio::test]
+async fn a_batch_stuck_on_a_lock_holds_up_the_writes_beside_it_only_briefly() {
+    let db = TestDb::create().await;
+    let store = db.store().await;
+    let channel = web_channel(&store).await;
+    let stuck = alice_conversation(&store, channel).await;
+    let other = alice_conversation(&store, channel).await;
+
+    // Another transaction holds the first conversation's lock: its batch stays in flight.
+    let mut holder = db.connect().await;
+    sqlx::query("BEGIN").execute(&mut holder).await.unwrap();
+    sqlx::query("SELECT 1 FROM conversations WHERE id = $1 FOR NO KEY UPDATE")
+        .bind(stuck)
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    let writer = store.clone();
+    let waiting =
+        tokio::spawn(async move { writer.commit_activity(&frame(stuck, "stuck", "s-1")).await });
+    eventually(
+        "the batch waits for the conversation's lock",
+        Duration::from_secs(10),
+        || async {
+            db.count("SELECT count(*) FROM pg_locks WHERE NOT granted")
+                .await
+                > 0
+        },
+    )
+    .await;
+
+    // Writes beside it wait for it only a moment (ADR 0042), then start a batch of their own:
+    // a single one, and a batch's worth. Both sooner than the stuck batch's statement times out
+    // (5 s), which would also free them.
+    for count in [1, 32] {
+        let frames: Vec<NewActivity> = (0..count)
+            .map(|n| frame(other, "beside", &format!("b-{count}-{n}")))
+            .collect();
+        let outcomes =
+            tokio::time::timeout(Duration::from_secs(4), commit_together(&store, &frames))
+                .await
+                .expect("writes beside the stuck batch commit");
+        let seqs: Vec<_> = seqs_of(&outcomes).into_iter().flatten().collect();
+        assert_eq!(seqs.len(), count, "{outcomes:?}");
+        assert!(!waiting.is_finished(), "the first batch still waits");
+    }
+
+    sqlx::query("ROLLBACK").execute(&mut holder).await.unwrap();
+    let stored = waiting.await.unwrap().unwrap();
+    assert_eq!(stored.activity.seq, 1);
+}

@@ -6,9 +6,11 @@
 //! however many connections it uses. Grouping writes pays that flush once per batch.
 //!
 //! Writes queue here; `commit_workers` tasks each take whatever is queued (at least one write, at
-//! most [`MAX_BATCH`]) and commit it. There is no timer: an idle worker starts at once, so a
-//! lone write waits for nothing, and under load the queue fills while the other workers' flushes
-//! are in progress (ADR 0010). A batch, a lone write included, is one transaction of plain
+//! most [`MAX_BATCH`]) and commit it. There is no timer: a worker starts at once when no batch is
+//! in flight, so a lone write waits for nothing, and under load the queue fills while the other
+//! workers' flushes are in progress (ADR 0010). Beside a batch in flight, a worker starts only
+//! once [`OVERLAP_AFTER_WRITES`] writes wait or [`OVERLAP_WAIT_AT_MOST`] passed; fewer join the
+//! next batch (ADR 0042). A batch, a lone write included, is one transaction of plain
 //! statements (`statements`), whose outcomes are decided in Rust (`decide`, ADR 0037).
 //!
 //! Architecture invariant: a batch locks its conversations in id order, so two batches cannot
@@ -23,7 +25,7 @@ use std::time::Duration;
 
 use sqlx::pool::PoolConnection;
 use sqlx::{Connection, PgConnection, PgPool, Postgres};
-use tokio::sync::{Mutex, mpsc, oneshot};
+use tokio::sync::{Mutex, mpsc, oneshot, watch};
 
 use crate::activities::{CommitOutcome, NewActivity};
 use crate::bus::BusEvent;
@@ -41,6 +43,15 @@ const CONNECTION_OPERATION: &str = "group_commit_connection";
 
 /// Writes in one transaction at most.
 pub(crate) const MAX_BATCH: usize = 128;
+
+/// Writes that must be waiting before a worker starts a batch beside one in flight; fewer wait
+/// for that batch to finish and join the next (ADR 0042).
+const OVERLAP_AFTER_WRITES: usize = 32;
+
+/// How long writes beside a batch in flight wait for it at most: a batch stuck on a row lock
+/// (another transaction holds a conversation) holds up the writes of other conversations no
+/// longer than this (ADR 0042). A batch commits in a few ms here.
+const OVERLAP_WAIT_AT_MOST: Duration = Duration::from_millis(25);
 
 /// Writes queued beyond this wait for room (backpressure on the sessions).
 const QUEUE: usize = 4_096;
@@ -151,6 +162,7 @@ impl GroupCommit {
         let (queue, receiver) = mpsc::channel(QUEUE);
         let receiver = Arc::new(Mutex::new(receiver));
         let local = LocalCommitsCell::default();
+        let in_flight = Arc::new(watch::Sender::new(0));
         for _ in 0..workers {
             let batches = Batches {
                 pool: pool.clone(),
@@ -160,7 +172,7 @@ impl GroupCommit {
                 follower: follower.clone(),
                 notify,
             };
-            tokio::spawn(work(batches, Arc::clone(&receiver)));
+            tokio::spawn(work(batches, Arc::clone(&receiver), Arc::clone(&in_flight)));
         }
         GroupCommit {
             queue,
@@ -242,10 +254,15 @@ struct Batches {
 }
 
 /// One worker: takes what is queued and commits it as one transaction, until the queue closes.
-async fn work(mut batches: Batches, receiver: Arc<Mutex<mpsc::Receiver<Write>>>) {
+/// `in_flight` counts the workers' batches being committed.
+async fn work(
+    mut batches: Batches,
+    receiver: Arc<Mutex<mpsc::Receiver<Write>>>,
+    in_flight: Arc<watch::Sender<usize>>,
+) {
     loop {
         let mut batch = Vec::new();
-        {
+        let _committing = {
             // The worker that holds the queue takes what is queued at once, and holds it longer
             // only while nothing is queued.
             let mut receiver = match tokio::time::timeout(KEEP_WHILE_IDLE, receiver.lock()).await {
@@ -273,9 +290,60 @@ async fn work(mut batches: Batches, receiver: Arc<Mutex<mpsc::Receiver<Write>>>)
             if received == 0 {
                 return;
             }
-        }
+            join_the_next_batch(&mut receiver, &mut batch, &in_flight).await;
+            // Counted before the queue is let go, so the next worker sees this batch.
+            InFlight::count(&in_flight)
+        };
         metrics::histogram!("converger_group_commit_writes").record(batch.len() as f64);
         batches.commit(batch).await;
+    }
+}
+
+/// Beside a batch in flight, the writes taken wait for it to finish (at most
+/// [`OVERLAP_WAIT_AT_MOST`]), taking what arrives meanwhile, unless [`OVERLAP_AFTER_WRITES`]
+/// writes are taken: one flush for many writes costs less
+/// Postgres and gateway CPU than two flushes for half as many each, and the batch in flight
+/// holds the flush the waiting writes would otherwise pay for alone (ADR 0042). A closed queue
+/// ends the wait; what was taken is still committed.
+async fn join_the_next_batch(
+    receiver: &mut mpsc::Receiver<Write>,
+    batch: &mut Vec<Write>,
+    in_flight: &watch::Sender<usize>,
+) {
+    let mut committing = in_flight.subscribe();
+    let waited_enough = tokio::time::sleep(OVERLAP_WAIT_AT_MOST);
+    tokio::pin!(waited_enough);
+    while *committing.borrow_and_update() > 0 && batch.len() < OVERLAP_AFTER_WRITES {
+        tokio::select! {
+            () = &mut waited_enough => return,
+            changed = committing.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+            }
+            // Cancel safe: a wait that ends because the batch in flight finished took nothing.
+            received = receiver.recv_many(batch, MAX_BATCH - batch.len()) => {
+                if received == 0 {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// One batch being committed, counted while it lives.
+struct InFlight<'a>(&'a watch::Sender<usize>);
+
+impl<'a> InFlight<'a> {
+    fn count(in_flight: &'a watch::Sender<usize>) -> InFlight<'a> {
+        in_flight.send_modify(|batches| *batches += 1);
+        InFlight(in_flight)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.send_modify(|batches| *batches -= 1);
     }
 }
 
