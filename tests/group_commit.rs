@@ -113,6 +113,33 @@ async fn head_of(db: &TestDb, conversation_id: Uuid) -> i64 {
     .await
 }
 
+/// A transaction of its own that holds the conversation's row lock, as a batch would, until it
+/// ends.
+async fn lock_conversation(db: &TestDb, conversation_id: Uuid) -> sqlx::PgConnection {
+    let mut holder = db.connect().await;
+    sqlx::query("BEGIN").execute(&mut holder).await.unwrap();
+    sqlx::query("SELECT 1 FROM conversations WHERE id = $1 FOR NO KEY UPDATE")
+        .bind(conversation_id)
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    holder
+}
+
+/// Returns once a batch waits for a row lock.
+async fn a_batch_waits_for_a_lock(db: &TestDb) {
+    eventually(
+        "the batch waits for the conversation's lock",
+        Duration::from_secs(10),
+        || async {
+            db.count("SELECT count(*) FROM pg_locks WHERE NOT granted")
+                .await
+                > 0
+        },
+    )
+    .await;
+}
+
 /// Each outcome's (seq, duplicate), `None` for a refused write.
 fn seqs_of(outcomes: &[Result<CommitOutcome, StoreError>]) -> Vec<Option<(i64, bool)>> {
     outcomes
@@ -727,29 +754,14 @@ async fn a_commit_names_the_runtime_version_left_by_the_batch_it_waited_for() {
 
     // Another transaction holds the conversation's lock and moves the runtime, as a batch
     // would, while the next frame's batch waits for the lock.
-    let mut holder = db.connect().await;
-    sqlx::query("BEGIN").execute(&mut holder).await.unwrap();
-    sqlx::query("SELECT 1 FROM conversations WHERE id = $1 FOR NO KEY UPDATE")
-        .bind(conversation)
-        .execute(&mut holder)
-        .await
-        .unwrap();
+    let mut holder = lock_conversation(&db, conversation).await;
     let writer = store.clone();
     let second = tokio::spawn(async move {
         writer
             .commit_activity(&frame(conversation, "two", "c-2"))
             .await
     });
-    eventually(
-        "the batch waits for the conversation's lock",
-        Duration::from_secs(10),
-        || async {
-            db.count("SELECT count(*) FROM pg_locks WHERE NOT granted")
-                .await
-                > 0
-        },
-    )
-    .await;
+    a_batch_waits_for_a_lock(&db).await;
     sqlx::query(
         "UPDATE conversation_runtime SET version = 2, state = '{\"step\": 2}'
           WHERE conversation_id = $1",
@@ -781,26 +793,11 @@ async fn a_batch_stuck_on_a_lock_holds_up_the_writes_beside_it_only_briefly() {
     let other = alice_conversation(&store, channel).await;
 
     // Another transaction holds the first conversation's lock: its batch stays in flight.
-    let mut holder = db.connect().await;
-    sqlx::query("BEGIN").execute(&mut holder).await.unwrap();
-    sqlx::query("SELECT 1 FROM conversations WHERE id = $1 FOR NO KEY UPDATE")
-        .bind(stuck)
-        .execute(&mut holder)
-        .await
-        .unwrap();
+    let mut holder = lock_conversation(&db, stuck).await;
     let writer = store.clone();
     let waiting =
         tokio::spawn(async move { writer.commit_activity(&frame(stuck, "stuck", "s-1")).await });
-    eventually(
-        "the batch waits for the conversation's lock",
-        Duration::from_secs(10),
-        || async {
-            db.count("SELECT count(*) FROM pg_locks WHERE NOT granted")
-                .await
-                > 0
-        },
-    )
-    .await;
+    a_batch_waits_for_a_lock(&db).await;
 
     // Writes beside it wait for it only a moment (ADR 0042), then start a batch of their own:
     // a single one, and a batch's worth. Both sooner than the stuck batch's statement times out

@@ -235,34 +235,9 @@ impl Store {
         }
     }
 
-    /// Frames with `seq` ≤ `upto` committed at or after `since_ms` (ms since the epoch), in
-    /// order, looking at most `window` frames back from `upto`.
-    pub async fn activities_since(
-        &self,
-        conversation_id: Uuid,
-        since_ms: i64,
-        upto: i64,
-        window: i64,
-    ) -> Result<Vec<Activity>, StoreError> {
-        self.timed("activities_since", async {
-            sqlx::query_as::<_, Activity>(sqlx::AssertSqlSafe(format!(
-                "SELECT {ACTIVITY_COLUMNS} FROM activities
-                 WHERE conversation_id = $1 AND seq <= $2 AND seq > $2 - $4
-                   AND created_at >= to_timestamp($3::double precision / 1000)
-                 ORDER BY seq"
-            )))
-            .bind(conversation_id)
-            .bind(upto)
-            .bind(since_ms as f64)
-            .bind(window)
-            .fetch_all(&self.pool)
-            .await
-        })
-        .await
-    }
-
-    /// The frames of several conversations in one read, in order of conversation and seq:
-    /// the holes a read-back after a lag finds in many conversations at once (ADR 0041).
+    /// The frames of one or several conversations in one read, in order of conversation and
+    /// seq: what a channel actor's plans need, for one commit it heard or for the holes a
+    /// read-back after a lag finds in many conversations at once (ADR 0041).
     pub async fn activities_in_ranges(
         &self,
         ranges: &[FrameRange],

@@ -599,11 +599,7 @@ impl ChannelDecider {
                     return None;
                 }
                 let key = (conversation_id.to_owned(), seq, group.clone());
-                let handed_on = self
-                    .regenerations
-                    .get(&key)
-                    .is_some_and(|noted| *noted >= revision);
-                (!handed_on).then(|| owner.to_owned())
+                (!self.regeneration_noted(&key, revision)).then(|| owner.to_owned())
             })
             .collect()
     }
@@ -618,15 +614,18 @@ impl ChannelDecider {
             return false;
         };
         let key = (conversation_id.to_owned(), seq, group);
-        if self
-            .regenerations
-            .get(&key)
-            .is_some_and(|noted| *noted >= revision)
-        {
+        if self.regeneration_noted(&key, revision) {
             return false;
         }
         let _ = self.regenerations.insert(key, revision);
         true
+    }
+
+    /// True when `revision` or a newer one of the turn was handed on in the group `key` names.
+    fn regeneration_noted(&self, key: &(String, i64, String), revision: i32) -> bool {
+        self.regenerations
+            .get(key)
+            .is_some_and(|noted| *noted >= revision)
     }
 
     /// A turn was stopped (ADR 0028): it is forgotten, so no takeover hands it on, and its

@@ -36,6 +36,24 @@ const PENDING_TURNS_HORIZON: Duration = Duration::from_secs(3_600);
 /// other nodes' notifications).
 const READ_BACK_MARGIN_MS: i64 = 10_000;
 
+/// The frames a plan for the commit of `seq` reads, all up to `seq`: none to skip it, else a
+/// hole, the frames since the conversation was followed, or the frame itself (a plan to use
+/// the frame reads it when it is not at hand).
+fn frames_to_read(conversation_id: Uuid, seq: i64, plan: CommittedPlan) -> Option<FrameRange> {
+    let (after_seq, since_ms) = match plan {
+        CommittedPlan::Skip => return None,
+        CommittedPlan::Use => (seq - 1, None),
+        CommittedPlan::Read { after, .. } => (after, None),
+        CommittedPlan::ReadSince { since_ms, .. } => (seq - READ_SINCE_WINDOW, Some(since_ms)),
+    };
+    Some(FrameRange {
+        conversation_id,
+        after_seq,
+        up_to_seq: seq,
+        since_ms,
+    })
+}
+
 /// A local agent connection: where its deliveries go, and its lease duration in lease mode.
 struct Link {
     lease: Option<Duration>,
@@ -183,24 +201,14 @@ impl ChannelActor {
                         Some(self.newest_heard_ms.map_or(at_ms, |ms| ms.max(at_ms)));
                 }
                 let plan = self.decider.plan_committed(&conversation, seq, frame_at_ms);
-                let read = match (plan, activity) {
-                    (CommittedPlan::Skip, _) => return,
-                    (CommittedPlan::Use, Some(activity)) => Ok(vec![activity]),
-                    (CommittedPlan::ReadSince { since_ms, upto }, _) => self
+                let read = match (frames_to_read(conversation_id, seq, plan), activity) {
+                    (None, _) => return,
+                    (Some(_), Some(activity)) if plan == CommittedPlan::Use => Ok(vec![activity]),
+                    (Some(range), _) => self
                         .store
-                        .activities_since(conversation_id, since_ms, upto, READ_SINCE_WINDOW)
+                        .activities_in_ranges(&[range])
                         .await
                         .map(|rows| rows.into_iter().map(Arc::new).collect()),
-                    (CommittedPlan::Use, None) | (CommittedPlan::Read { .. }, _) => {
-                        let (after, count) = match plan {
-                            CommittedPlan::Read { after, count } => (after, count),
-                            _ => (seq - 1, 1),
-                        };
-                        self.store
-                            .list_activities(conversation_id, after, count)
-                            .await
-                            .map(|rows| rows.into_iter().map(Arc::new).collect())
-                    }
                 };
                 let frames: Vec<Arc<Activity>> = match read {
                     Ok(frames) => frames,
@@ -448,27 +456,15 @@ impl ChannelActor {
             let seq = newest.entry(turn.conversation_id).or_insert(turn.frame_seq);
             *seq = (*seq).max(turn.frame_seq);
         }
-        let mut ranges = Vec::new();
-        for (conversation_id, frame_seq) in newest {
-            let range = |after_seq, since_ms| FrameRange {
-                conversation_id,
-                after_seq,
-                up_to_seq: frame_seq,
-                since_ms,
-            };
-            match self
-                .decider
-                .plan_committed(&conversation_id.to_string(), frame_seq, None)
-            {
-                CommittedPlan::Skip => {}
-                CommittedPlan::Read { after, .. } => ranges.push(range(after, None)),
-                CommittedPlan::ReadSince { since_ms, .. } => {
-                    ranges.push(range(frame_seq - READ_SINCE_WINDOW, Some(since_ms)));
-                }
-                // Only a frame at hand is used as it is; none is here.
-                CommittedPlan::Use => ranges.push(range(frame_seq - 1, None)),
-            }
-        }
+        let ranges: Vec<FrameRange> = newest
+            .into_iter()
+            .filter_map(|(conversation_id, frame_seq)| {
+                let plan =
+                    self.decider
+                        .plan_committed(&conversation_id.to_string(), frame_seq, None);
+                frames_to_read(conversation_id, frame_seq, plan)
+            })
+            .collect();
         if ranges.is_empty() {
             return true;
         }
