@@ -11,6 +11,7 @@ use uuid::Uuid;
 
 use super::AgentSession;
 use crate::actors::Delivery;
+use crate::recent::monotonic_ms;
 use crate::runtimes::{DeliveredAt, Runtime, delivered_at};
 use crate::wire;
 use crate::ws::session::{Ending, internal_close};
@@ -49,6 +50,12 @@ impl AgentSession<'_> {
                 Delivery::Frame(_) => None,
             })
             .collect();
+        let _ = self.delivered_conversations.forget_idle(monotonic_ms());
+        for turn in &turns {
+            let _ = self
+                .delivered_conversations
+                .insert(turn.conversation_id, ());
+        }
         let runtimes = self.runtimes_of(&turns).await?;
         let channel_id = self.channel_id.to_string();
         for delivery in batch {

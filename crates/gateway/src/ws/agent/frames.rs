@@ -191,9 +191,16 @@ impl AgentSession<'_> {
             && self.known_conversations.len() >= self.state.config.limits.max_conversations
     }
 
-    /// True when the conversation belongs to this channel (checked once per conversation).
+    /// True when the conversation belongs to this channel (checked once per conversation). A
+    /// conversation whose turn this connection was handed is the channel's: the channel actor
+    /// delivers only its own channel's turns. Any other is looked up, off no one's path but
+    /// this connection's (a lookup per new conversation made every first answer wait for it).
     async fn owns_conversation(&mut self, conversation_id: Uuid) -> Result<bool, Ending> {
         if self.known_conversations.contains(&conversation_id) {
+            return Ok(true);
+        }
+        if self.delivered_conversations.get(&conversation_id).is_some() {
+            self.known_conversations.insert(conversation_id);
             return Ok(true);
         }
         match self

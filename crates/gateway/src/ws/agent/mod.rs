@@ -37,6 +37,7 @@ use super::session::{
 };
 use crate::actors::{ActorMessage, Delivery};
 use crate::hub::{SessionControl, SessionIdentity};
+use crate::recent::{RECENT_PERIOD_MS, Recent};
 use crate::state::AppState;
 use crate::tokens::Claims;
 
@@ -45,6 +46,11 @@ use results::ResultsInFlight;
 
 /// Role of agents in `sender.role` and relayed frames.
 const AGENT_ROLE: &str = "agent";
+
+/// Conversations delivered to a connection that it remembers per generation (two are kept, a
+/// minute or two): an answer to a turn delivered longer ago, or past this many, costs one
+/// lookup of the conversation's channel.
+const DELIVERED_REMEMBERED: usize = 4_096;
 
 struct AgentSession<'a> {
     state: &'a AppState,
@@ -55,6 +61,10 @@ struct AgentSession<'a> {
     sender_id: String,
     /// Conversations checked to belong to the channel.
     known_conversations: HashSet<Uuid>,
+    /// Conversations whose turns the channel actor handed this connection lately: they belong
+    /// to the channel, so answering them needs no lookup (they count towards
+    /// `maxConversations` only once the agent sends for them).
+    delivered_conversations: Recent<Uuid, ()>,
     /// Lease mode: how long each claim lasts (answers must carry the delivery's fence).
     lease: Option<Duration>,
     /// The channel actor (set once joined).
@@ -106,6 +116,7 @@ pub(super) async fn run(
         claims,
         connection_id,
         known_conversations: HashSet::new(),
+        delivered_conversations: Recent::new(DELIVERED_REMEMBERED, RECENT_PERIOD_MS),
         lease,
         inbox: None,
         rate: TokenBucket::new(state.config.limits.max_frames_per_sec, now.into_std()),
