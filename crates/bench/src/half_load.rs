@@ -23,9 +23,12 @@ pub struct HalfLoadArgs {
     /// Closed-loop user counts whose best throughput is the maximum.
     #[arg(long, value_delimiter = ',', default_value = "64,1000")]
     max_users: Vec<usize>,
-    /// Users that share the paced half-maximum load.
-    #[arg(long, default_value_t = 64)]
-    paced_users: usize,
+    /// Users that share the paced half-maximum load (default: as many as in the closed-loop
+    /// run that reached the maximum). Each user has one turn in flight at a time, so users
+    /// too few for the rate queue behind their own previous turns: 64 users paced at several
+    /// thousand turns/s keep each user busy most of the time, whatever the gateway's load.
+    #[arg(long)]
+    paced_users: Option<usize>,
     /// Agents in one group answering every turn.
     #[arg(long, default_value_t = 4)]
     agents: usize,
@@ -47,17 +50,21 @@ pub async fn run(args: HalfLoadArgs) -> anyhow::Result<()> {
         eprintln!("closed loop, {users} users, {} s …", args.duration);
         closed_loop.push(turns::figures(&turns_args(&args, *users, None)).await?);
     }
-    let maximum = closed_loop
+    let Some(best) = closed_loop
         .iter()
-        .map(|figures| figures.turns_per_sec)
-        .fold(0.0, f64::max);
+        .max_by(|a, b| a.turns_per_sec.total_cmp(&b.turns_per_sec))
+    else {
+        anyhow::bail!("no closed-loop user count given");
+    };
+    let maximum = best.turns_per_sec;
     anyhow::ensure!(maximum > 0.0, "no closed-loop run answered a turn");
     let half = maximum / 2.0;
+    let paced_users = args.paced_users.unwrap_or(best.users);
     eprintln!(
-        "paced at {half:.0} turns/s, {} users, {} s …",
-        args.paced_users, args.duration
+        "paced at {half:.0} turns/s, {paced_users} users, {} s …",
+        args.duration
     );
-    let paced = turns::figures(&turns_args(&args, args.paced_users, Some(half))).await?;
+    let paced = turns::figures(&turns_args(&args, paced_users, Some(half))).await?;
     anyhow::ensure!(paced.turns > 0, "the paced run answered no turn");
     print(&closed_loop, maximum, &paced);
     Ok(())

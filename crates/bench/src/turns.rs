@@ -198,8 +198,14 @@ async fn measure(args: &TurnsArgs, gateway: &Gateway) -> anyhow::Result<TurnsFig
         users.push(tokio::spawn(user_loop(user, deadline, schedule, arrivals)));
     }
     let mut samples = Samples::default();
+    // Sockets stay open until every user is done: a user that finished early and disconnected
+    // would make the gateway record its departure (presence) while the others' last turns are
+    // still in flight, and the window measures turns, not sessions closing.
+    let mut sockets = Vec::new();
     for user in users {
-        samples.extend(user.await?.context("user loop")?);
+        let (user_samples, socket) = user.await?.context("user loop")?;
+        samples.extend(user_samples);
+        sockets.push(socket);
     }
     let elapsed = started.elapsed().as_secs_f64();
     let cpu_after = machine::cpu_ticks(gateway.pid()).unwrap_or(0);
@@ -209,6 +215,7 @@ async fn measure(args: &TurnsArgs, gateway: &Gateway) -> anyhow::Result<TurnsFig
     for agent in agents {
         agent.abort();
     }
+    drop(sockets);
     let turns = samples.round_trip.len();
     let turns_per_sec = turns as f64 / elapsed;
     let cpu_percent =
@@ -382,7 +389,7 @@ async fn user_loop(
     deadline: Instant,
     schedule: Option<Schedule>,
     arrivals: Arrivals,
-) -> anyhow::Result<Samples> {
+) -> anyhow::Result<(Samples, Socket)> {
     let ConnectedUser {
         mut socket,
         conversation_id,
@@ -442,7 +449,7 @@ async fn user_loop(
             }
         }
     }
-    Ok(samples)
+    Ok((samples, socket))
 }
 
 #[cfg(test)]
