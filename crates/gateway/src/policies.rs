@@ -78,8 +78,8 @@ impl ChannelTurnsCache {
         {
             return Ok(Arc::clone(turns));
         }
-        let channel = store
-            .channel(channel_id)
+        // Boxed: read once per TTL, it need not weigh on every send's future.
+        let channel = Box::pin(store.channel(channel_id))
             .await?
             .ok_or(StoreError::ChannelNotFound)?;
         let turns = Arc::new(ChannelTurns::of(&channel, defaults));
@@ -138,18 +138,22 @@ pub(crate) async fn commit_send(
         return Ok(state.store.commit_activity(new).await?);
     }
     metrics::counter!("converger_policy_sends_total", "policy" => policy.as_str()).increment(1);
-    let committed = state
-        .store
-        .commit_with_policy(new, |running| verdict(policy, running))
-        .await?;
+    // Boxed: a policy's transaction is a large future, and every send's future would carry
+    // its size (moved into a box per send) if it were inline.
+    let committed = Box::pin(
+        state
+            .store
+            .commit_with_policy(new, |running| verdict(policy, running)),
+    )
+    .await?;
     for turn in &committed.stopped {
-        crate::stops::announce(
+        Box::pin(crate::stops::announce(
             state,
             committed.channel_id,
             new.conversation_id,
             *turn,
             StopReason::Superseded,
-        )
+        ))
         .await;
     }
     Ok(committed.outcome)
