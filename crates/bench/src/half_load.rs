@@ -23,10 +23,10 @@ pub struct HalfLoadArgs {
     /// Closed-loop user counts whose best throughput is the maximum.
     #[arg(long, value_delimiter = ',', default_value = "64,1000")]
     max_users: Vec<usize>,
-    /// Users that share the paced half-maximum load (default: as many as in the closed-loop
-    /// run that reached the maximum). Each user has one turn in flight at a time, so users
-    /// too few for the rate queue behind their own previous turns: 64 users paced at several
-    /// thousand turns/s keep each user busy most of the time, whatever the gateway's load.
+    /// Users that share the paced half-maximum load (default: the largest closed-loop user
+    /// count). Each user has one turn in flight at a time, so users too few for the rate
+    /// queue behind their own previous turns: 64 users paced at several thousand turns/s keep
+    /// each user busy most of the time, whatever the gateway's load.
     #[arg(long)]
     paced_users: Option<usize>,
     /// Agents in one group answering every turn.
@@ -59,7 +59,8 @@ pub async fn run(args: HalfLoadArgs) -> anyhow::Result<()> {
     let maximum = best.turns_per_sec;
     anyhow::ensure!(maximum > 0.0, "no closed-loop run answered a turn");
     let half = maximum / 2.0;
-    let paced_users = args.paced_users.unwrap_or(best.users);
+    let most_users = closed_loop.iter().map(|figures| figures.users).max();
+    let paced_users = args.paced_users.or(most_users).unwrap_or(best.users);
     eprintln!(
         "paced at {half:.0} turns/s, {paced_users} users, {} s …",
         args.duration

@@ -15,6 +15,7 @@ use uuid::Uuid;
 use super::{AGENT_ROLE, AgentSession};
 use crate::actors::ActorMessage;
 use crate::publish::{self, Audience, Transient};
+use crate::recent::monotonic_ms;
 use crate::tokens::Scope;
 use crate::ws::session::{
     Ending, expiry_instant, internal_close, now_ms, refusal_frame, token_refused,
@@ -199,6 +200,7 @@ impl AgentSession<'_> {
         if self.known_conversations.contains(&conversation_id) {
             return Ok(true);
         }
+        let _ = self.delivered_conversations.forget_idle(monotonic_ms());
         if self.delivered_conversations.get(&conversation_id).is_some() {
             self.known_conversations.insert(conversation_id);
             return Ok(true);

@@ -47,9 +47,9 @@ use results::ResultsInFlight;
 /// Role of agents in `sender.role` and relayed frames.
 const AGENT_ROLE: &str = "agent";
 
-/// Conversations delivered to a connection that it remembers per generation (two are kept, a
-/// minute or two): an answer to a turn delivered longer ago, or past this many, costs one
-/// lookup of the conversation's channel.
+/// Conversations delivered to a connection that it remembers per generation (two generations
+/// are kept): an answer to a turn delivered longer ago, or past this many, costs one lookup of
+/// the conversation's channel.
 const DELIVERED_REMEMBERED: usize = 4_096;
 
 struct AgentSession<'a> {
@@ -63,7 +63,9 @@ struct AgentSession<'a> {
     known_conversations: HashSet<Uuid>,
     /// Conversations whose turns the channel actor handed this connection lately: they belong
     /// to the channel, so answering them needs no lookup (they count towards
-    /// `maxConversations` only once the agent sends for them).
+    /// `maxConversations` only once the agent sends for them). Deliveries and the agent's
+    /// frames tell it the time, so an entry idle for a minute or two is dropped while the
+    /// connection is used; at most twice [`DELIVERED_REMEMBERED`] are held.
     delivered_conversations: Recent<Uuid, ()>,
     /// Lease mode: how long each claim lasts (answers must carry the delivery's fence).
     lease: Option<Duration>,
