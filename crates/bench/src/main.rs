@@ -22,6 +22,11 @@ mod usage;
 
 use clap::{Parser, Subcommand};
 
+// The load generator allocates per frame; jemalloc costs its clients less CPU than glibc's
+// malloc, and the clients' CPU is part of what `peers` reports per turn.
+#[global_allocator]
+static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 /// Benchmarks of converger.
 #[derive(Debug, Parser)]
 #[command(name = "converger-bench", about = "Measure converger on this machine")]
