@@ -24,9 +24,9 @@ pub struct HalfLoadArgs {
     #[arg(long, value_delimiter = ',', default_value = "64,1000")]
     max_users: Vec<usize>,
     /// Users that share the paced half-maximum load (default: the largest closed-loop user
-    /// count). Each user has one turn in flight at a time, so users too few for the rate
-    /// queue behind their own previous turns: 64 users paced at several thousand turns/s keep
-    /// each user busy most of the time, whatever the gateway's load.
+    /// count, so the load is spread as the maximum's was). Each user has one turn in flight at
+    /// a time: with few users each one's send interval comes close to the round trip, and a
+    /// slow turn delays that user's next ones.
     #[arg(long)]
     paced_users: Option<usize>,
     /// Agents in one group answering every turn.
@@ -50,17 +50,16 @@ pub async fn run(args: HalfLoadArgs) -> anyhow::Result<()> {
         eprintln!("closed loop, {users} users, {} s …", args.duration);
         closed_loop.push(turns::figures(&turns_args(&args, *users, None)).await?);
     }
-    let Some(best) = closed_loop
+    let maximum = closed_loop
         .iter()
-        .max_by(|a, b| a.turns_per_sec.total_cmp(&b.turns_per_sec))
-    else {
-        anyhow::bail!("no closed-loop user count given");
-    };
-    let maximum = best.turns_per_sec;
+        .map(|figures| figures.turns_per_sec)
+        .fold(0.0, f64::max);
     anyhow::ensure!(maximum > 0.0, "no closed-loop run answered a turn");
     let half = maximum / 2.0;
-    let most_users = closed_loop.iter().map(|figures| figures.users).max();
-    let paced_users = args.paced_users.or(most_users).unwrap_or(best.users);
+    let Some(most_users) = closed_loop.iter().map(|figures| figures.users).max() else {
+        anyhow::bail!("no closed-loop user count given");
+    };
+    let paced_users = args.paced_users.unwrap_or(most_users);
     eprintln!(
         "paced at {half:.0} turns/s, {paced_users} users, {} s …",
         args.duration

@@ -11,7 +11,6 @@ use uuid::Uuid;
 
 use super::AgentSession;
 use crate::actors::Delivery;
-use crate::recent::monotonic_ms;
 use crate::runtimes::{DeliveredAt, Runtime, delivered_at};
 use crate::wire;
 use crate::ws::session::{Ending, internal_close};
@@ -50,11 +49,8 @@ impl AgentSession<'_> {
                 Delivery::Frame(_) => None,
             })
             .collect();
-        let _ = self.delivered_conversations.forget_idle(monotonic_ms());
         for turn in &turns {
-            let _ = self
-                .delivered_conversations
-                .insert(turn.conversation_id, ());
+            self.remember_delivered(turn.conversation_id);
         }
         let runtimes = self.runtimes_of(&turns).await?;
         let channel_id = self.channel_id.to_string();

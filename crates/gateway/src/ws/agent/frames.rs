@@ -15,7 +15,6 @@ use uuid::Uuid;
 use super::{AGENT_ROLE, AgentSession};
 use crate::actors::ActorMessage;
 use crate::publish::{self, Audience, Transient};
-use crate::recent::monotonic_ms;
 use crate::tokens::Scope;
 use crate::ws::session::{
     Ending, expiry_instant, internal_close, now_ms, refusal_frame, token_refused,
@@ -194,14 +193,14 @@ impl AgentSession<'_> {
 
     /// True when the conversation belongs to this channel (checked once per conversation). A
     /// conversation whose turn this connection was handed is the channel's: the channel actor
-    /// delivers only its own channel's turns. Any other is looked up, off no one's path but
-    /// this connection's (a lookup per new conversation made every first answer wait for it).
+    /// delivers only its own channel's turns. Any other is looked up; the lookup is awaited
+    /// here and holds back this connection's later frames (one per new conversation made
+    /// every first answer wait for it).
     async fn owns_conversation(&mut self, conversation_id: Uuid) -> Result<bool, Ending> {
         if self.known_conversations.contains(&conversation_id) {
             return Ok(true);
         }
-        let _ = self.delivered_conversations.forget_idle(monotonic_ms());
-        if self.delivered_conversations.get(&conversation_id).is_some() {
+        if self.was_delivered(conversation_id) {
             self.known_conversations.insert(conversation_id);
             return Ok(true);
         }

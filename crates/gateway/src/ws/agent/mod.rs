@@ -37,7 +37,7 @@ use super::session::{
 };
 use crate::actors::{ActorMessage, Delivery};
 use crate::hub::{SessionControl, SessionIdentity};
-use crate::recent::{RECENT_PERIOD_MS, Recent};
+use crate::recent::{RECENT_PERIOD_MS, Recent, monotonic_ms};
 use crate::state::AppState;
 use crate::tokens::Claims;
 
@@ -63,9 +63,10 @@ struct AgentSession<'a> {
     known_conversations: HashSet<Uuid>,
     /// Conversations whose turns the channel actor handed this connection lately: they belong
     /// to the channel, so answering them needs no lookup (they count towards
-    /// `maxConversations` only once the agent sends for them). Deliveries and the agent's
-    /// frames tell it the time, so an entry idle for a minute or two is dropped while the
-    /// connection is used; at most twice [`DELIVERED_REMEMBERED`] are held.
+    /// `maxConversations` only once the agent sends for them). Read and written only through
+    /// `remember_delivered` and `was_delivered`, which tell it the time: an entry idle for a
+    /// minute or two is dropped while turns are delivered or new conversations addressed; at
+    /// most twice [`DELIVERED_REMEMBERED`] are held.
     delivered_conversations: Recent<Uuid, ()>,
     /// Lease mode: how long each claim lasts (answers must carry the delivery's fence).
     lease: Option<Duration>,
@@ -79,6 +80,20 @@ struct AgentSession<'a> {
     results: ResultsInFlight,
     /// `from` of this connection's stream chunks, made at the first chunk.
     stream_from: Option<std::sync::Arc<serde_json::Value>>,
+}
+
+impl AgentSession<'_> {
+    /// Notes that the channel actor handed this connection a turn of the conversation.
+    fn remember_delivered(&mut self, conversation_id: Uuid) {
+        let _ = self.delivered_conversations.forget_idle(monotonic_ms());
+        let _ = self.delivered_conversations.insert(conversation_id, ());
+    }
+
+    /// Whether a turn of the conversation was handed to this connection lately.
+    fn was_delivered(&mut self, conversation_id: Uuid) -> bool {
+        let _ = self.delivered_conversations.forget_idle(monotonic_ms());
+        self.delivered_conversations.get(&conversation_id).is_some()
+    }
 }
 
 /// Runs an agent connection after its hello.
