@@ -224,12 +224,7 @@ impl ChannelActor {
                         return;
                     }
                 };
-                let facts: Vec<_> = frames
-                    .iter()
-                    .map(|frame| wire::facts(frame, &conversation))
-                    .collect();
-                let decisions = self.decider.committed(&conversation, seq, &facts);
-                self.perform(decisions, &frames).await;
+                self.decide_committed(&conversation, seq, &frames).await;
             }
             HubEvent::Regenerated { turn, revision } => {
                 // A frame unreadable here is delivered as the turn was sent, never held back.
@@ -487,16 +482,21 @@ impl ChannelActor {
                 .remove(&range.conversation_id)
                 .unwrap_or_default();
             let conversation = range.conversation_id.to_string();
-            let facts: Vec<_> = frames
-                .iter()
-                .map(|frame| wire::facts(frame, &conversation))
-                .collect();
-            let decisions = self
-                .decider
-                .committed(&conversation, range.up_to_seq, &facts);
-            self.perform(decisions, &frames).await;
+            self.decide_committed(&conversation, range.up_to_seq, &frames)
+                .await;
         }
         true
+    }
+
+    /// Decides the frames of a commit through `seq` (read or at hand, in order) and carries
+    /// the decisions out: for a commit heard and for a read-back after a lag alike.
+    async fn decide_committed(&mut self, conversation: &str, seq: i64, frames: &[Arc<Activity>]) {
+        let facts: Vec<_> = frames
+            .iter()
+            .map(|frame| wire::facts(frame, conversation))
+            .collect();
+        let decisions = self.decider.committed(conversation, seq, &facts);
+        self.perform(decisions, frames).await;
     }
 
     /// Hands a regenerated revision of a turn to the conversation's owner at `at_ms` (when it

@@ -49,9 +49,7 @@ impl AgentSession<'_> {
                 Delivery::Frame(_) => None,
             })
             .collect();
-        for turn in &turns {
-            self.remember_delivered(turn.conversation_id);
-        }
+        self.remember_delivered(turns.iter().map(|turn| turn.conversation_id));
         let runtimes = self.runtimes_of(&turns).await?;
         let channel_id = self.channel_id.to_string();
         for delivery in batch {

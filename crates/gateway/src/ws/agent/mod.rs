@@ -83,10 +83,13 @@ struct AgentSession<'a> {
 }
 
 impl AgentSession<'_> {
-    /// Notes that the channel actor handed this connection a turn of the conversation.
-    fn remember_delivered(&mut self, conversation_id: Uuid) {
+    /// Notes that the channel actor handed this connection turns of these conversations (the
+    /// clock is read once per delivery batch, not per turn).
+    fn remember_delivered(&mut self, conversations: impl IntoIterator<Item = Uuid>) {
         let _ = self.delivered_conversations.forget_idle(monotonic_ms());
-        let _ = self.delivered_conversations.insert(conversation_id, ());
+        for conversation_id in conversations {
+            let _ = self.delivered_conversations.insert(conversation_id, ());
+        }
     }
 
     /// Whether a turn of the conversation was handed to this connection lately.
