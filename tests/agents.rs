@@ -1154,6 +1154,47 @@ async fn a_taken_over_edited_turn_carries_the_edit() {
     assert_eq!(taken["meta"]["turn"]["reason"], "edit");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn users_closing_at_once_each_go_offline_once_and_leave_no_count() {
+    const USERS: usize = 40;
+    let node = TestNode::start().await;
+    let acme = node.tenant_with_channel("acme").await;
+    let token = agent_token(&node, &acme).await;
+    let (mut observer, _) = agent(&node, &token, None).await;
+    let mut users = Vec::new();
+    for n in 0..USERS {
+        users.push(user(&node, &acme, &format!("user-{n}")).await);
+    }
+    let mut online = std::collections::HashSet::new();
+    while online.len() < USERS {
+        let (conversation, presence) = delivery(&mut observer, "presence").await;
+        assert_eq!(presence["data"]["status"], "online", "{presence}");
+        assert_eq!(presence["data"]["connections"], 1, "{presence}");
+        assert!(
+            online.insert(conversation),
+            "one online per user: {presence}"
+        );
+    }
+    // Every socket closes at once: the node counts them out in batches (ADR 0043).
+    futures::future::join_all(users.into_iter().map(|(client, _)| client.close())).await;
+    let mut offline = std::collections::HashSet::new();
+    while offline.len() < USERS {
+        let (conversation, presence) = delivery(&mut observer, "presence").await;
+        assert_eq!(presence["data"]["status"], "offline", "{presence}");
+        assert_eq!(presence["data"]["connections"], 0, "{presence}");
+        assert!(online.contains(&conversation), "{presence}");
+        assert!(
+            offline.insert(conversation),
+            "one offline per user: {presence}"
+        );
+    }
+    let left = node
+        .db
+        .count("SELECT count(*) FROM presence_connections")
+        .await;
+    assert_eq!(left, 0);
+}
+
 #[tokio::test]
 async fn typing_is_throttled_per_connection_unless_it_changes() {
     let node = TestNode::start().await;

@@ -1,8 +1,10 @@
-//! Migrations on a real, empty database.
+//! Migrations, and the functions they define, on a real database.
 
 mod support;
 
+use converger_store::{Incarnation, PresenceChange};
 use support::TestDb;
+use uuid::Uuid;
 
 #[tokio::test]
 async fn migrations_apply_on_an_empty_database_then_are_no_ops() {
@@ -97,4 +99,110 @@ async fn the_commit_functions_notify_on_the_stores_channel() {
         bodies_naming_it,
         vec!["converger_notify", "converger_notify_committed"]
     );
+}
+
+fn presence_change(conversation_id: Uuid, participant: &str, joined: bool) -> PresenceChange {
+    PresenceChange {
+        conversation_id,
+        participant_id: participant.to_owned(),
+        joined,
+    }
+}
+
+#[tokio::test]
+async fn a_batch_of_presence_changes_gives_each_change_the_total_it_left() {
+    let db = TestDb::create().await;
+    let store = db.store().await;
+    let (alice, bob) = (Uuid::new_v4(), Uuid::new_v4());
+    let node_a = Incarnation {
+        node_id: "node-a",
+        generation: 1,
+    };
+    let node_b = Incarnation {
+        node_id: "node-b",
+        generation: 7,
+    };
+    let totals = store
+        .change_presence(
+            &[
+                presence_change(alice, "alice", true),
+                presence_change(alice, "alice", true),
+                presence_change(bob, "bob", true),
+                presence_change(alice, "alice", false),
+            ],
+            node_a,
+        )
+        .await
+        .unwrap();
+    assert_eq!(totals, vec![1, 2, 1, 1], "in order, each as if alone");
+    // Another node's changes count with these: the totals are the cluster's.
+    let totals = store
+        .change_presence(
+            &[
+                presence_change(alice, "alice", true),
+                presence_change(alice, "alice", false),
+            ],
+            node_b,
+        )
+        .await
+        .unwrap();
+    assert_eq!(totals, vec![2, 1]);
+    let totals = store
+        .change_presence(
+            &[
+                presence_change(bob, "bob", false),
+                presence_change(alice, "alice", false),
+            ],
+            node_a,
+        )
+        .await
+        .unwrap();
+    assert_eq!(totals, vec![0, 0]);
+    assert_eq!(
+        db.count("SELECT count(*) FROM presence_connections").await,
+        0
+    );
+    let nothing = store.change_presence(&[], node_a).await.unwrap();
+    assert!(nothing.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_naming_the_same_users_in_opposite_orders_never_deadlock() {
+    let db = TestDb::create().await;
+    let store = db.store().await;
+    for round in 0..20 {
+        let users: Vec<(Uuid, String)> = (0..8)
+            .map(|n| (Uuid::new_v4(), format!("user-{round}-{n}")))
+            .collect();
+        let forward: Vec<PresenceChange> = users
+            .iter()
+            .map(|(conversation, user)| presence_change(*conversation, user, true))
+            .collect();
+        let backward: Vec<PresenceChange> = forward.iter().rev().cloned().collect();
+        let node_a = Incarnation {
+            node_id: "node-a",
+            generation: 1,
+        };
+        let node_b = Incarnation {
+            node_id: "node-b",
+            generation: 1,
+        };
+        // Each change locks its user for the whole batch; locked in the order given, these two
+        // would wait on each other (Postgres would fail one with a deadlock).
+        let (first, second) = tokio::join!(
+            store.change_presence(&forward, node_a),
+            store.change_presence(&backward, node_b)
+        );
+        let (first, mut second) = (first.unwrap(), second.unwrap());
+        second.reverse();
+        for (user, (in_first, in_second)) in first.iter().zip(&second).enumerate() {
+            let mut seen = [*in_first, *in_second];
+            seen.sort_unstable();
+            assert_eq!(
+                seen,
+                [1, 2],
+                "round {round}, user {user}: one change saw it cross"
+            );
+        }
+    }
 }

@@ -81,6 +81,8 @@ fn turns_args(args: &HalfLoadArgs, users: usize, rate: Option<f64>) -> TurnsArgs
         bus: "postgres".into(),
         nats_url: String::new(),
         runtime_writes: false,
+        storm: 0,
+        storm_at: 0,
     }
 }
 

@@ -1,6 +1,8 @@
 //! `turns --users U --agents A --duration S`: end users, each in a conversation of its own, and
 //! agents of one group answering every turn with `turnResult`. The users run in closed loop, or
 //! with `--rate R` paced: together they send R turns per second, each on a fixed schedule.
+//! With `--storm N`, N more end users hold idle sessions and all close them at once partway
+//! through, and the turns sent in the second after that are summed up apart.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -54,7 +56,18 @@ pub struct TurnsArgs {
     /// they answered), against the version the turn was delivered with.
     #[arg(long)]
     pub runtime_writes: bool,
+    /// More end users, each with an idle session of its own conversation, that all close their
+    /// sockets at once `--storm-at` seconds into the measurement (a disconnect storm: a proxy
+    /// restarted, a network cut). 0: none.
+    #[arg(long, default_value_t = 0)]
+    pub storm: usize,
+    /// Seconds into the measurement at which the storm's sessions close.
+    #[arg(long, default_value_t = 5)]
+    pub storm_at: u64,
 }
+
+/// How long after the storm a turn's send counts as during the storm.
+const STORM_WINDOW: Duration = Duration::from_secs(1);
 
 /// `--rate`: a finite rate of at least 0.01 turns per second.
 fn parse_rate(text: &str) -> Result<f64, String> {
@@ -85,6 +98,9 @@ pub struct TurnsFigures {
     pub to_agent_ms: Value,
     /// Send → answer received percentiles (ms).
     pub round_trip_ms: Value,
+    /// With `--storm`: the sessions closed, and send → answer received percentiles (ms) of the
+    /// turns sent in the [`STORM_WINDOW`] after they closed and of those sent before.
+    pub storm: Option<Value>,
     /// Gateway resident set size at the end, KiB.
     pub gateway_rss_kib: u64,
     /// Gateway CPU over the measurement, percent of one core.
@@ -110,6 +126,7 @@ impl TurnsFigures {
             "ack_ms": self.ack_ms,
             "to_agent_ms": self.to_agent_ms,
             "round_trip_ms": self.round_trip_ms,
+            "storm": self.storm,
             "gateway_rss_kib": self.gateway_rss_kib,
             "gateway_cpu_percent": self.gateway_cpu_percent,
             "usage_per_turn": self.usage_per_turn,
@@ -184,6 +201,9 @@ async fn measure(args: &TurnsArgs, gateway: &Gateway) -> anyhow::Result<TurnsFig
         tokio::time::sleep(Duration::from_millis(wait_ms)).await;
     }
 
+    // The storm's sessions open first, so that counting them present is over by the clock.
+    let storm_sessions =
+        connect_users(&client, &channel.secret, &gateway.ws_url, args.storm).await?;
     let connected = connect_users(&client, &channel.secret, &gateway.ws_url, args.users).await?;
 
     let metrics_before = gateway_metrics::scrape(&gateway.base_url).await;
@@ -191,22 +211,46 @@ async fn measure(args: &TurnsArgs, gateway: &Gateway) -> anyhow::Result<TurnsFig
     let usage_before = Usage::take(Some(&args.database_url)).await;
     let started = Instant::now();
     let deadline = started + Duration::from_secs(args.duration);
+    let storm_at = started + Duration::from_secs(args.storm_at);
+    let storm = (!storm_sessions.is_empty()).then(|| {
+        let closing = tokio::spawn(close_all_at(storm_sessions, storm_at));
+        (closing, storm_at..storm_at + STORM_WINDOW)
+    });
+    let window = storm.as_ref().map(|(_, window)| window.clone());
     let mut users = Vec::new();
     for (index, user) in connected.into_iter().enumerate() {
         let schedule = pace(args, started, index);
         let arrivals = Arc::clone(&arrivals);
-        users.push(tokio::spawn(user_loop(user, deadline, schedule, arrivals)));
+        let window = window.clone();
+        users.push(tokio::spawn(user_loop(
+            user, deadline, schedule, arrivals, window,
+        )));
     }
     let mut samples = Samples::default();
+    let (mut before_storm, mut in_storm) = (Vec::new(), Vec::new());
     // Sockets stay open until every user is done: a user that finished early and disconnected
     // would make the gateway record its departure (presence) while the others' last turns are
     // still in flight, and the window measures turns, not sessions closing.
     let mut sockets = Vec::new();
     for user in users {
-        let (user_samples, socket) = user.await?.context("user loop")?;
-        samples.extend(user_samples);
-        sockets.push(socket);
+        let outcome = user.await?.context("user loop")?;
+        samples.extend(outcome.samples);
+        before_storm.extend(outcome.before_window);
+        in_storm.extend(outcome.in_window);
+        sockets.push(outcome.socket);
     }
+    let storm = match storm {
+        Some((closing, _)) => Some(json!({
+            "sessions": closing.await?,
+            "at_secs": args.storm_at,
+            "window_secs": STORM_WINDOW.as_secs_f64(),
+            "turns_before": before_storm.len(),
+            "round_trip_before_ms": percentiles(&mut before_storm),
+            "turns_in_window": in_storm.len(),
+            "round_trip_in_window_ms": percentiles(&mut in_storm),
+        })),
+        None => None,
+    };
     let elapsed = started.elapsed().as_secs_f64();
     let cpu_after = machine::cpu_ticks(gateway.pid()).unwrap_or(0);
     let usage_after = Usage::take(Some(&args.database_url)).await;
@@ -234,6 +278,7 @@ async fn measure(args: &TurnsArgs, gateway: &Gateway) -> anyhow::Result<TurnsFig
         ack_ms: ack,
         to_agent_ms: to_agent,
         round_trip_ms: round_trip,
+        storm,
         gateway_rss_kib: rss,
         gateway_cpu_percent: cpu_percent,
         usage_per_turn: usage_before.per_turn(&usage_after, turns as f64),
@@ -277,6 +322,19 @@ fn print(figures: &TurnsFigures) {
             at("p50"),
             at("p95"),
             at("p99")
+        );
+    }
+    if let Some(storm) = &figures.storm {
+        let p99 = |key: &str| storm[key]["p99"].as_f64().unwrap_or(0.0);
+        println!(
+            "storm: {} sessions closed at {} s; round trip p99 {:.2} ms of {} turns sent before, \
+             {:.2} ms of {} sent in the second after",
+            storm["sessions"],
+            storm["at_secs"],
+            p99("round_trip_before_ms"),
+            storm["turns_before"],
+            p99("round_trip_in_window_ms"),
+            storm["turns_in_window"],
         );
     }
     println!(
@@ -384,17 +442,38 @@ async fn connect_user(url: String, token: String) -> anyhow::Result<ConnectedUse
     anyhow::bail!("closed before the welcome")
 }
 
+/// Closes every session at `at`, all at once; returns how many closed.
+async fn close_all_at(sessions: Vec<ConnectedUser>, at: Instant) -> usize {
+    tokio::time::sleep_until(at.into()).await;
+    let closing = sessions.into_iter().map(|mut session| async move {
+        // A session already gone counts as closed: the gateway saw it leave either way.
+        let _ = session.socket.close(None).await;
+    });
+    futures_util::future::join_all(closing).await.len()
+}
+
+/// What one user's loop measured, and its socket (closed once every user is done).
+struct UserOutcome {
+    samples: Samples,
+    /// Round trips (ms) of turns sent before the storm's window, and within it.
+    before_window: Vec<f64>,
+    in_window: Vec<f64>,
+    socket: Socket,
+}
+
 async fn user_loop(
     user: ConnectedUser,
     deadline: Instant,
     schedule: Option<Schedule>,
     arrivals: Arrivals,
-) -> anyhow::Result<(Samples, Socket)> {
+    window: Option<std::ops::Range<Instant>>,
+) -> anyhow::Result<UserOutcome> {
     let ConnectedUser {
         mut socket,
         conversation_id,
     } = user;
     let mut samples = Samples::default();
+    let (mut before_window, mut in_window) = (Vec::new(), Vec::new());
     let mut n = 0u64;
     loop {
         // Paced: every turn scheduled before the deadline is sent, late if the previous one was
@@ -431,9 +510,13 @@ async fn user_loop(
                 continue;
             }
             if frame["from"] == "bot" && frame["seq"].as_i64() > seq {
-                samples
-                    .round_trip
-                    .push(sent.elapsed().as_secs_f64() * 1000.0);
+                let round_trip = sent.elapsed().as_secs_f64() * 1000.0;
+                samples.round_trip.push(round_trip);
+                match &window {
+                    Some(window) if window.contains(&sent) => in_window.push(round_trip),
+                    Some(window) if sent < window.start => before_window.push(round_trip),
+                    _ => {}
+                }
                 let arrived = seq.and_then(|seq| {
                     arrivals
                         .lock()
@@ -449,7 +532,12 @@ async fn user_loop(
             }
         }
     }
-    Ok((samples, socket))
+    Ok(UserOutcome {
+        samples,
+        before_window,
+        in_window,
+        socket,
+    })
 }
 
 #[cfg(test)]
@@ -467,6 +555,8 @@ mod tests {
             bus: "postgres".into(),
             nats_url: String::new(),
             runtime_writes: false,
+            storm: 0,
+            storm_at: 0,
         }
     }
 

@@ -7,8 +7,8 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use converger_protocol::{Participant, USER_ROLE, presence};
-use converger_store::bus::Origin;
-use converger_store::{Gone, Incarnation, PresenceTotal};
+use converger_store::bus::{Origin, TransientFrame};
+use converger_store::{Gone, Incarnation, PresenceChange, PresenceTotal};
 use tokio::task::JoinHandle;
 use uuid::Uuid;
 
@@ -118,47 +118,108 @@ fn this_node(state: &AppState) -> Incarnation<'_> {
 }
 
 /// Counts a connection in or out and announces a crossing. False when the count could not be
-/// changed (the database failed): a join that was not counted must not be counted out.
+/// changed (the database failed, or the node is stopping): a join that was not counted must not
+/// be counted out.
 pub(crate) async fn change(state: AppState, who: Presence, joined: bool) -> bool {
-    let state = &state;
-    let total = match state
+    let (done, counted) = tokio::sync::oneshot::channel();
+    let pending = PendingChange { who, joined, done };
+    if state.presence_writer.send(pending).is_err() {
+        return false;
+    }
+    counted.await.unwrap_or(false)
+}
+
+/// Changes applied in one round trip at most: each holds its pair's lock until the batch
+/// commits, so a batch stays short.
+const MAX_BATCH: usize = 256;
+
+/// A change waiting for the writer, and who waits for its outcome.
+pub(crate) struct PendingChange {
+    who: Presence,
+    joined: bool,
+    done: tokio::sync::oneshot::Sender<bool>,
+}
+
+/// The queue of presence changes that [`spawn_writer`] applies.
+pub(crate) type PresenceWriter = tokio::sync::mpsc::UnboundedSender<PendingChange>;
+
+/// The writer's end of the queue, taken once by [`spawn_writer`].
+pub(crate) type PresenceChanges = tokio::sync::mpsc::UnboundedReceiver<PendingChange>;
+
+/// Starts the task that applies presence changes: all those waiting, up to [`MAX_BATCH`], in
+/// one round trip, then every crossing among them announced together (ADR 0043). A storm of
+/// closing sockets thus costs a few transactions rather than one per socket, which stalled
+/// other users' turns.
+pub(crate) fn spawn_writer(state: AppState, mut changes: PresenceChanges) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut batch = Vec::with_capacity(MAX_BATCH);
+        while changes.recv_many(&mut batch, MAX_BATCH).await > 0 {
+            apply(&state, std::mem::take(&mut batch)).await;
+        }
+    })
+}
+
+/// Applies one batch and announces its crossings before any of its callers hears the outcome,
+/// so that a session's count out (which waits for its count in) is announced after it.
+async fn apply(state: &AppState, batch: Vec<PendingChange>) {
+    let changes: Vec<PresenceChange> = batch
+        .iter()
+        .map(|pending| PresenceChange {
+            conversation_id: pending.who.conversation_id,
+            participant_id: pending.who.user_id.clone(),
+            joined: pending.joined,
+        })
+        .collect();
+    let totals = match state
         .store
-        .change_presence(who.conversation_id, &who.user_id, this_node(state), joined)
+        .change_presence(&changes, this_node(state))
         .await
     {
-        Ok(total) => total,
+        Ok(totals) => totals,
         Err(error) => {
-            tracing::warn!(%error, conversation_id = %who.conversation_id, "presence not counted");
-            return false;
+            tracing::warn!(%error, changes = batch.len(), "presence not counted");
+            for pending in batch {
+                let _ = pending.done.send(false);
+            }
+            return;
         }
     };
-    let crossed = if joined { total == 1 } else { total == 0 };
-    if crossed && !joined {
-        crate::policies::on_last_disconnect(state, who.channel_id, who.conversation_id);
-    }
-    if crossed {
-        announce(
-            state,
+    let mut announcements = Vec::new();
+    for (pending, total) in batch.iter().zip(totals) {
+        let crossed = if pending.joined {
+            total == 1
+        } else {
+            total == 0
+        };
+        if !crossed {
+            continue;
+        }
+        let who = &pending.who;
+        if !pending.joined {
+            crate::policies::on_last_disconnect(state, who.channel_id, who.conversation_id);
+        }
+        announcements.push(announcement(
             who.channel_id,
             who.conversation_id,
             who.origin(),
-            joined,
+            pending.joined,
             total,
-        )
-        .await;
+        ));
     }
-    true
+    publish(state, announcements).await;
+    for pending in batch {
+        let _ = pending.done.send(true);
+    }
 }
 
-/// Publishes a presence frame to every node's agents of the conversation.
-async fn announce(
-    state: &AppState,
+/// A presence frame for every node's agents of the conversation.
+fn announcement(
     channel_id: Uuid,
     conversation_id: Uuid,
     origin: Origin,
     online: bool,
     connections: i64,
-) {
+) -> Transient {
     let participant = Participant {
         id: &origin.id,
         role: USER_ROLE,
@@ -175,8 +236,24 @@ async fn announce(
         origin,
         audience: Audience::Everyone,
     }
-    .publish(state)
-    .await;
+}
+
+/// Hands presence frames to this node's hub, then to the other nodes in one publication.
+async fn publish(state: &AppState, announcements: Vec<Transient>) {
+    if announcements.is_empty() {
+        return;
+    }
+    for announcement in &announcements {
+        announcement.publish_here(&state.hub);
+    }
+    let node = state.hub.node_id();
+    let frames: Vec<TransientFrame> = announcements
+        .into_iter()
+        .map(|announcement| announcement.for_other_nodes(node))
+        .collect();
+    if let Err(error) = state.bus.transients(&frames).await {
+        tracing::warn!(%error, frames = frames.len(), "presence frames not published to other nodes");
+    }
 }
 
 /// Starts the task that takes dead nodes' connections out of the counts (and, once, what an
@@ -225,6 +302,7 @@ async fn announce_offline(
             return;
         }
     };
+    let mut announcements = Vec::new();
     for total in totals.into_iter().filter(|total| total.connections == 0) {
         crate::policies::on_last_disconnect(state, total.channel_id, total.conversation_id);
         // No connection of the user is left, so no own-connection filter is needed: a nil one.
@@ -233,14 +311,13 @@ async fn announce_offline(
             role: USER_ROLE.into(),
             connection: Uuid::nil().to_string(),
         };
-        announce(
-            state,
+        announcements.push(announcement(
             total.channel_id,
             total.conversation_id,
             origin,
             false,
             0,
-        )
-        .await;
+        ));
     }
+    publish(state, announcements).await;
 }

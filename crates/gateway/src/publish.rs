@@ -117,7 +117,7 @@ impl Transient {
     }
 
     /// The frame as it travels to the other nodes.
-    fn for_other_nodes(self, node: &str) -> TransientFrame {
+    pub(crate) fn for_other_nodes(self, node: &str) -> TransientFrame {
         TransientFrame {
             node: node.to_owned(),
             channel_id: (self.audience != Audience::EndUsers).then_some(self.channel_id),

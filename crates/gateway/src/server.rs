@@ -53,6 +53,8 @@ pub enum GatewayError {
 pub struct Server {
     state: AppState,
     listener: TcpListener,
+    /// The presence changes the writer applies once the node serves.
+    presence_changes: crate::presence::PresenceChanges,
 }
 
 impl Server {
@@ -101,6 +103,7 @@ impl Server {
             Arc::clone(&streams),
             membership,
         );
+        let (presence_writer, presence_changes) = tokio::sync::mpsc::unbounded_channel();
         let state = AppState {
             tokens,
             admin_token: Arc::from(credentials.admin_token.as_str()),
@@ -122,8 +125,13 @@ impl Server {
             channel_turns: Arc::default(),
             http_agents: Arc::default(),
             runtimes: Arc::default(),
+            presence_writer,
         };
-        Ok(Server { state, listener })
+        Ok(Server {
+            state,
+            listener,
+            presence_changes,
+        })
     }
 
     /// The address actually bound.
@@ -168,6 +176,8 @@ impl Server {
         let pruner = spawn_outbox_pruner(self.state.clone());
         let expiry = crate::lifecycle::spawn_expiry(self.state.clone());
         let reaper = crate::presence::spawn_reaper(self.state.clone());
+        let presence_writer =
+            crate::presence::spawn_writer(self.state.clone(), self.presence_changes);
         let stop_sweep = crate::stops::spawn_sweep(self.state.clone());
         let http_agents = crate::http_agents::spawn(self.state.clone());
         let draining_state = self.state.clone();
@@ -187,6 +197,7 @@ impl Server {
         .await;
         pruner.abort();
         reaper.abort();
+        presence_writer.abort();
         stop_sweep.abort();
         http_agents.abort();
         if let Some(expiry) = expiry {

@@ -52,6 +52,8 @@ pub struct AppState {
     pub(crate) http_agents: Arc<crate::http_agents::HttpAgents>,
     /// The conversations' runtimes this node knows, handed out with delivered turns.
     pub(crate) runtimes: Arc<crate::runtimes::Runtimes>,
+    /// Presence changes of this node's sessions, applied in batches (ADR 0043).
+    pub(crate) presence_writer: crate::presence::PresenceWriter,
 }
 
 impl AppState {

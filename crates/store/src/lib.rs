@@ -35,7 +35,7 @@ pub use lifecycle::{
     CONVERSATION_UPDATE, EXPIRED_REASON, Expired, MAX_REASON_CHARS, SYSTEM_SENDER, StatusChange,
     Transition,
 };
-pub use presence::{Gone, Incarnation, PresenceTotal};
+pub use presence::{Gone, Incarnation, PresenceChange, PresenceTotal};
 pub use secrets::{generate_secret, hash_secret};
 pub use tenants::Tenant;
 pub use turns::{

@@ -446,6 +446,8 @@ async fn measure_converger(args: &PeersArgs, bus: &str, mut interrupt: Interrupt
         bus: bus.to_owned(),
         nats_url: args.nats_url.clone(),
         runtime_writes: args.runtime_writes,
+        storm: 0,
+        storm_at: 0,
     };
     let figures = tokio::select! {
         figures = turns::figures(&turns_args) => figures,

@@ -41,15 +41,41 @@ impl Store {
 
     /// Publishes a transient frame to every node (this one included; it skips its own).
     pub async fn publish_transient(&self, transient: &TransientFrame) -> Result<(), StoreError> {
-        let conversation_id = transient.conversation_id;
-        let payload = Payload::Transient(transient.clone());
-        let text = serde_json::to_string(&payload)
-            .map_err(|error| StoreError::Config(error.to_string()))?;
-        if text.len() <= INLINE_PAYLOAD_LIMIT {
-            return self.notify(&text).await;
+        self.publish_transients(std::slice::from_ref(transient))
+            .await
+    }
+
+    /// Publishes transient frames to every node (this one included; it skips its own): those
+    /// that fit a notification with one statement, each larger one through an outbox row.
+    pub async fn publish_transients(
+        &self,
+        transients: &[TransientFrame],
+    ) -> Result<(), StoreError> {
+        let mut inline = Vec::new();
+        for transient in transients {
+            let payload = Payload::Transient(transient.clone());
+            let text = serde_json::to_string(&payload)
+                .map_err(|error| StoreError::Config(error.to_string()))?;
+            if text.len() <= INLINE_PAYLOAD_LIMIT {
+                inline.push(text);
+                continue;
+            }
+            self.publish_transient_through_outbox(transient.conversation_id, &payload)
+                .await?;
         }
-        let stored = serde_json::to_value(&payload)
-            .map_err(|error| StoreError::Config(error.to_string()))?;
+        if let [text] = inline.as_slice() {
+            return self.notify(text).await;
+        }
+        self.notify_all(inline).await
+    }
+
+    async fn publish_transient_through_outbox(
+        &self,
+        conversation_id: Uuid,
+        payload: &Payload,
+    ) -> Result<(), StoreError> {
+        let stored =
+            serde_json::to_value(payload).map_err(|error| StoreError::Config(error.to_string()))?;
         self.timed("publish_transient_ref", async {
             sqlx::query(sqlx::AssertSqlSafe(format!(
                 "WITH event AS (
@@ -93,7 +119,7 @@ impl Store {
         if payloads.is_empty() {
             return Ok(());
         }
-        self.timed("notify_streams", async {
+        self.timed("notify_many", async {
             sqlx::query("SELECT count(pg_notify($1, payload)) FROM unnest($2::text[]) AS payload")
                 .bind(NOTIFY_CHANNEL)
                 .bind(payloads)
