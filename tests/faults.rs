@@ -204,6 +204,45 @@ async fn a_turn_whose_frame_cannot_be_read_reaches_its_member_when_the_read_is_r
     scenario.teardown();
 }
 
+#[tokio::test]
+async fn an_agent_answers_a_turn_it_was_handed_without_looking_up_the_conversation() {
+    let scenario = FailScenario::setup();
+    let node = TestNode::start().await;
+    let acme = node.tenant_with_channel("acme").await;
+    let agent_token = node.agent_token(&acme).await;
+    let mut agent = connect_agent(&node.ws_url(""), &agent_token).await;
+    let (alice_conversation, alice_token) = node.conversation(&acme, "alice").await;
+    let (bob_conversation, _) = node.conversation(&acme, "bob").await;
+    let mut alice = connect(&node.ws_url(""), &alice_token).await;
+    alice.send(text("a-1", "hello")).await;
+    alice.recv_type("ack").await;
+    let (conversation, seq, _) = support::next_turn(&mut agent).await;
+    assert_eq!(conversation, alice_conversation.to_string());
+
+    // From here every lookup of a conversation's channel by an agent connection fails.
+    fail::cfg(faults::AGENT_CONVERSATION_LOOKUP, "return").unwrap();
+    let answer = json!({
+        "type": "turnResult",
+        "clientId": "r-1",
+        "turn": {"seq": seq, "revision": 0},
+        "frames": [{"type": "text", "data": {"text": "answered"}}],
+    });
+    agent
+        .send(json!({"conversationId": alice_conversation, "frame": answer}))
+        .await;
+    let answered = alice.recv_type("text").await;
+    assert_eq!(answered["from"], "bot");
+    assert_eq!(answered["data"]["text"], "answered");
+
+    // A conversation the agent was never handed is looked up, and the point fires.
+    agent
+        .send(json!({"conversationId": bob_conversation, "frame": text("p-1", "proactive")}))
+        .await;
+    let (frames, closed) = agent.recv_until_closed().await;
+    assert_eq!(closed.code, 1011, "{frames:?}");
+    scenario.teardown();
+}
+
 /// A group member on `url`, once its `since` has passed (it owns the turns that follow).
 async fn connect_agent(url: &str, token: &str) -> WsClient {
     let mut client = WsClient::connect(url).await;

@@ -15,6 +15,9 @@ pub const LISTENER_DROP: &str = "listener_drop";
 pub const ACK_SEND_DROP: &str = "ack_send_drop";
 /// Reading frames back (`Store::list_activities`) fails before it reaches the database.
 pub const LIST_ACTIVITIES: &str = "list_activities";
+/// An agent connection's lookup of the channel of a conversation it addresses fails before it
+/// reaches the database (a conversation whose turn it was handed needs no lookup).
+pub const AGENT_CONVERSATION_LOOKUP: &str = "agent_conversation_lookup";
 
 /// True when the named point fires now; always false without the `failpoints` feature.
 pub fn injected(name: &str) -> bool {

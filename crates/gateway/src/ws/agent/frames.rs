@@ -7,7 +7,9 @@ use converger_protocol::{
     TurnResult, answer_refused, relayed_error, run_status, token_refreshed, typing,
 };
 use converger_store::bus::Origin;
-use converger_store::{AnswerFrame, NewActivity, RuntimeWrite, Sender, SenderRole, TurnAnswer};
+use converger_store::{
+    AnswerFrame, NewActivity, RuntimeWrite, Sender, SenderRole, StoreError, TurnAnswer, faults,
+};
 use serde::Serialize;
 use serde_json::Value;
 use uuid::Uuid;
@@ -204,12 +206,15 @@ impl AgentSession<'_> {
             self.known_conversations.insert(conversation_id);
             return Ok(true);
         }
-        match self
-            .state
-            .store
-            .conversation_in_channel(conversation_id, self.channel_id)
-            .await
-        {
+        let lookup = if faults::injected(faults::AGENT_CONVERSATION_LOOKUP) {
+            Err(StoreError::Injected(faults::AGENT_CONVERSATION_LOOKUP))
+        } else {
+            self.state
+                .store
+                .conversation_in_channel(conversation_id, self.channel_id)
+                .await
+        };
+        match lookup {
             Ok(Some(_)) => {
                 self.known_conversations.insert(conversation_id);
                 Ok(true)
