@@ -2,7 +2,7 @@
 
 mod support;
 
-use converger_store::{Incarnation, PresenceChange};
+use converger_store::{Gone, Incarnation, PresenceChange};
 use support::TestDb;
 use uuid::Uuid;
 
@@ -109,6 +109,13 @@ fn presence_change(conversation_id: Uuid, participant: &str, joined: bool) -> Pr
     }
 }
 
+/// One connection in of each of eight new users, each in a conversation of its own.
+fn joins_of_new_users(round: usize) -> Vec<PresenceChange> {
+    (0..8)
+        .map(|n| presence_change(Uuid::new_v4(), &format!("user-{round}-{n}"), true))
+        .collect()
+}
+
 #[tokio::test]
 async fn a_batch_of_presence_changes_gives_each_change_the_total_it_left() {
     let db = TestDb::create().await;
@@ -171,13 +178,7 @@ async fn batches_naming_the_same_users_in_opposite_orders_never_deadlock() {
     let db = TestDb::create().await;
     let store = db.store().await;
     for round in 0..20 {
-        let users: Vec<(Uuid, String)> = (0..8)
-            .map(|n| (Uuid::new_v4(), format!("user-{round}-{n}")))
-            .collect();
-        let forward: Vec<PresenceChange> = users
-            .iter()
-            .map(|(conversation, user)| presence_change(*conversation, user, true))
-            .collect();
+        let forward = joins_of_new_users(round);
         let backward: Vec<PresenceChange> = forward.iter().rev().cloned().collect();
         let node_a = Incarnation {
             node_id: "node-a",
@@ -205,4 +206,42 @@ async fn batches_naming_the_same_users_in_opposite_orders_never_deadlock() {
             );
         }
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_and_a_dead_nodes_removal_over_the_same_users_never_deadlock() {
+    let db = TestDb::create().await;
+    let store = db.store().await;
+    let dead = Incarnation {
+        node_id: "node-dead",
+        generation: 1,
+    };
+    let live = Incarnation {
+        node_id: "node-live",
+        generation: 1,
+    };
+    for round in 0..20 {
+        let joins = joins_of_new_users(round);
+        store.change_presence(&joins, dead).await.unwrap();
+        // The removal locks the users in order; the batch names them in the opposite one.
+        let backward: Vec<PresenceChange> = joins.iter().rev().cloned().collect();
+        let (removed, joined) = tokio::join!(
+            store.forget_presence(Gone::Exactly(dead)),
+            store.change_presence(&backward, live)
+        );
+        let (removed, joined) = (removed.unwrap(), joined.unwrap());
+        assert_eq!(
+            removed.len(),
+            0,
+            "the users have no conversation rows to name"
+        );
+        assert!(
+            joined.iter().all(|total| [1, 2].contains(total)),
+            "{joined:?}"
+        );
+    }
+    let left: i64 = db
+        .count("SELECT coalesce(sum(connections), 0) FROM presence_connections")
+        .await;
+    assert_eq!(left, 20 * 8, "only the live node's connections are left");
 }

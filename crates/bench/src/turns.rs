@@ -61,7 +61,9 @@ pub struct TurnsArgs {
     /// restarted, a network cut). 0: none.
     #[arg(long, default_value_t = 0)]
     pub storm: usize,
-    /// Seconds into the measurement at which the storm's sessions close.
+    /// Seconds into the measurement at which the storm's sessions close (less than
+    /// `--duration`; the sessions are idle until then, so keep it under the gateway's idle
+    /// timeout, 60 s by default).
     #[arg(long, default_value_t = 5)]
     pub storm_at: u64,
 }
@@ -98,6 +100,11 @@ pub struct TurnsFigures {
     pub to_agent_ms: Value,
     /// Send → answer received percentiles (ms).
     pub round_trip_ms: Value,
+    /// Wall-clock time the window started, ms since the epoch (to line the timeline up with
+    /// the server's logs).
+    pub started_at_ms: i64,
+    /// Per second of the window: the turns sent in it and their round trip p99 and max.
+    pub timeline: Value,
     /// With `--storm`: the sessions closed, and send → answer received percentiles (ms) of the
     /// turns sent in the [`STORM_WINDOW`] after they closed and of those sent before.
     pub storm: Option<Value>,
@@ -126,6 +133,8 @@ impl TurnsFigures {
             "ack_ms": self.ack_ms,
             "to_agent_ms": self.to_agent_ms,
             "round_trip_ms": self.round_trip_ms,
+            "started_at_ms": self.started_at_ms,
+            "timeline": self.timeline,
             "storm": self.storm,
             "gateway_rss_kib": self.gateway_rss_kib,
             "gateway_cpu_percent": self.gateway_cpu_percent,
@@ -145,6 +154,13 @@ pub async fn run(args: TurnsArgs) -> anyhow::Result<()> {
 
 /// Starts a gateway on a fresh database, measures, stops it and returns the figures.
 pub async fn figures(args: &TurnsArgs) -> anyhow::Result<TurnsFigures> {
+    if args.storm > 0 && args.storm_at >= args.duration {
+        anyhow::bail!(
+            "--storm-at {} is not within --duration {}",
+            args.storm_at,
+            args.duration
+        );
+    }
     let _ = rlimit::increase_nofile_limit(u64::MAX);
     let binary = args.binary.clone().unwrap_or_else(default_binary);
     let env = [
@@ -211,23 +227,21 @@ async fn measure(args: &TurnsArgs, gateway: &Gateway) -> anyhow::Result<TurnsFig
     let usage_before = Usage::take(Some(&args.database_url)).await;
     let started = Instant::now();
     let deadline = started + Duration::from_secs(args.duration);
-    let storm_at = started + Duration::from_secs(args.storm_at);
-    let storm = (!storm_sessions.is_empty()).then(|| {
-        let closing = tokio::spawn(close_all_at(storm_sessions, storm_at));
-        (closing, storm_at..storm_at + STORM_WINDOW)
+    let started_at_ms = crate::cluster::now_ms();
+    let closing = (!storm_sessions.is_empty()).then(|| {
+        let storm_at = started + Duration::from_secs(args.storm_at);
+        tokio::spawn(close_all_at(storm_sessions, storm_at))
     });
-    let window = storm.as_ref().map(|(_, window)| window.clone());
     let mut users = Vec::new();
     for (index, user) in connected.into_iter().enumerate() {
         let schedule = pace(args, started, index);
         let arrivals = Arc::clone(&arrivals);
-        let window = window.clone();
         users.push(tokio::spawn(user_loop(
-            user, deadline, schedule, arrivals, window,
+            user, started, deadline, schedule, arrivals,
         )));
     }
     let mut samples = Samples::default();
-    let (mut before_storm, mut in_storm) = (Vec::new(), Vec::new());
+    let mut sent_round_trips = Vec::new();
     // Sockets stay open until every user is done: a user that finished early and disconnected
     // would make the gateway record its departure (presence) while the others' last turns are
     // still in flight, and the window measures turns, not sessions closing.
@@ -235,22 +249,18 @@ async fn measure(args: &TurnsArgs, gateway: &Gateway) -> anyhow::Result<TurnsFig
     for user in users {
         let outcome = user.await?.context("user loop")?;
         samples.extend(outcome.samples);
-        before_storm.extend(outcome.before_window);
-        in_storm.extend(outcome.in_window);
+        sent_round_trips.extend(outcome.sent_round_trips);
         sockets.push(outcome.socket);
     }
-    let storm = match storm {
-        Some((closing, _)) => Some(json!({
-            "sessions": closing.await?,
-            "at_secs": args.storm_at,
-            "window_secs": STORM_WINDOW.as_secs_f64(),
-            "turns_before": before_storm.len(),
-            "round_trip_before_ms": percentiles(&mut before_storm),
-            "turns_in_window": in_storm.len(),
-            "round_trip_in_window_ms": percentiles(&mut in_storm),
-        })),
+    let storm = match closing {
+        Some(closing) => Some(storm_figures(
+            closing.await?,
+            args.storm_at,
+            &sent_round_trips,
+        )),
         None => None,
     };
+    let timeline = timeline(&sent_round_trips);
     let elapsed = started.elapsed().as_secs_f64();
     let cpu_after = machine::cpu_ticks(gateway.pid()).unwrap_or(0);
     let usage_after = Usage::take(Some(&args.database_url)).await;
@@ -278,6 +288,8 @@ async fn measure(args: &TurnsArgs, gateway: &Gateway) -> anyhow::Result<TurnsFig
         ack_ms: ack,
         to_agent_ms: to_agent,
         round_trip_ms: round_trip,
+        started_at_ms,
+        timeline,
         storm,
         gateway_rss_kib: rss,
         gateway_cpu_percent: cpu_percent,
@@ -322,6 +334,22 @@ fn print(figures: &TurnsFigures) {
             at("p50"),
             at("p95"),
             at("p99")
+        );
+    }
+    let slowest = figures.timeline.as_array().and_then(|seconds| {
+        seconds.iter().max_by(|a, b| {
+            a["p99_ms"]
+                .as_f64()
+                .unwrap_or(0.0)
+                .total_cmp(&b["p99_ms"].as_f64().unwrap_or(0.0))
+        })
+    });
+    if let Some(slowest) = slowest {
+        println!(
+            "slowest second by send time: {} s in, round trip p99 {:.2} ms of {} turns",
+            slowest["second"],
+            slowest["p99_ms"].as_f64().unwrap_or(0.0),
+            slowest["turns"]
         );
     }
     if let Some(storm) = &figures.storm {
@@ -442,7 +470,8 @@ async fn connect_user(url: String, token: String) -> anyhow::Result<ConnectedUse
     anyhow::bail!("closed before the welcome")
 }
 
-/// Closes every session at `at`, all at once; returns how many closed.
+/// Closes every session at `at`, all at once; returns how many it closed (a session the
+/// gateway had closed already counts: it left either way).
 async fn close_all_at(sessions: Vec<ConnectedUser>, at: Instant) -> usize {
     tokio::time::sleep_until(at.into()).await;
     let closing = sessions.into_iter().map(|mut session| async move {
@@ -455,25 +484,74 @@ async fn close_all_at(sessions: Vec<ConnectedUser>, at: Instant) -> usize {
 /// What one user's loop measured, and its socket (closed once every user is done).
 struct UserOutcome {
     samples: Samples,
-    /// Round trips (ms) of turns sent before the storm's window, and within it.
-    before_window: Vec<f64>,
-    in_window: Vec<f64>,
+    /// Each turn's send (seconds into the window) and round trip (ms).
+    sent_round_trips: Vec<(f64, f64)>,
     socket: Socket,
+}
+
+/// The round trips of the turns sent in the [`STORM_WINDOW`] after the storm's closes, and of
+/// those sent before.
+fn storm_figures(sessions: usize, at_secs: u64, sent_round_trips: &[(f64, f64)]) -> Value {
+    let at = at_secs as f64;
+    let until = at + STORM_WINDOW.as_secs_f64();
+    let mut before: Vec<f64> = sent_round_trips
+        .iter()
+        .filter(|(sent, _)| *sent < at)
+        .map(|(_, round_trip)| *round_trip)
+        .collect();
+    let mut within: Vec<f64> = sent_round_trips
+        .iter()
+        .filter(|(sent, _)| (at..until).contains(sent))
+        .map(|(_, round_trip)| *round_trip)
+        .collect();
+    json!({
+        "sessions": sessions,
+        "at_secs": at_secs,
+        "window_secs": STORM_WINDOW.as_secs_f64(),
+        "turns_before": before.len(),
+        "round_trip_before_ms": percentiles(&mut before),
+        "turns_in_window": within.len(),
+        "round_trip_in_window_ms": percentiles(&mut within),
+    })
+}
+
+/// Per whole second of the window, by send time: turns, round trip p99 and max (ms).
+fn timeline(sent_round_trips: &[(f64, f64)]) -> Value {
+    let mut by_second: BTreeMap<u64, Vec<f64>> = BTreeMap::new();
+    for (sent, round_trip) in sent_round_trips {
+        by_second
+            .entry(sent.max(0.0) as u64)
+            .or_default()
+            .push(*round_trip);
+    }
+    let seconds: Vec<Value> = by_second
+        .into_iter()
+        .map(|(second, mut round_trips)| {
+            let summary = percentiles(&mut round_trips);
+            json!({
+                "second": second,
+                "turns": round_trips.len(),
+                "p99_ms": summary["p99"],
+                "max_ms": summary["max"],
+            })
+        })
+        .collect();
+    Value::Array(seconds)
 }
 
 async fn user_loop(
     user: ConnectedUser,
+    started: Instant,
     deadline: Instant,
     schedule: Option<Schedule>,
     arrivals: Arrivals,
-    window: Option<std::ops::Range<Instant>>,
 ) -> anyhow::Result<UserOutcome> {
     let ConnectedUser {
         mut socket,
         conversation_id,
     } = user;
     let mut samples = Samples::default();
-    let (mut before_window, mut in_window) = (Vec::new(), Vec::new());
+    let mut sent_round_trips = Vec::new();
     let mut n = 0u64;
     loop {
         // Paced: every turn scheduled before the deadline is sent, late if the previous one was
@@ -512,11 +590,8 @@ async fn user_loop(
             if frame["from"] == "bot" && frame["seq"].as_i64() > seq {
                 let round_trip = sent.elapsed().as_secs_f64() * 1000.0;
                 samples.round_trip.push(round_trip);
-                match &window {
-                    Some(window) if window.contains(&sent) => in_window.push(round_trip),
-                    Some(window) if sent < window.start => before_window.push(round_trip),
-                    _ => {}
-                }
+                let sent_secs = sent.saturating_duration_since(started).as_secs_f64();
+                sent_round_trips.push((sent_secs, round_trip));
                 let arrived = seq.and_then(|seq| {
                     arrivals
                         .lock()
@@ -534,8 +609,7 @@ async fn user_loop(
     }
     Ok(UserOutcome {
         samples,
-        before_window,
-        in_window,
+        sent_round_trips,
         socket,
     })
 }
@@ -558,6 +632,38 @@ mod tests {
             storm: 0,
             storm_at: 0,
         }
+    }
+
+    #[test]
+    fn turns_are_summed_up_by_the_second_they_were_sent_in() {
+        let sent_round_trips = [
+            (0.2, 5.0),
+            (0.9, 7.0),
+            (1.0, 40.0),
+            (4.5, 3.0),
+            (5.99, 90.0),
+        ];
+        let seconds = timeline(&sent_round_trips);
+        let summary: Vec<(u64, u64, f64)> = seconds
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|second| {
+                (
+                    second["second"].as_u64().unwrap(),
+                    second["turns"].as_u64().unwrap(),
+                    second["max_ms"].as_f64().unwrap(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            summary,
+            vec![(0, 2, 7.0), (1, 1, 40.0), (4, 1, 3.0), (5, 1, 90.0)]
+        );
+        let storm = storm_figures(10, 5, &sent_round_trips);
+        assert_eq!(storm["turns_before"], 4);
+        assert_eq!(storm["turns_in_window"], 1);
+        assert_eq!(storm["round_trip_in_window_ms"]["max"], 90.0);
     }
 
     #[test]

@@ -7,7 +7,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use converger_protocol::{Participant, USER_ROLE, presence};
-use converger_store::bus::{Origin, TransientFrame};
+use converger_store::bus::Origin;
 use converger_store::{Gone, Incarnation, PresenceChange, PresenceTotal};
 use tokio::task::JoinHandle;
 use uuid::Uuid;
@@ -146,17 +146,60 @@ pub(crate) type PresenceWriter = tokio::sync::mpsc::UnboundedSender<PendingChang
 /// The writer's end of the queue, taken once by [`spawn_writer`].
 pub(crate) type PresenceChanges = tokio::sync::mpsc::UnboundedReceiver<PendingChange>;
 
+/// How long a stopping node lets its writer apply what is queued.
+const FINISH_AT_MOST: Duration = Duration::from_secs(5);
+
+/// The running writer, until the node stops.
+pub(crate) struct WriterTask {
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: JoinHandle<()>,
+}
+
+impl WriterTask {
+    /// Lets the writer apply and announce the changes queued so far, for at most
+    /// [`FINISH_AT_MOST`], then stops it. A batch cut short could commit without its crossings
+    /// being announced, and no reaper would announce them later (its rows are gone); changes
+    /// never applied leave rows that the reaper removes and announces.
+    pub(crate) async fn finish(self) {
+        let WriterTask { stop, mut task } = self;
+        let _ = stop.send(());
+        if tokio::time::timeout(FINISH_AT_MOST, &mut task)
+            .await
+            .is_err()
+        {
+            tracing::warn!("presence changes still queued at shutdown were not applied");
+            task.abort();
+        }
+    }
+}
+
 /// Starts the task that applies presence changes: all those waiting, up to [`MAX_BATCH`], in
 /// one round trip, then every crossing among them announced together (ADR 0043). A storm of
 /// closing sockets thus costs a few transactions rather than one per socket, which stalled
 /// other users' turns.
-pub(crate) fn spawn_writer(state: AppState, mut changes: PresenceChanges) -> JoinHandle<()> {
-    tokio::spawn(async move {
+pub(crate) fn spawn_writer(state: AppState, mut changes: PresenceChanges) -> WriterTask {
+    let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
         let mut batch = Vec::with_capacity(MAX_BATCH);
+        loop {
+            // Only the wait for changes is ever cut short, never a batch being applied.
+            tokio::select! {
+                _ = &mut stopped => break,
+                received = changes.recv_many(&mut batch, MAX_BATCH) => {
+                    if received == 0 {
+                        return;
+                    }
+                    apply(&state, std::mem::take(&mut batch)).await;
+                }
+            }
+        }
+        // Stopping: what is queued is applied; a change queued from now on is not counted.
+        changes.close();
         while changes.recv_many(&mut batch, MAX_BATCH).await > 0 {
             apply(&state, std::mem::take(&mut batch)).await;
         }
-    })
+    });
+    WriterTask { stop, task }
 }
 
 /// Applies one batch and announces its crossings before any of its callers hears the outcome,
@@ -206,7 +249,7 @@ async fn apply(state: &AppState, batch: Vec<PendingChange>) {
             total,
         ));
     }
-    publish(state, announcements).await;
+    crate::publish::publish_all(state, announcements).await;
     for pending in batch {
         let _ = pending.done.send(true);
     }
@@ -235,24 +278,6 @@ fn announcement(
         frame,
         origin,
         audience: Audience::Everyone,
-    }
-}
-
-/// Hands presence frames to this node's hub, then to the other nodes in one publication.
-async fn publish(state: &AppState, announcements: Vec<Transient>) {
-    if announcements.is_empty() {
-        return;
-    }
-    for announcement in &announcements {
-        announcement.publish_here(&state.hub);
-    }
-    let node = state.hub.node_id();
-    let frames: Vec<TransientFrame> = announcements
-        .into_iter()
-        .map(|announcement| announcement.for_other_nodes(node))
-        .collect();
-    if let Err(error) = state.bus.transients(&frames).await {
-        tracing::warn!(%error, frames = frames.len(), "presence frames not published to other nodes");
     }
 }
 
@@ -319,5 +344,5 @@ async fn announce_offline(
             0,
         ));
     }
-    publish(state, announcements).await;
+    crate::publish::publish_all(state, announcements).await;
 }

@@ -117,7 +117,7 @@ impl Transient {
     }
 
     /// The frame as it travels to the other nodes.
-    pub(crate) fn for_other_nodes(self, node: &str) -> TransientFrame {
+    fn for_other_nodes(self, node: &str) -> TransientFrame {
         TransientFrame {
             node: node.to_owned(),
             channel_id: (self.audience != Audience::EndUsers).then_some(self.channel_id),
@@ -142,5 +142,24 @@ impl Transient {
         if let Err(error) = state.bus.transient(&transient).await {
             tracing::warn!(%error, ?audience, "transient frame not published to other nodes");
         }
+    }
+}
+
+/// Hands transient frames to this node's hub, then to the other nodes in one publication (a
+/// failure there is logged: transient frames may be lost).
+pub(crate) async fn publish_all(state: &AppState, transients: Vec<Transient>) {
+    if transients.is_empty() {
+        return;
+    }
+    for transient in &transients {
+        transient.publish_here(&state.hub);
+    }
+    let node = state.hub.node_id();
+    let frames: Vec<TransientFrame> = transients
+        .into_iter()
+        .map(|transient| transient.for_other_nodes(node))
+        .collect();
+    if let Err(error) = state.bus.transients(&frames).await {
+        tracing::warn!(%error, frames = frames.len(), "transient frames not published to other nodes");
     }
 }

@@ -197,12 +197,13 @@ impl Server {
         .await;
         pruner.abort();
         reaper.abort();
-        presence_writer.abort();
         stop_sweep.abort();
         http_agents.abort();
         if let Some(expiry) = expiry {
             expiry.abort();
         }
+        // After the drain: the drained sessions' counts out are queued by now.
+        presence_writer.finish().await;
         served?;
         Ok(())
     }

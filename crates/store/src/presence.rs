@@ -80,11 +80,11 @@ impl Store {
             })
             .await?;
         if totals.len() != changes.len() {
-            return Err(StoreError::Config(format!(
+            return Err(StoreError::Database(sqlx::Error::Protocol(format!(
                 "converger_change_presence returned {} totals for {} changes",
                 totals.len(),
                 changes.len()
-            )));
+            ))));
         }
         Ok(totals)
     }
@@ -109,7 +109,8 @@ impl Store {
     }
 
     /// One transaction of [`Store::forget_presence`]: up to [`FORGET_BATCH`] pairs, locked in
-    /// order (a change locks one pair only, so no cycle forms).
+    /// (conversation, participant) order, the order in which a batch of changes takes its
+    /// pairs' locks too (ADR 0043), so no cycle forms.
     async fn forget_batch(
         &self,
         node: Incarnation<'_>,

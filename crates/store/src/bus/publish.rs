@@ -60,6 +60,8 @@ impl Store {
                 inline.push(text);
                 continue;
             }
+            // The frames before it go first: transient frames keep their order.
+            self.notify_all(std::mem::take(&mut inline)).await?;
             self.publish_transient_through_outbox(transient.conversation_id, &payload)
                 .await?;
         }
