@@ -241,7 +241,7 @@ async fn measure(args: &TurnsArgs, gateway: &Gateway) -> anyhow::Result<TurnsFig
         )));
     }
     let mut samples = Samples::default();
-    let mut sent_round_trips = Vec::new();
+    let mut timings = Vec::new();
     // Sockets stay open until every user is done: a user that finished early and disconnected
     // would make the gateway record its departure (presence) while the others' last turns are
     // still in flight, and the window measures turns, not sessions closing.
@@ -249,18 +249,14 @@ async fn measure(args: &TurnsArgs, gateway: &Gateway) -> anyhow::Result<TurnsFig
     for user in users {
         let outcome = user.await?.context("user loop")?;
         samples.extend(outcome.samples);
-        sent_round_trips.extend(outcome.sent_round_trips);
+        timings.extend(outcome.timings);
         sockets.push(outcome.socket);
     }
     let storm = match closing {
-        Some(closing) => Some(storm_figures(
-            closing.await?,
-            args.storm_at,
-            &sent_round_trips,
-        )),
+        Some(closing) => Some(storm_figures(closing.await?, args.storm_at, &timings)),
         None => None,
     };
-    let timeline = timeline(&sent_round_trips);
+    let timeline = timeline(&timings);
     let elapsed = started.elapsed().as_secs_f64();
     let cpu_after = machine::cpu_ticks(gateway.pid()).unwrap_or(0);
     let usage_after = Usage::take(Some(&args.database_url)).await;
@@ -484,25 +480,36 @@ async fn close_all_at(sessions: Vec<ConnectedUser>, at: Instant) -> usize {
 /// What one user's loop measured, and its socket (closed once every user is done).
 struct UserOutcome {
     samples: Samples,
-    /// Each turn's send (seconds into the window) and round trip (ms).
-    sent_round_trips: Vec<(f64, f64)>,
+    /// Each answered turn's send time and latencies.
+    timings: Vec<TurnTiming>,
     socket: Socket,
+}
+
+/// One answered turn: when it was sent and how long its legs took.
+#[derive(Debug, Clone, Copy)]
+struct TurnTiming {
+    /// Seconds into the window (the scheduled time, when paced).
+    sent_secs: f64,
+    /// Send → ack, ms.
+    ack_ms: f64,
+    /// Send → answer, ms.
+    round_trip_ms: f64,
 }
 
 /// The round trips of the turns sent in the [`STORM_WINDOW`] after the storm's closes, and of
 /// those sent before.
-fn storm_figures(sessions: usize, at_secs: u64, sent_round_trips: &[(f64, f64)]) -> Value {
+fn storm_figures(sessions: usize, at_secs: u64, timings: &[TurnTiming]) -> Value {
     let at = at_secs as f64;
     let until = at + STORM_WINDOW.as_secs_f64();
-    let mut before: Vec<f64> = sent_round_trips
+    let mut before: Vec<f64> = timings
         .iter()
-        .filter(|(sent, _)| *sent < at)
-        .map(|(_, round_trip)| *round_trip)
+        .filter(|turn| turn.sent_secs < at)
+        .map(|turn| turn.round_trip_ms)
         .collect();
-    let mut within: Vec<f64> = sent_round_trips
+    let mut within: Vec<f64> = timings
         .iter()
-        .filter(|(sent, _)| (at..until).contains(sent))
-        .map(|(_, round_trip)| *round_trip)
+        .filter(|turn| (at..until).contains(&turn.sent_secs))
+        .map(|turn| turn.round_trip_ms)
         .collect();
     json!({
         "sessions": sessions,
@@ -515,24 +522,25 @@ fn storm_figures(sessions: usize, at_secs: u64, sent_round_trips: &[(f64, f64)])
     })
 }
 
-/// Per whole second of the window, by send time: turns, round trip p99 and max (ms).
-fn timeline(sent_round_trips: &[(f64, f64)]) -> Value {
-    let mut by_second: BTreeMap<u64, Vec<f64>> = BTreeMap::new();
-    for (sent, round_trip) in sent_round_trips {
-        by_second
-            .entry(sent.max(0.0) as u64)
-            .or_default()
-            .push(*round_trip);
+/// Per whole second of the window, by send time: turns, round trip p99 and max, and ack p99
+/// (ms), which tells a slow commit from a slow answer.
+fn timeline(timings: &[TurnTiming]) -> Value {
+    let mut by_second: BTreeMap<u64, (Vec<f64>, Vec<f64>)> = BTreeMap::new();
+    for turn in timings {
+        let (round_trips, acks) = by_second.entry(turn.sent_secs.max(0.0) as u64).or_default();
+        round_trips.push(turn.round_trip_ms);
+        acks.push(turn.ack_ms);
     }
     let seconds: Vec<Value> = by_second
         .into_iter()
-        .map(|(second, mut round_trips)| {
-            let summary = percentiles(&mut round_trips);
+        .map(|(second, (mut round_trips, mut acks))| {
+            let round_trip = percentiles(&mut round_trips);
             json!({
                 "second": second,
                 "turns": round_trips.len(),
-                "p99_ms": summary["p99"],
-                "max_ms": summary["max"],
+                "p99_ms": round_trip["p99"],
+                "max_ms": round_trip["max"],
+                "ack_p99_ms": percentiles(&mut acks)["p99"],
             })
         })
         .collect();
@@ -551,7 +559,7 @@ async fn user_loop(
         conversation_id,
     } = user;
     let mut samples = Samples::default();
-    let mut sent_round_trips = Vec::new();
+    let mut timings = Vec::new();
     let mut n = 0u64;
     loop {
         // Paced: every turn scheduled before the deadline is sent, late if the previous one was
@@ -572,7 +580,7 @@ async fn user_loop(
         let client_id = format!("t-{n}");
         let turn = json!({"type": "text", "clientId": client_id, "data": {"text": "hello"}});
         socket.send(Message::Text(turn.to_string().into())).await?;
-        let mut seq = None;
+        let (mut seq, mut ack_ms) = (None, 0.0);
         // The ack, then the agent's answer (a persistent frame from the bot).
         loop {
             let Some(message) = socket.next().await else {
@@ -583,15 +591,19 @@ async fn user_loop(
             };
             let frame: Value = serde_json::from_str(text.as_str())?;
             if frame["type"] == "ack" && frame["clientId"] == client_id.as_str() {
-                samples.ack.push(sent.elapsed().as_secs_f64() * 1000.0);
+                ack_ms = sent.elapsed().as_secs_f64() * 1000.0;
+                samples.ack.push(ack_ms);
                 seq = frame["seq"].as_i64();
                 continue;
             }
             if frame["from"] == "bot" && frame["seq"].as_i64() > seq {
                 let round_trip = sent.elapsed().as_secs_f64() * 1000.0;
                 samples.round_trip.push(round_trip);
-                let sent_secs = sent.saturating_duration_since(started).as_secs_f64();
-                sent_round_trips.push((sent_secs, round_trip));
+                timings.push(TurnTiming {
+                    sent_secs: sent.saturating_duration_since(started).as_secs_f64(),
+                    ack_ms,
+                    round_trip_ms: round_trip,
+                });
                 let arrived = seq.and_then(|seq| {
                     arrivals
                         .lock()
@@ -609,7 +621,7 @@ async fn user_loop(
     }
     Ok(UserOutcome {
         samples,
-        sent_round_trips,
+        timings,
         socket,
     })
 }
@@ -636,14 +648,21 @@ mod tests {
 
     #[test]
     fn turns_are_summed_up_by_the_second_they_were_sent_in() {
-        let sent_round_trips = [
+        let timings: Vec<TurnTiming> = [
             (0.2, 5.0),
             (0.9, 7.0),
             (1.0, 40.0),
             (4.5, 3.0),
             (5.99, 90.0),
-        ];
-        let seconds = timeline(&sent_round_trips);
+        ]
+        .into_iter()
+        .map(|(sent_secs, round_trip_ms)| TurnTiming {
+            sent_secs,
+            ack_ms: round_trip_ms / 2.0,
+            round_trip_ms,
+        })
+        .collect();
+        let seconds = timeline(&timings);
         let summary: Vec<(u64, u64, f64)> = seconds
             .as_array()
             .unwrap()
@@ -660,7 +679,8 @@ mod tests {
             summary,
             vec![(0, 2, 7.0), (1, 1, 40.0), (4, 1, 3.0), (5, 1, 90.0)]
         );
-        let storm = storm_figures(10, 5, &sent_round_trips);
+        assert_eq!(seconds[1]["ack_p99_ms"], 20.0);
+        let storm = storm_figures(10, 5, &timings);
         assert_eq!(storm["turns_before"], 4);
         assert_eq!(storm["turns_in_window"], 1);
         assert_eq!(storm["round_trip_in_window_ms"]["max"], 90.0);
