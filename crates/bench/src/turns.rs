@@ -2,7 +2,7 @@
 //! agents of one group answering every turn with `turnResult`. The users run in closed loop, or
 //! with `--rate R` paced: together they send R turns per second, each on a fixed schedule.
 //! With `--storm N`, N more end users hold idle sessions and all close them at once partway
-//! through, and the turns sent in the second after that are summed up apart.
+//! through, and the turns sent in the second after that are reported separately.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -466,8 +466,8 @@ async fn connect_user(url: String, token: String) -> anyhow::Result<ConnectedUse
     anyhow::bail!("closed before the welcome")
 }
 
-/// Closes every session at `at`, all at once; returns how many it closed (a session the
-/// gateway had closed already counts: it left either way).
+/// Closes every session at `at`, all at once; returns how many sessions it was given (each is
+/// closed now, or the gateway had closed it already: it left either way).
 async fn close_all_at(sessions: Vec<ConnectedUser>, at: Instant) -> usize {
     tokio::time::sleep_until(at.into()).await;
     let closing = sessions.into_iter().map(|mut session| async move {

@@ -149,6 +149,10 @@ pub(crate) type PresenceChanges = tokio::sync::mpsc::UnboundedReceiver<PendingCh
 /// How long a stopping node lets its writer apply what is queued.
 const FINISH_AT_MOST: Duration = Duration::from_secs(5);
 
+/// A stopping writer stops taking changes once none has arrived for this long: the drained
+/// sessions' counts out arrive as their counts in are answered.
+const QUIET_BEFORE_STOPPING: Duration = Duration::from_millis(100);
+
 /// The running writer, until the node stops.
 pub(crate) struct WriterTask {
     stop: tokio::sync::oneshot::Sender<()>,
@@ -156,10 +160,10 @@ pub(crate) struct WriterTask {
 }
 
 impl WriterTask {
-    /// Lets the writer apply and announce the changes queued so far, for at most
-    /// [`FINISH_AT_MOST`], then stops it. A batch cut short could commit without its crossings
-    /// being announced, and no reaper would announce them later (its rows are gone); changes
-    /// never applied leave rows that the reaper removes and announces.
+    /// Lets the writer apply and announce the changes that arrive until the queue stays quiet,
+    /// for at most [`FINISH_AT_MOST`], then stops it. Changes never applied leave rows that the
+    /// reaper removes and announces; a batch cut short could commit without its crossings
+    /// announced, and no reaper would announce them (its rows are gone), hence the wait.
     pub(crate) async fn finish(self) {
         let WriterTask { stop, mut task } = self;
         let _ = stop.send(());
@@ -167,7 +171,10 @@ impl WriterTask {
             .await
             .is_err()
         {
-            tracing::warn!("presence changes still queued at shutdown were not applied");
+            tracing::warn!(
+                "presence writer stopped while still applying: some changes were not applied, \
+                 and the batch in flight may go unannounced"
+            );
             task.abort();
         }
     }
@@ -186,6 +193,7 @@ pub(crate) fn spawn_writer(state: AppState, mut changes: PresenceChanges) -> Wri
             tokio::select! {
                 _ = &mut stopped => break,
                 received = changes.recv_many(&mut batch, MAX_BATCH) => {
+                    // Never 0 while the node runs: its state holds a sender.
                     if received == 0 {
                         return;
                     }
@@ -193,7 +201,19 @@ pub(crate) fn spawn_writer(state: AppState, mut changes: PresenceChanges) -> Wri
                 }
             }
         }
-        // Stopping: what is queued is applied; a change queued from now on is not counted.
+        // Stopping: changes are applied until none arrives for a while, then the queue is
+        // closed, what is left in it applied, and a change sent later is not counted.
+        while let Ok(received) = tokio::time::timeout(
+            QUIET_BEFORE_STOPPING,
+            changes.recv_many(&mut batch, MAX_BATCH),
+        )
+        .await
+        {
+            if received == 0 {
+                return;
+            }
+            apply(&state, std::mem::take(&mut batch)).await;
+        }
         changes.close();
         while changes.recv_many(&mut batch, MAX_BATCH).await > 0 {
             apply(&state, std::mem::take(&mut batch)).await;

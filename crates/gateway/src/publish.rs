@@ -131,17 +131,7 @@ impl Transient {
     /// Hands the frame to this node's hub, then to the other nodes through the bus (a failure
     /// there is logged: transient frames may be lost).
     pub(crate) async fn publish(self, state: &AppState) {
-        self.publish_here(&state.hub);
-        self.publish_elsewhere(state).await;
-    }
-
-    /// Hands the frame to the other nodes only (this node already has it).
-    pub(crate) async fn publish_elsewhere(self, state: &AppState) {
-        let audience = self.audience;
-        let transient = self.for_other_nodes(state.hub.node_id());
-        if let Err(error) = state.bus.transient(&transient).await {
-            tracing::warn!(%error, ?audience, "transient frame not published to other nodes");
-        }
+        publish_all(state, vec![self]).await;
     }
 }
 

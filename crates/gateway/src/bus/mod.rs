@@ -198,11 +198,6 @@ impl Bus {
         });
     }
 
-    /// Sends a transient frame to the other nodes (this node dispatched it already).
-    pub(crate) async fn transient(&self, transient: &TransientFrame) -> Result<(), StoreError> {
-        self.transients(std::slice::from_ref(transient)).await
-    }
-
     /// Sends transient frames to the other nodes (this node dispatched them already): for
     /// `postgres`, those that fit a notification in one statement.
     pub(crate) async fn transients(&self, transients: &[TransientFrame]) -> Result<(), StoreError> {
