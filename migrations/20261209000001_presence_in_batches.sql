@@ -31,9 +31,12 @@ BEGIN
             ON CONFLICT (conversation_id, participant_id, node_id, generation)
             DO UPDATE SET connections = p.connections + 1;
         ELSE
+            -- `node_id || ''` keeps the planner off `presence_by_node`: without statistics
+            -- (a new table) the cached generic plan took that index and read every row of
+            -- the node for each count out. The pair's own rows are a few at most.
             UPDATE presence_connections SET connections = connections - 1
             WHERE conversation_id = conversations[i] AND participant_id = participants[i]
-              AND node_id = node AND generation = node_generation;
+              AND node_id || '' = node AND generation = node_generation;
             DELETE FROM presence_connections
             WHERE conversation_id = conversations[i] AND participant_id = participants[i]
               AND connections <= 0;

@@ -82,6 +82,7 @@ fn turns_args(args: &HalfLoadArgs, users: usize, rate: Option<f64>) -> TurnsArgs
         nats_url: String::new(),
         runtime_writes: false,
         storm: 0,
+        storm_reconnect: false,
         storm_at: 0,
     }
 }

@@ -2,7 +2,8 @@
 //! agents of one group answering every turn with `turnResult`. The users run in closed loop, or
 //! with `--rate R` paced: together they send R turns per second, each on a fixed schedule.
 //! With `--storm N`, N more end users hold idle sessions and all close them at once partway
-//! through, and the turns sent in the second after that are reported separately.
+//! through (and, with `--storm-reconnect`, all come back at once), and the turns sent in the
+//! second after that are reported separately.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -61,6 +62,11 @@ pub struct TurnsArgs {
     /// restarted, a network cut). 0: none.
     #[arg(long, default_value_t = 0)]
     pub storm: usize,
+    /// The storm's sessions open again right after they closed, all at once, each with a token
+    /// bound to its conversation (minted before the clock): a proxy restarted, and its clients
+    /// came back.
+    #[arg(long)]
+    pub storm_reconnect: bool,
     /// Seconds into the measurement at which the storm's sessions close (less than
     /// `--duration`; the sessions are idle until then, so keep it under the gateway's idle
     /// timeout, 60 s by default).
@@ -221,6 +227,16 @@ async fn measure(args: &TurnsArgs, gateway: &Gateway) -> anyhow::Result<TurnsFig
     let storm_sessions =
         connect_users(&client, &channel.secret, &gateway.ws_url, args.storm).await?;
     let connected = connect_users(&client, &channel.secret, &gateway.ws_url, args.users).await?;
+    let mut returning = Vec::new();
+    if args.storm_reconnect {
+        for session in &storm_sessions {
+            let bound = TokenRequest {
+                conversation_id: Some(session.conversation_id),
+                ..TokenRequest::default()
+            };
+            returning.push(client.generate_token(&channel.secret, &bound).await?.token);
+        }
+    }
 
     let metrics_before = gateway_metrics::scrape(&gateway.base_url).await;
     let cpu_before = machine::cpu_ticks(gateway.pid()).unwrap_or(0);
@@ -230,7 +246,12 @@ async fn measure(args: &TurnsArgs, gateway: &Gateway) -> anyhow::Result<TurnsFig
     let started_at_ms = crate::cluster::now_ms();
     let closing = (!storm_sessions.is_empty()).then(|| {
         let storm_at = started + Duration::from_secs(args.storm_at);
-        tokio::spawn(close_all_at(storm_sessions, storm_at))
+        tokio::spawn(storm(
+            storm_sessions,
+            storm_at,
+            gateway.ws_url.clone(),
+            returning,
+        ))
     });
     let mut users = Vec::new();
     for (index, user) in connected.into_iter().enumerate() {
@@ -253,7 +274,12 @@ async fn measure(args: &TurnsArgs, gateway: &Gateway) -> anyhow::Result<TurnsFig
         sockets.push(outcome.socket);
     }
     let storm = match closing {
-        Some(closing) => Some(storm_figures(closing.await?, args.storm_at, &timings)),
+        Some(closing) => {
+            let outcome = closing.await??;
+            let figures = storm_figures(&outcome, args.storm_at, &timings);
+            sockets.extend(outcome.returned);
+            Some(figures)
+        }
         None => None,
     };
     let timeline = timeline(&timings);
@@ -360,6 +386,14 @@ fn print(figures: &TurnsFigures) {
             p99("round_trip_in_window_ms"),
             storm["turns_in_window"],
         );
+        if storm["returned"].as_u64().unwrap_or(0) > 0 {
+            println!(
+                "storm: {} sessions came back; hello → welcome p50 {:.2} ms, p99 {:.2} ms",
+                storm["returned"],
+                storm["welcome_ms"]["p50"].as_f64().unwrap_or(0.0),
+                p99("welcome_ms"),
+            );
+        }
     }
     println!(
         "gateway RSS {} KiB, CPU {:.0}% of one core",
@@ -466,15 +500,48 @@ async fn connect_user(url: String, token: String) -> anyhow::Result<ConnectedUse
     anyhow::bail!("closed before the welcome")
 }
 
-/// Closes every session at `at`, all at once; returns how many sessions it was given (each is
-/// closed now, or the gateway had closed it already: it left either way).
-async fn close_all_at(sessions: Vec<ConnectedUser>, at: Instant) -> usize {
+/// What a storm did: the sessions it closed, and those that came back.
+struct StormOutcome {
+    /// Sessions closed (each now, or the gateway had closed it already: it left either way).
+    closed: usize,
+    /// Each returning session's hello → welcome, ms.
+    welcome_ms: Vec<f64>,
+    /// The returned sessions' sockets, held until every user is done.
+    returned: Vec<Socket>,
+}
+
+/// Closes every session at `at`, all at once, then opens a session with each of `returning`'s
+/// tokens, all at once.
+async fn storm(
+    sessions: Vec<ConnectedUser>,
+    at: Instant,
+    ws_url: String,
+    returning: Vec<String>,
+) -> anyhow::Result<StormOutcome> {
     tokio::time::sleep_until(at.into()).await;
     let closing = sessions.into_iter().map(|mut session| async move {
-        // A session already gone counts as closed: the gateway saw it leave either way.
         let _ = session.socket.close(None).await;
     });
-    futures_util::future::join_all(closing).await.len()
+    let closed = futures_util::future::join_all(closing).await.len();
+    let opening = returning.into_iter().map(|token| {
+        let ws_url = ws_url.clone();
+        async move {
+            let asked = Instant::now();
+            let session = connect_user(ws_url, token).await?;
+            anyhow::Ok((asked.elapsed().as_secs_f64() * 1000.0, session.socket))
+        }
+    });
+    let mut outcome = StormOutcome {
+        closed,
+        welcome_ms: Vec::new(),
+        returned: Vec::new(),
+    };
+    for opened in futures_util::future::join_all(opening).await {
+        let (welcome_ms, socket) = opened.context("a returning session")?;
+        outcome.welcome_ms.push(welcome_ms);
+        outcome.returned.push(socket);
+    }
+    Ok(outcome)
 }
 
 /// What one user's loop measured, and its socket (closed once every user is done).
@@ -498,7 +565,7 @@ struct TurnTiming {
 
 /// The round trips of the turns sent in the [`STORM_WINDOW`] after the storm's closes, and of
 /// those sent before.
-fn storm_figures(sessions: usize, at_secs: u64, timings: &[TurnTiming]) -> Value {
+fn storm_figures(outcome: &StormOutcome, at_secs: u64, timings: &[TurnTiming]) -> Value {
     let at = at_secs as f64;
     let until = at + STORM_WINDOW.as_secs_f64();
     let mut before: Vec<f64> = timings
@@ -511,8 +578,11 @@ fn storm_figures(sessions: usize, at_secs: u64, timings: &[TurnTiming]) -> Value
         .filter(|turn| (at..until).contains(&turn.sent_secs))
         .map(|turn| turn.round_trip_ms)
         .collect();
+    let mut welcome_ms = outcome.welcome_ms.clone();
     json!({
-        "sessions": sessions,
+        "sessions": outcome.closed,
+        "returned": welcome_ms.len(),
+        "welcome_ms": percentiles(&mut welcome_ms),
         "at_secs": at_secs,
         "window_secs": STORM_WINDOW.as_secs_f64(),
         "turns_before": before.len(),
@@ -642,6 +712,7 @@ mod tests {
             nats_url: String::new(),
             runtime_writes: false,
             storm: 0,
+            storm_reconnect: false,
             storm_at: 0,
         }
     }
@@ -680,7 +751,12 @@ mod tests {
             vec![(0, 2, 7.0), (1, 1, 40.0), (4, 1, 3.0), (5, 1, 90.0)]
         );
         assert_eq!(seconds[1]["ack_p99_ms"], 20.0);
-        let storm = storm_figures(10, 5, &timings);
+        let outcome = StormOutcome {
+            closed: 10,
+            welcome_ms: Vec::new(),
+            returned: Vec::new(),
+        };
+        let storm = storm_figures(&outcome, 5, &timings);
         assert_eq!(storm["turns_before"], 4);
         assert_eq!(storm["turns_in_window"], 1);
         assert_eq!(storm["round_trip_in_window_ms"]["max"], 90.0);

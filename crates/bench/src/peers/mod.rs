@@ -447,6 +447,7 @@ async fn measure_converger(args: &PeersArgs, bus: &str, mut interrupt: Interrupt
         nats_url: args.nats_url.clone(),
         runtime_writes: args.runtime_writes,
         storm: 0,
+        storm_reconnect: false,
         storm_at: 0,
     };
     let figures = tokio::select! {
