@@ -644,14 +644,14 @@ async fn a_node_hears_its_own_batch_once_from_its_worker_and_other_nodes_from_th
         .unwrap();
     let seq = committed.activity.seq;
     other_node
-        .publish_transient(&TransientFrame {
+        .publish_transients(&[TransientFrame {
             node: "marker".into(),
             channel_id: None,
             conversation_id: conversation,
             frame: json!({"type": "typing"}),
             origin: None,
             agents_only: false,
-        })
+        }])
         .await
         .unwrap();
 
@@ -745,7 +745,7 @@ async fn a_commit_names_the_runtime_version_left_by_the_batch_it_waited_for() {
         "{answered:?}"
     );
     assert_eq!(db.count(&version_on_row).await, 1);
-    store.publish_transient(&marker("first")).await.unwrap();
+    store.publish_transients(&[marker("first")]).await.unwrap();
     assert_eq!(
         runtime_versions_until(&mut events, "first").await,
         vec![(first.activity.seq, Some(0))],
@@ -777,7 +777,7 @@ async fn a_commit_names_the_runtime_version_left_by_the_batch_it_waited_for() {
         .unwrap();
     sqlx::query("COMMIT").execute(&mut holder).await.unwrap();
     let second = second.await.unwrap().unwrap();
-    store.publish_transient(&marker("second")).await.unwrap();
+    store.publish_transients(&[marker("second")]).await.unwrap();
     assert_eq!(
         runtime_versions_until(&mut events, "second").await,
         vec![(second.activity.seq, Some(2))]

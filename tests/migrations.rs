@@ -2,7 +2,7 @@
 
 mod support;
 
-use converger_store::{Gone, Incarnation, PresenceChange};
+use converger_store::{Gone, Incarnation, PresenceChange, Store};
 use support::TestDb;
 use uuid::Uuid;
 
@@ -109,6 +109,25 @@ fn presence_change(conversation_id: Uuid, participant: &str, joined: bool) -> Pr
     }
 }
 
+/// A node incarnation of these tests.
+fn node(node_id: &'static str, generation: i64) -> Incarnation<'static> {
+    Incarnation {
+        node_id,
+        generation,
+    }
+}
+
+/// Each change's total after one batch of (conversation, participant, joined) on `node`.
+async fn totals(store: &Store, on: Incarnation<'_>, changes: &[(Uuid, &str, bool)]) -> Vec<i64> {
+    let changes: Vec<PresenceChange> = changes
+        .iter()
+        .map(|(conversation, participant, joined)| {
+            presence_change(*conversation, participant, *joined)
+        })
+        .collect();
+    store.change_presence(&changes, on).await.unwrap()
+}
+
 /// One connection in of each of eight new users, each in a conversation of its own.
 fn joins_of_new_users(round: usize) -> Vec<PresenceChange> {
     (0..8)
@@ -121,56 +140,28 @@ async fn a_batch_of_presence_changes_gives_each_change_the_total_it_left() {
     let db = TestDb::create().await;
     let store = db.store().await;
     let (alice, bob) = (Uuid::new_v4(), Uuid::new_v4());
-    let node_a = Incarnation {
-        node_id: "node-a",
-        generation: 1,
-    };
-    let node_b = Incarnation {
-        node_id: "node-b",
-        generation: 7,
-    };
-    let totals = store
-        .change_presence(
-            &[
-                presence_change(alice, "alice", true),
-                presence_change(alice, "alice", true),
-                presence_change(bob, "bob", true),
-                presence_change(alice, "alice", false),
-            ],
-            node_a,
-        )
-        .await
-        .unwrap();
-    assert_eq!(totals, vec![1, 2, 1, 1], "in order, each as if alone");
+    let (node_a, node_b) = (node("node-a", 1), node("node-b", 7));
+    let batch = [
+        (alice, "alice", true),
+        (alice, "alice", true),
+        (bob, "bob", true),
+        (alice, "alice", false),
+    ];
+    assert_eq!(
+        totals(&store, node_a, &batch).await,
+        vec![1, 2, 1, 1],
+        "in order, each as if alone"
+    );
     // Another node's changes count with these: the totals are the cluster's.
-    let totals = store
-        .change_presence(
-            &[
-                presence_change(alice, "alice", true),
-                presence_change(alice, "alice", false),
-            ],
-            node_b,
-        )
-        .await
-        .unwrap();
-    assert_eq!(totals, vec![2, 1]);
-    let totals = store
-        .change_presence(
-            &[
-                presence_change(bob, "bob", false),
-                presence_change(alice, "alice", false),
-            ],
-            node_a,
-        )
-        .await
-        .unwrap();
-    assert_eq!(totals, vec![0, 0]);
+    let batch = [(alice, "alice", true), (alice, "alice", false)];
+    assert_eq!(totals(&store, node_b, &batch).await, vec![2, 1]);
+    let batch = [(bob, "bob", false), (alice, "alice", false)];
+    assert_eq!(totals(&store, node_a, &batch).await, vec![0, 0]);
     assert_eq!(
         db.count("SELECT count(*) FROM presence_connections").await,
         0
     );
-    let nothing = store.change_presence(&[], node_a).await.unwrap();
-    assert!(nothing.is_empty());
+    assert!(totals(&store, node_a, &[]).await.is_empty());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -180,14 +171,7 @@ async fn batches_naming_the_same_users_in_opposite_orders_never_deadlock() {
     for round in 0..20 {
         let forward = joins_of_new_users(round);
         let backward: Vec<PresenceChange> = forward.iter().rev().cloned().collect();
-        let node_a = Incarnation {
-            node_id: "node-a",
-            generation: 1,
-        };
-        let node_b = Incarnation {
-            node_id: "node-b",
-            generation: 1,
-        };
+        let (node_a, node_b) = (node("node-a", 1), node("node-b", 1));
         // Each change locks its user for the whole batch; locked in the order given, these two
         // would wait on each other (Postgres would fail one with a deadlock).
         let (first, second) = tokio::join!(
@@ -212,14 +196,7 @@ async fn batches_naming_the_same_users_in_opposite_orders_never_deadlock() {
 async fn a_batch_and_a_dead_nodes_removal_over_the_same_users_never_deadlock() {
     let db = TestDb::create().await;
     let store = db.store().await;
-    let dead = Incarnation {
-        node_id: "node-dead",
-        generation: 1,
-    };
-    let live = Incarnation {
-        node_id: "node-live",
-        generation: 1,
-    };
+    let (dead, live) = (node("node-dead", 1), node("node-live", 1));
     for round in 0..20 {
         let joins = joins_of_new_users(round);
         store.change_presence(&joins, dead).await.unwrap();

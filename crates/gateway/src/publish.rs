@@ -131,24 +131,24 @@ impl Transient {
     /// Hands the frame to this node's hub, then to the other nodes through the bus (a failure
     /// there is logged: transient frames may be lost).
     pub(crate) async fn publish(self, state: &AppState) {
-        publish_all(state, vec![self]).await;
+        publish_all(state, [self]).await;
     }
 }
 
 /// Hands transient frames to this node's hub, then to the other nodes in one publication (a
 /// failure there is logged: transient frames may be lost).
-pub(crate) async fn publish_all(state: &AppState, transients: Vec<Transient>) {
-    if transients.is_empty() {
-        return;
-    }
-    for transient in &transients {
-        transient.publish_here(&state.hub);
-    }
+pub(crate) async fn publish_all(state: &AppState, transients: impl IntoIterator<Item = Transient>) {
     let node = state.hub.node_id();
     let frames: Vec<TransientFrame> = transients
         .into_iter()
-        .map(|transient| transient.for_other_nodes(node))
+        .map(|transient| {
+            transient.publish_here(&state.hub);
+            transient.for_other_nodes(node)
+        })
         .collect();
+    if frames.is_empty() {
+        return;
+    }
     if let Err(error) = state.bus.transients(&frames).await {
         tracing::warn!(%error, frames = frames.len(), "transient frames not published to other nodes");
     }

@@ -39,12 +39,6 @@ impl Store {
         self.notify(&text).await
     }
 
-    /// Publishes a transient frame to every node (this one included; it skips its own).
-    pub async fn publish_transient(&self, transient: &TransientFrame) -> Result<(), StoreError> {
-        self.publish_transients(std::slice::from_ref(transient))
-            .await
-    }
-
     /// Publishes transient frames to every node (this one included; it skips its own): those
     /// that fit a notification with one statement, each larger one through an outbox row.
     pub async fn publish_transients(

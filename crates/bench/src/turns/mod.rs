@@ -23,6 +23,9 @@ use crate::stats::{Samples, percentiles};
 use crate::usage::Usage;
 use crate::{gateway_metrics, machine};
 
+mod storm;
+use storm::{storm, storm_figures};
+
 /// Arguments of `turns`.
 #[derive(Debug, clap::Args)]
 pub struct TurnsArgs {
@@ -74,9 +77,6 @@ pub struct TurnsArgs {
     pub storm_at: u64,
 }
 
-/// How long after the storm a turn's send counts as during the storm.
-const STORM_WINDOW: Duration = Duration::from_secs(1);
-
 /// `--rate`: a finite rate of at least 0.01 turns per second.
 fn parse_rate(text: &str) -> Result<f64, String> {
     let rate: f64 = text.parse().map_err(|error| format!("{error}"))?;
@@ -112,7 +112,7 @@ pub struct TurnsFigures {
     /// Per second of the window: the turns sent in it and their round trip p99 and max.
     pub timeline: Value,
     /// With `--storm`: the sessions closed, and send → answer received percentiles (ms) of the
-    /// turns sent in the [`STORM_WINDOW`] after they closed and of those sent before.
+    /// turns sent in the second after they closed and of those sent before.
     pub storm: Option<Value>,
     /// Gateway resident set size at the end, KiB.
     pub gateway_rss_kib: u64,
@@ -500,50 +500,6 @@ async fn connect_user(url: String, token: String) -> anyhow::Result<ConnectedUse
     anyhow::bail!("closed before the welcome")
 }
 
-/// What a storm did: the sessions it closed, and those that came back.
-struct StormOutcome {
-    /// Sessions closed (each now, or the gateway had closed it already: it left either way).
-    closed: usize,
-    /// Each returning session's hello → welcome, ms.
-    welcome_ms: Vec<f64>,
-    /// The returned sessions' sockets, held until every user is done.
-    returned: Vec<Socket>,
-}
-
-/// Closes every session at `at`, all at once, then opens a session with each of `returning`'s
-/// tokens, all at once.
-async fn storm(
-    sessions: Vec<ConnectedUser>,
-    at: Instant,
-    ws_url: String,
-    returning: Vec<String>,
-) -> anyhow::Result<StormOutcome> {
-    tokio::time::sleep_until(at.into()).await;
-    let closing = sessions.into_iter().map(|mut session| async move {
-        let _ = session.socket.close(None).await;
-    });
-    let closed = futures_util::future::join_all(closing).await.len();
-    let opening = returning.into_iter().map(|token| {
-        let ws_url = ws_url.clone();
-        async move {
-            let asked = Instant::now();
-            let session = connect_user(ws_url, token).await?;
-            anyhow::Ok((asked.elapsed().as_secs_f64() * 1000.0, session.socket))
-        }
-    });
-    let mut outcome = StormOutcome {
-        closed,
-        welcome_ms: Vec::new(),
-        returned: Vec::new(),
-    };
-    for opened in futures_util::future::join_all(opening).await {
-        let (welcome_ms, socket) = opened.context("a returning session")?;
-        outcome.welcome_ms.push(welcome_ms);
-        outcome.returned.push(socket);
-    }
-    Ok(outcome)
-}
-
 /// What one user's loop measured, and its socket (closed once every user is done).
 struct UserOutcome {
     samples: Samples,
@@ -561,35 +517,6 @@ struct TurnTiming {
     ack_ms: f64,
     /// Send → answer, ms.
     round_trip_ms: f64,
-}
-
-/// The round trips of the turns sent in the [`STORM_WINDOW`] after the storm's closes, and of
-/// those sent before.
-fn storm_figures(outcome: &StormOutcome, at_secs: u64, timings: &[TurnTiming]) -> Value {
-    let at = at_secs as f64;
-    let until = at + STORM_WINDOW.as_secs_f64();
-    let mut before: Vec<f64> = timings
-        .iter()
-        .filter(|turn| turn.sent_secs < at)
-        .map(|turn| turn.round_trip_ms)
-        .collect();
-    let mut within: Vec<f64> = timings
-        .iter()
-        .filter(|turn| (at..until).contains(&turn.sent_secs))
-        .map(|turn| turn.round_trip_ms)
-        .collect();
-    let mut welcome_ms = outcome.welcome_ms.clone();
-    json!({
-        "sessions": outcome.closed,
-        "returned": welcome_ms.len(),
-        "welcome_ms": percentiles(&mut welcome_ms),
-        "at_secs": at_secs,
-        "window_secs": STORM_WINDOW.as_secs_f64(),
-        "turns_before": before.len(),
-        "round_trip_before_ms": percentiles(&mut before),
-        "turns_in_window": within.len(),
-        "round_trip_in_window_ms": percentiles(&mut within),
-    })
 }
 
 /// Per whole second of the window, by send time: turns, round trip p99 and max, and ack p99
@@ -717,22 +644,30 @@ mod tests {
         }
     }
 
+    /// Turns sent at these seconds with these round trips (the ack took half).
+    pub(super) fn timings(sent_and_round_trips: &[(f64, f64)]) -> Vec<TurnTiming> {
+        sent_and_round_trips
+            .iter()
+            .map(|&(sent_secs, round_trip_ms)| TurnTiming {
+                sent_secs,
+                ack_ms: round_trip_ms / 2.0,
+                round_trip_ms,
+            })
+            .collect()
+    }
+
+    /// Sends (seconds into the window) and round trips (ms) of five turns.
+    pub(super) const SENT: [(f64, f64); 5] = [
+        (0.2, 5.0),
+        (0.9, 7.0),
+        (1.0, 40.0),
+        (4.5, 3.0),
+        (5.99, 90.0),
+    ];
+
     #[test]
     fn turns_are_summed_up_by_the_second_they_were_sent_in() {
-        let timings: Vec<TurnTiming> = [
-            (0.2, 5.0),
-            (0.9, 7.0),
-            (1.0, 40.0),
-            (4.5, 3.0),
-            (5.99, 90.0),
-        ]
-        .into_iter()
-        .map(|(sent_secs, round_trip_ms)| TurnTiming {
-            sent_secs,
-            ack_ms: round_trip_ms / 2.0,
-            round_trip_ms,
-        })
-        .collect();
+        let timings = timings(&SENT);
         let seconds = timeline(&timings);
         let summary: Vec<(u64, u64, f64)> = seconds
             .as_array()
@@ -751,15 +686,6 @@ mod tests {
             vec![(0, 2, 7.0), (1, 1, 40.0), (4, 1, 3.0), (5, 1, 90.0)]
         );
         assert_eq!(seconds[1]["ack_p99_ms"], 20.0);
-        let outcome = StormOutcome {
-            closed: 10,
-            welcome_ms: Vec::new(),
-            returned: Vec::new(),
-        };
-        let storm = storm_figures(&outcome, 5, &timings);
-        assert_eq!(storm["turns_before"], 4);
-        assert_eq!(storm["turns_in_window"], 1);
-        assert_eq!(storm["round_trip_in_window_ms"]["max"], 90.0);
     }
 
     #[test]
