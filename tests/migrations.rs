@@ -73,6 +73,7 @@ async fn the_index_of_id_hashes_may_be_built_before_its_migration() {
         [
             "activities_by_id_hash",
             "activities_idempotency",
+            "activities_interrupts",
             "activities_pkey"
         ]
     );

@@ -525,6 +525,7 @@ async fn welcome_lists_open_interrupts_and_sends_the_channel_catalogs() {
         json!({"type": "interrupt", "id": "int-1", "data": {"question": "a?"}}),
         json!({"type": "interrupt", "id": "int-2", "data": {"question": "b?"}}),
         json!({"type": "interrupt_resolved", "id": "int-1", "data": {"answer": "yes"}}),
+        json!({"type": "interrupt", "id": "int-0", "data": {"question": "c?"}}),
     ] {
         node.client
             .post_activity(&agent, conversation_id, &frame, None)
@@ -543,11 +544,15 @@ async fn welcome_lists_open_interrupts_and_sends_the_channel_catalogs() {
 
     let mut client = WsClient::connect(&node.ws_url("")).await;
     let welcome = client
-        .hello(&token, json!({"watermark": 3, "skillsHash": "s1"}))
+        .hello(&token, json!({"watermark": 4, "skillsHash": "s1"}))
         .await;
+    // Oldest first, by seq: not by id.
     assert_eq!(
         welcome["data"]["pending"],
-        json!([{"id": "int-2", "data": {"question": "b?"}}])
+        json!([
+            {"id": "int-2", "data": {"question": "b?"}},
+            {"id": "int-0", "data": {"question": "c?"}}
+        ])
     );
     let after = client.barrier().await;
     assert_eq!(

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
 use converger_store::Store;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpSocket};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
@@ -57,6 +57,28 @@ pub struct Server {
     presence_changes: crate::presence::PresenceChanges,
 }
 
+/// Connections the kernel holds for the gateway to accept. A proxy that restarts, or a network
+/// that comes back, brings every client back at once; a connection beyond this queue loses its
+/// SYN, and its client tries again only after a second (then three). Tokio binds with 128, as
+/// the standard library does, which 1,000 clients reconnecting at once overflowed
+/// (docs/benchmarks.md, fifteenth round).
+/// The kernel caps the queue at `net.core.somaxconn` (4,096 on current kernels;
+/// docs/operations.md).
+const LISTEN_BACKLOG: u32 = 65_535;
+
+/// Binds `addr` for accepting connections, as `TcpListener::bind` does (with `SO_REUSEADDR`), with
+/// the longest accept queue the kernel allows.
+fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        TcpSocket::new_v4()?
+    } else {
+        TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
+}
+
 impl Server {
     /// Binds `config.http_addr` (port 0 picks a free port).
     pub async fn bind(
@@ -71,9 +93,7 @@ impl Server {
         } else {
             config.node_id.clone()
         };
-        let listener = TcpListener::bind(addr)
-            .await
-            .map_err(|source| GatewayError::Bind { addr, source })?;
+        let listener = listen(addr).map_err(|source| GatewayError::Bind { addr, source })?;
         let http_addr = listener.local_addr()?;
         let (cluster, membership) =
             converger_cluster::Cluster::start(config.cluster_config(&node_id, http_addr)).await?;

@@ -142,47 +142,75 @@ pub struct ChannelCatalogs {
     pub skills: Option<serde_json::Value>,
 }
 
+/// What a session's welcome reads of its conversation, in one statement: a reconnect storm
+/// brings every client's hello at once (ADR 0044).
+#[derive(Debug, Clone, PartialEq)]
+pub struct WelcomeReads {
+    /// The conversation's head: its highest committed seq (0 = empty).
+    pub head: i64,
+    /// Its open interrupts, oldest first.
+    pub pending_interrupts: Vec<PendingInterrupt>,
+    /// Its channel's latest published catalogs.
+    pub catalogs: ChannelCatalogs,
+}
+
 impl Store {
-    /// The open interrupts of a conversation, oldest first.
-    pub async fn pending_interrupts(
+    /// The head, the open interrupts and the channel's catalogs of a conversation; `None` when
+    /// there is no such conversation.
+    pub async fn welcome_reads(
         &self,
         conversation_id: Uuid,
-    ) -> Result<Vec<PendingInterrupt>, StoreError> {
-        // The resolution is found through the index of id hashes (ADR 0040), the id compared too.
-        self.timed("pending_interrupts", async {
-            sqlx::query_as::<_, PendingInterrupt>(
-                "SELECT asked.id, asked.data FROM activities asked
-                 WHERE asked.conversation_id = $1 AND asked.type = 'interrupt'
-                   AND NOT EXISTS (
-                       SELECT 1 FROM activities resolved
-                       WHERE resolved.conversation_id = asked.conversation_id
-                         AND hashtextextended(resolved.id, 0) = hashtextextended(asked.id, 0)
-                         AND resolved.id = asked.id
-                         AND resolved.type = 'interrupt_resolved'
-                         AND resolved.seq > asked.seq)
-                 ORDER BY asked.seq",
-            )
-            .bind(conversation_id)
-            .fetch_all(&self.pool)
-            .await
-        })
-        .await
-    }
-
-    /// The channel's latest published catalogs.
-    pub async fn channel_catalogs(&self, channel_id: Uuid) -> Result<ChannelCatalogs, StoreError> {
-        let row: Option<(Option<serde_json::Value>, Option<serde_json::Value>)> = self
-            .timed("channel_catalogs", async {
+    ) -> Result<Option<WelcomeReads>, StoreError> {
+        type Row = (
+            i64,
+            Option<serde_json::Value>,
+            Option<serde_json::Value>,
+            Vec<String>,
+            Vec<serde_json::Value>,
+        );
+        // Interrupts are found through their partial index, and each one's resolution through
+        // the index of id hashes (ADR 0040), the id compared too.
+        let row: Option<Row> = self
+            .timed("welcome_reads", async {
                 sqlx::query_as(
-                    "SELECT settings -> 'genui_components', settings -> 'skills' FROM channels WHERE id = $1",
+                    "SELECT c.last_seq,
+                            channel.settings -> 'genui_components',
+                            channel.settings -> 'skills',
+                            coalesce(pending.ids, '{}'),
+                            coalesce(pending.data, '{}')
+                     FROM conversations c
+                     LEFT JOIN channels channel ON channel.id = c.channel_id
+                     LEFT JOIN LATERAL (
+                         SELECT array_agg(asked.id ORDER BY asked.seq) AS ids,
+                                array_agg(asked.data ORDER BY asked.seq) AS data
+                         FROM activities asked
+                         WHERE asked.conversation_id = c.id AND asked.type = 'interrupt'
+                           AND NOT EXISTS (
+                               SELECT 1 FROM activities resolved
+                               WHERE resolved.conversation_id = asked.conversation_id
+                                 AND hashtextextended(resolved.id, 0) = hashtextextended(asked.id, 0)
+                                 AND resolved.id = asked.id
+                                 AND resolved.type = 'interrupt_resolved'
+                                 AND resolved.seq > asked.seq)
+                     ) pending ON true
+                     WHERE c.id = $1",
                 )
-                .bind(channel_id)
+                .bind(conversation_id)
                 .fetch_optional(&self.pool)
                 .await
             })
             .await?;
-        let (components, skills) = row.unwrap_or_default();
-        Ok(ChannelCatalogs { components, skills })
+        Ok(
+            row.map(|(head, components, skills, ids, data)| WelcomeReads {
+                head,
+                pending_interrupts: ids
+                    .into_iter()
+                    .zip(data)
+                    .map(|(id, data)| PendingInterrupt { id, data })
+                    .collect(),
+                catalogs: ChannelCatalogs { components, skills },
+            }),
+        )
     }
 
     /// Raises a participant's read position; `Some(seq)` when it moved, `None` when it was

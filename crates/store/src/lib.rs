@@ -27,7 +27,9 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 
 pub use activities::{Activity, CommitOutcome, FrameRange, NewActivity, Sender, SenderRole};
 pub use channels::{Channel, ChannelStatus, TurnSettings};
-pub use conversations::{ChannelCatalogs, Conversation, ConversationFilter, PendingInterrupt};
+pub use conversations::{
+    ChannelCatalogs, Conversation, ConversationFilter, PendingInterrupt, WelcomeReads,
+};
 pub use error::StoreError;
 pub(crate) use error::{is_connection_failure, is_sqlx_connection_failure};
 pub use http_agents::{DeadLetter, HttpAgent, HttpAgentSettings};
@@ -113,9 +115,14 @@ impl Store {
             url.parse::<PgConnectOptions>()
                 .map_err(|source| StoreError::Config(format!("invalid database url: {source}")))
                 .map(|parsed| {
-                    let parsed = parsed
-                        .application_name("converger")
-                        .options([("statement_timeout", statement_timeout_ms.as_str())]);
+                    // No plan reads a whole table where an index serves: a connection
+                    // caches plans made while a table was empty (a new database, a new
+                    // deployment), and until an ANALYZE of that table, a look-up by key
+                    // would keep scanning the table as it grows (ADR 0044).
+                    let parsed = parsed.application_name("converger").options([
+                        ("statement_timeout", statement_timeout_ms.as_str()),
+                        ("enable_seqscan", "off"),
+                    ]);
                     if options.notify_in_commit {
                         parsed
                     } else {
@@ -167,7 +174,16 @@ impl Store {
     /// Applies pending migrations; a no-op when the schema is current.
     pub async fn migrate(&self) -> Result<MigrationReport, StoreError> {
         let before = self.applied_versions().await?;
-        MIGRATOR.run(&self.pool).await?;
+        // A migration may change every row of a table, which a scan serves best: migrations
+        // run with `enable_seqscan` back on, on a connection that then leaves the pool, so no
+        // look-up runs with it later (ADR 0044).
+        let mut connection = self.pool.acquire().await?;
+        connection.close_on_drop();
+        sqlx::query("SET enable_seqscan = on")
+            .execute(&mut *connection)
+            .await?;
+        MIGRATOR.run(&mut *connection).await?;
+        drop(connection);
         let after = self.applied_versions().await?;
         let applied = after
             .into_iter()

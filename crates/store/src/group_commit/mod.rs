@@ -530,10 +530,7 @@ async fn transaction(
     node: Option<&str>,
     keys: Keys,
 ) -> Result<Option<Plan>, BatchError> {
-    let mut transaction = connection
-        .begin_with(statements::BEGIN)
-        .await
-        .map_err(BatchError::classify)?;
+    let mut transaction = connection.begin().await.map_err(BatchError::classify)?;
     let written = statements::write_batch(&mut transaction, requests, node, keys)
         .await
         .map_err(BatchError::classify)?;
@@ -556,9 +553,6 @@ pub(crate) async fn frame_in_transaction(
     connection: &mut PgConnection,
     new: NewActivity,
 ) -> Result<Result<Option<CommitOutcome>, StoreError>, sqlx::Error> {
-    sqlx::query("SET LOCAL enable_seqscan = off")
-        .execute(&mut *connection)
-        .await?;
     // The caller's transaction cannot be run again, so the key is read before the write.
     let written =
         statements::write_batch(connection, &[Request::Frame(&new)], Some(""), Keys::Read).await?;

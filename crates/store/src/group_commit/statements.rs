@@ -19,8 +19,8 @@
 //!
 //! Every look-up names a whole key, probed in `LATERAL … LIMIT 1`, and the answered turns are
 //! updated by their row's address: plans are cached while the tables are empty, and a
-//! set-based join planned then reads whole key ranges once they are large (ADR 0036). The
-//! transaction runs with `enable_seqscan = off` for the same reason.
+//! set-based join planned then reads whole key ranges once they are large (ADR 0036). For the
+//! same reason the store's connections run with `enable_seqscan = off` (ADR 0044).
 
 use std::collections::HashMap;
 
@@ -32,10 +32,6 @@ use uuid::Uuid;
 use super::decide::{Found, Head, LatestTurn, Plan, Request, decide};
 use crate::activities::{ACTIVITY_COLUMNS, Activity};
 use crate::bus::batch_payloads;
-
-/// What a batch's transaction began with: the look-ups must use their indexes whatever plan
-/// was cached (see the module comment).
-pub(super) const BEGIN: &str = "BEGIN; SET LOCAL enable_seqscan = off";
 
 /// How a batch learns which of its idempotency keys are stored already.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

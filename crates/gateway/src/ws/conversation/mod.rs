@@ -30,6 +30,7 @@ use converger_protocol::{
     Catalog, ClientFrame, ConversationWelcome, ErrorCode, ErrorFrame, Hello, PendingInterrupt,
     Profile, USER_ROLE, Viewer, parse_client_text,
 };
+use converger_store::WelcomeReads;
 use converger_store::bus::Origin;
 use futures_util::StreamExt;
 use futures_util::stream::SplitStream;
@@ -108,14 +109,15 @@ pub(super) async fn run(
     // Subscribe before reading the head: whatever commits from now on is either in the replay
     // or arrives live (and the cursor drops what the replay already sent).
     let mut live = state.hub.subscribe(conversation.id);
-    let head = match state.store.conversation(conversation.id).await {
-        Ok(Some(current)) => u64::try_from(current.last_seq).unwrap_or(0),
+    let reads = match state.store.welcome_reads(conversation.id).await {
+        Ok(Some(reads)) => reads,
         Ok(None) => return internal_close(outbound),
         Err(error) => {
             tracing::error!(%error, "session: cannot read the head");
             return internal_close(outbound);
         }
     };
+    let head = u64::try_from(reads.head).unwrap_or(0);
     let limits = &state.config.limits;
     let now = Instant::now();
     let invalid_watermark = watermark > head;
@@ -147,7 +149,8 @@ pub(super) async fn run(
     };
     // Boxed, and the hello and conversation dropped, so the idle session's future and heap keep
     // only what the session loop needs (memory per idle connection, docs/benchmarks.md).
-    if let Err(ending) = Box::pin(session.welcome(head, &hello, invalid_watermark, plan)).await {
+    let welcome = session.welcome(head, reads, &hello, invalid_watermark, plan);
+    if let Err(ending) = Box::pin(welcome).await {
         // A client that sent a frame and left while its replay was written: the frame is in
         // the socket, and a mekik client never sends it again.
         session.finish(&ending, stream, None).await;
@@ -250,22 +253,21 @@ impl<'a> Session<'a> {
         }
     }
 
-    /// Sends welcome, the catalogs, then the replay.
+    /// Sends welcome, the catalogs, then the replay: `head` is `reads.head`, as the replay's
+    /// plan took it.
     async fn welcome(
         &mut self,
         head: u64,
+        reads: WelcomeReads,
         hello: &Hello,
         invalid_watermark: bool,
         plan: ReplayPlan,
     ) -> Result<(), Ending> {
-        let store = &self.state.store;
-        let pending = store
-            .pending_interrupts(self.conversation_id)
-            .await
-            .map_err(|error| {
-                tracing::error!(%error, "session: cannot read interrupts");
-                internal_close(self.outbound)
-            })?;
+        let WelcomeReads {
+            pending_interrupts,
+            catalogs,
+            ..
+        } = reads;
         let conversation_id = self.conversation_id.to_string();
         let connection_id = self.connection_id.to_string();
         let welcome = ConversationWelcome {
@@ -274,7 +276,7 @@ impl<'a> Session<'a> {
             user_id: &self.user_id,
             connection_id: &connection_id,
             watermark: head,
-            pending: pending
+            pending: pending_interrupts
                 .iter()
                 .map(|interrupt| PendingInterrupt {
                     id: &interrupt.id,
@@ -286,10 +288,6 @@ impl<'a> Session<'a> {
         }
         .encode();
         self.push(welcome, false)?;
-        let catalogs = store
-            .channel_catalogs(self.channel_id)
-            .await
-            .map_err(|_| internal_close(self.outbound))?;
         if let Some(components) = catalogs.components {
             let frame = Catalog::Components.frame(&components, hello.components_hash.as_deref());
             self.push(frame, false)?;
