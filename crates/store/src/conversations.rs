@@ -125,7 +125,7 @@ impl Store {
 }
 
 /// An open interrupt: a persistent `interrupt` with no later `interrupt_resolved` of its id.
-#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct PendingInterrupt {
     /// The interrupt id.
     pub id: String,
@@ -134,7 +134,7 @@ pub struct PendingInterrupt {
 }
 
 /// The catalogs an agent published for a channel (latest wins).
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ChannelCatalogs {
     /// `{hash, components}` of the latest `genui_components`.
     pub components: Option<serde_json::Value>,

@@ -203,6 +203,12 @@ impl Store {
             if !sweeping {
                 return Ok(Vec::new());
             }
+            // No index serves this look-up (one on `updated_at` would make every head update a
+            // non-HOT one), so it reads the table: by a scan, not by a whole index and a heap
+            // fetch per row, which the connection's `enable_seqscan = off` would pick (ADR 0044).
+            sqlx::query("SET LOCAL enable_seqscan = on")
+                .execute(&mut *transaction)
+                .await?;
             // A conversation being written now is skipped: it is not idle.
             let idle: Vec<Uuid> = sqlx::query_scalar(
                 "SELECT id FROM conversations

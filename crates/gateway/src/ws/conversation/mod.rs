@@ -113,7 +113,7 @@ pub(super) async fn run(
         Ok(Some(reads)) => reads,
         Ok(None) => return internal_close(outbound),
         Err(error) => {
-            tracing::error!(%error, "session: cannot read the head");
+            tracing::error!(%error, "session: cannot read the welcome");
             return internal_close(outbound);
         }
     };
