@@ -368,3 +368,28 @@ impl Drop for ServerHandle {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::listen;
+
+    /// A burst of clients that the gateway has not accepted yet, more than tokio's queue of
+    /// 128 held, all wait in the kernel's queue: none of their SYNs is dropped, to be sent
+    /// again a second later and dropped again while the queue stays full. (It needs
+    /// `net.core.somaxconn` of at least 300, the default being 4,096 since Linux 5.4.)
+    #[tokio::test]
+    async fn a_burst_of_connections_waits_in_the_accept_queue() {
+        let listener = listen("127.0.0.1:0".parse().expect("an address")).expect("bind");
+        let addr = listener.local_addr().expect("the bound address");
+        let connects = (0..300).map(|_| tokio::net::TcpStream::connect(addr));
+        let connected = tokio::time::timeout(
+            Duration::from_secs(5),
+            futures_util::future::join_all(connects),
+        )
+        .await
+        .expect("every client is queued while none is accepted");
+        assert!(connected.iter().all(Result::is_ok));
+    }
+}
