@@ -8,7 +8,7 @@ use serde_json::{Value, json};
 
 use crate::gateway::DEFAULT_DATABASE_URL;
 use crate::machine;
-use crate::turns::{self, TurnsArgs, TurnsFigures};
+use crate::turns::{self, StormArgs, TurnsArgs, TurnsFigures};
 
 /// The goal: p99 round trip at half the maximum throughput, in milliseconds.
 const GOAL_P99_MS: f64 = 25.0;
@@ -81,9 +81,7 @@ fn turns_args(args: &HalfLoadArgs, users: usize, rate: Option<f64>) -> TurnsArgs
         bus: "postgres".into(),
         nats_url: String::new(),
         runtime_writes: false,
-        storm: 0,
-        storm_reconnect: false,
-        storm_at: 0,
+        storm: StormArgs::default(),
     }
 }
 

@@ -19,7 +19,7 @@ use tokio::task::JoinSet;
 
 use crate::gateway::DEFAULT_DATABASE_URL;
 use crate::machine;
-use crate::turns::{self, TurnsArgs};
+use crate::turns::{self, StormArgs, TurnsArgs};
 use store_alone::WritePath;
 use write_paths::Candidate;
 
@@ -446,9 +446,7 @@ async fn measure_converger(args: &PeersArgs, bus: &str, mut interrupt: Interrupt
         bus: bus.to_owned(),
         nats_url: args.nats_url.clone(),
         runtime_writes: args.runtime_writes,
-        storm: 0,
-        storm_reconnect: false,
-        storm_at: 0,
+        storm: StormArgs::default(),
     };
     let figures = tokio::select! {
         figures = turns::figures(&turns_args) => figures,

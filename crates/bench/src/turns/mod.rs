@@ -24,6 +24,7 @@ use crate::usage::Usage;
 use crate::{gateway_metrics, machine};
 
 mod storm;
+pub use storm::StormArgs;
 use storm::{storm, storm_figures};
 
 /// Arguments of `turns`.
@@ -60,21 +61,9 @@ pub struct TurnsArgs {
     /// they answered), against the version the turn was delivered with.
     #[arg(long)]
     pub runtime_writes: bool,
-    /// More end users, each with an idle session of its own conversation, that all close their
-    /// sockets at once `--storm-at` seconds into the measurement (a disconnect storm: a proxy
-    /// restarted, a network cut). 0: none.
-    #[arg(long, default_value_t = 0)]
-    pub storm: usize,
-    /// The storm's sessions open again right after they closed, all at once, each with a token
-    /// bound to its conversation (minted before the clock): a proxy restarted, and its clients
-    /// came back.
-    #[arg(long)]
-    pub storm_reconnect: bool,
-    /// Seconds into the measurement at which the storm's sessions close (less than
-    /// `--duration`; the sessions are idle until then, so keep it under the gateway's idle
-    /// timeout, 60 s by default).
-    #[arg(long, default_value_t = 5)]
-    pub storm_at: u64,
+    /// A storm of disconnects (and reconnects) partway through; none by default.
+    #[command(flatten)]
+    pub storm: StormArgs,
 }
 
 /// `--rate`: a finite rate of at least 0.01 turns per second.
@@ -160,10 +149,10 @@ pub async fn run(args: TurnsArgs) -> anyhow::Result<()> {
 
 /// Starts a gateway on a fresh database, measures, stops it and returns the figures.
 pub async fn figures(args: &TurnsArgs) -> anyhow::Result<TurnsFigures> {
-    if args.storm > 0 && args.storm_at >= args.duration {
+    if args.storm.sessions > 0 && args.storm.at_secs >= args.duration {
         anyhow::bail!(
             "--storm-at {} is not within --duration {}",
-            args.storm_at,
+            args.storm.at_secs,
             args.duration
         );
     }
@@ -224,11 +213,16 @@ async fn measure(args: &TurnsArgs, gateway: &Gateway) -> anyhow::Result<TurnsFig
     }
 
     // The storm's sessions open first, so that counting them present is over by the clock.
-    let storm_sessions =
-        connect_users(&client, &channel.secret, &gateway.ws_url, args.storm).await?;
+    let storm_sessions = connect_users(
+        &client,
+        &channel.secret,
+        &gateway.ws_url,
+        args.storm.sessions,
+    )
+    .await?;
     let connected = connect_users(&client, &channel.secret, &gateway.ws_url, args.users).await?;
     let mut returning = Vec::new();
-    if args.storm_reconnect {
+    if args.storm.reconnect {
         for session in &storm_sessions {
             let bound = TokenRequest {
                 conversation_id: Some(session.conversation_id),
@@ -245,7 +239,7 @@ async fn measure(args: &TurnsArgs, gateway: &Gateway) -> anyhow::Result<TurnsFig
     let deadline = started + Duration::from_secs(args.duration);
     let started_at_ms = crate::cluster::now_ms();
     let closing = (!storm_sessions.is_empty()).then(|| {
-        let storm_at = started + Duration::from_secs(args.storm_at);
+        let storm_at = started + Duration::from_secs(args.storm.at_secs);
         tokio::spawn(storm(
             storm_sessions,
             storm_at,
@@ -276,7 +270,7 @@ async fn measure(args: &TurnsArgs, gateway: &Gateway) -> anyhow::Result<TurnsFig
     let storm = match closing {
         Some(closing) => {
             let outcome = closing.await??;
-            let figures = storm_figures(&outcome, args.storm_at, &timings);
+            let figures = storm_figures(&outcome, args.storm.at_secs, &timings);
             sockets.extend(outcome.returned);
             Some(figures)
         }
@@ -638,9 +632,7 @@ mod tests {
             bus: "postgres".into(),
             nats_url: String::new(),
             runtime_writes: false,
-            storm: 0,
-            storm_reconnect: false,
-            storm_at: 0,
+            storm: StormArgs::default(),
         }
     }
 

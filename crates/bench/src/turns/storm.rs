@@ -10,6 +10,26 @@ use serde_json::{Value, json};
 use super::{ConnectedUser, Socket, TurnTiming, connect_user};
 use crate::stats::percentiles;
 
+/// `turns`' storm of disconnects, off by default.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct StormArgs {
+    /// More end users, each with an idle session of its own conversation, that all close their
+    /// sockets at once `--storm-at` seconds into the measurement (a disconnect storm: a proxy
+    /// restarted, a network cut). 0: none.
+    #[arg(long = "storm", value_name = "STORM", default_value_t = 0)]
+    pub sessions: usize,
+    /// The storm's sessions open again right after they closed, all at once, each with a token
+    /// bound to its conversation (minted before the clock): a proxy restarted, and its clients
+    /// came back.
+    #[arg(long = "storm-reconnect")]
+    pub reconnect: bool,
+    /// Seconds into the measurement at which the storm's sessions close (less than
+    /// `--duration`; the sessions are idle until then, so keep it under the gateway's idle
+    /// timeout, 60 s by default).
+    #[arg(long = "storm-at", value_name = "STORM_AT", default_value_t = 5)]
+    pub at_secs: u64,
+}
+
 /// How long after the storm a turn's send counts as during the storm.
 const STORM_WINDOW: Duration = Duration::from_secs(1);
 

@@ -149,8 +149,7 @@ pub(super) async fn run(
     };
     // Boxed, and the hello and conversation dropped, so the idle session's future and heap keep
     // only what the session loop needs (memory per idle connection, docs/benchmarks.md).
-    let welcome = session.welcome(head, reads, &hello, invalid_watermark, plan);
-    if let Err(ending) = Box::pin(welcome).await {
+    if let Err(ending) = Box::pin(session.welcome(reads, &hello, invalid_watermark, plan)).await {
         // A client that sent a frame and left while its replay was written: the frame is in
         // the socket, and a mekik client never sends it again.
         session.finish(&ending, stream, None).await;
@@ -253,11 +252,10 @@ impl<'a> Session<'a> {
         }
     }
 
-    /// Sends welcome, the catalogs, then the replay: `head` is `reads.head`, as the replay's
-    /// plan took it.
+    /// Sends welcome (at the head the replay's plan was made against), the catalogs, then the
+    /// replay.
     async fn welcome(
         &mut self,
-        head: u64,
         reads: WelcomeReads,
         hello: &Hello,
         invalid_watermark: bool,
@@ -275,7 +273,7 @@ impl<'a> Session<'a> {
             conversation_id: &conversation_id,
             user_id: &self.user_id,
             connection_id: &connection_id,
-            watermark: head,
+            watermark: plan.head,
             pending: pending_interrupts
                 .iter()
                 .map(|interrupt| PendingInterrupt {
