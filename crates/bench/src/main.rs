@@ -5,6 +5,7 @@
 
 mod cluster;
 mod flood;
+mod frame_views;
 mod gateway;
 mod gateway_metrics;
 mod half_load;

@@ -8,11 +8,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use converger_client::agent::{Turn, result_client_id, result_envelope};
+use converger_client::outgoing;
 use futures_util::{SinkExt, StreamExt};
-use serde_json::{Value, json};
+use serde_json::json;
 use tokio_tungstenite::tungstenite::Message;
 use uuid::Uuid;
+
+use crate::frame_views::AgentMessage;
 
 /// When each turn reached an agent, by (conversation, seq).
 pub type Arrivals = Arc<Mutex<HashMap<(Uuid, i64), Instant>>>;
@@ -51,31 +53,27 @@ pub async fn serve(
         let Message::Text(text) = message? else {
             continue;
         };
-        let envelope: Value = serde_json::from_str(text.as_str())?;
-        if envelope["type"] == "welcome"
-            && let (Some(since), Some(eligible)) =
-                (envelope["data"]["since"].as_i64(), eligible.take())
-        {
+        let message: AgentMessage = serde_json::from_str(text.as_str())?;
+        if let (Some(since), Some(eligible)) = (message.welcome_since(), eligible.take()) {
             let _ = eligible.send(since);
         }
-        if envelope["frame"]["type"] == "error"
-            && let Some(code) = envelope["frame"]["data"]["code"].as_str()
+        if let Some(code) = message.refusal_code()
             && let Ok(mut refused) = refusals.lock()
         {
             *refused.entry(code.to_owned()).or_default() += 1;
         }
-        let Some(turn) = Turn::from_envelope(&envelope) else {
+        let Some((turn, delivered_state)) = message.delivered_turn() else {
             continue;
         };
         if let Ok(mut seen) = arrivals.lock() {
             seen.insert((turn.conversation_id, turn.seq), Instant::now());
         }
-        let frames = vec![json!({"type": "text", "data": {"text": "ok"}})];
+        let frames = vec![outgoing::text("ok")];
         let runtime = runtime_writes.then(|| {
-            let count = turn.runtime_state["count"].as_i64().unwrap_or(0);
-            json!({"count": count + 1})
+            let count = delivered_state.and_then(|state| state["count"].as_i64());
+            json!({"count": count.unwrap_or(0) + 1})
         });
-        let result = result_envelope(&turn, &result_client_id(&turn), frames, runtime);
+        let result = outgoing::result_envelope(&turn, &turn.result_client_id(), frames, runtime);
         socket.send(Message::text(result.to_string())).await?;
     }
     Ok(())

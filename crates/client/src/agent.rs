@@ -463,12 +463,7 @@ impl Agent {
 /// The clientId of a turn's result: `result-<conversation as 32 hex digits>-<seq>-<revision>`,
 /// the same for every resend of that answer.
 pub fn result_client_id(turn: &Turn) -> String {
-    format!(
-        "result-{}-{}-{}",
-        turn.conversation_id.simple(),
-        turn.seq,
-        turn.revision
-    )
+    turn.answering().result_client_id()
 }
 
 /// The clientId an enveloped `ack` or `error` answers.

@@ -99,6 +99,19 @@ pub struct Answering {
     pub runtime_version: i64,
 }
 
+impl Answering {
+    /// The clientId of the `turnResult` answering this turn revision: the same on every retry,
+    /// so a resent answer is recognized as a duplicate.
+    pub fn result_client_id(&self) -> String {
+        format!(
+            "result-{}-{}-{}",
+            self.conversation_id.simple(),
+            self.seq,
+            self.revision
+        )
+    }
+}
+
 /// The enveloped `turnResult` answering `turn` with `frames` (and the runtime written against
 /// the version the turn was delivered with), for agents that write frames themselves.
 pub fn result_envelope(

@@ -17,6 +17,7 @@ use serde_json::{Value, json};
 use tokio_tungstenite::tungstenite::Message;
 use uuid::Uuid;
 
+use crate::frame_views::UserFrame;
 use crate::gateway::{DEFAULT_DATABASE_URL, Gateway, bench_channel, default_binary};
 use crate::pipelined_agent::{self, Arrivals, Refusals};
 use crate::stats::{Samples, percentiles};
@@ -580,14 +581,14 @@ async fn user_loop(
             let Message::Text(text) = message? else {
                 continue;
             };
-            let frame: Value = serde_json::from_str(text.as_str())?;
-            if frame["type"] == "ack" && frame["clientId"] == client_id.as_str() {
+            let frame: UserFrame = serde_json::from_str(text.as_str())?;
+            if let Some(acked_seq) = frame.acked_seq(&client_id) {
                 ack_ms = sent.elapsed().as_secs_f64() * 1000.0;
                 samples.ack.push(ack_ms);
-                seq = frame["seq"].as_i64();
+                seq = acked_seq;
                 continue;
             }
-            if frame["from"] == "bot" && frame["seq"].as_i64() > seq {
+            if frame.answers(seq) {
                 let round_trip = sent.elapsed().as_secs_f64() * 1000.0;
                 samples.round_trip.push(round_trip);
                 timings.push(TurnTiming {
