@@ -3,6 +3,10 @@
 //! a `serde_json::Value` would allocate a map per object (serde_json and `Value`'s maps were
 //! 16 % of the bench clients' samples; docs/benchmarks.md, sixteenth round). The client crate's
 //! readers stay `Value`-based: they keep whole frames for applications.
+//!
+//! A message these views cannot read (a field of another JSON type than the one named here,
+//! such as a `streamChunk`'s `from` object) is one the bench does not wait for: its readers
+//! skip it, as indexing a `Value` that did not match skipped it before.
 
 use std::borrow::Cow;
 
@@ -11,29 +15,45 @@ use serde::Deserialize;
 use serde_json::Value;
 use uuid::Uuid;
 
+/// A string field, borrowed from the message text unless it holds an escape. (Serde borrows a
+/// `Cow` only when the field itself is one: inside an `Option` it would always copy.)
+#[derive(Debug, Deserialize)]
+struct Text<'a>(#[serde(borrow)] Cow<'a, str>);
+
+impl Text<'_> {
+    fn is(text: &Option<Text<'_>>, expected: &str) -> bool {
+        text.as_ref().is_some_and(|text| text.0 == expected)
+    }
+}
+
 /// A frame on an end user's connection: an `ack` of the user's send (with its `clientId` and
 /// the stored `seq`), or a persistent frame (`seq`, and `from: "bot"` for the agent's answer).
 #[derive(Debug, Deserialize)]
 pub struct UserFrame<'a> {
     #[serde(rename = "type", borrow)]
-    pub kind: Cow<'a, str>,
+    kind: Cow<'a, str>,
     #[serde(rename = "clientId", borrow, default)]
-    pub client_id: Option<Cow<'a, str>>,
+    client_id: Option<Text<'a>>,
     #[serde(default)]
-    pub seq: Option<i64>,
+    seq: Option<i64>,
     #[serde(borrow, default)]
-    pub from: Option<Cow<'a, str>>,
+    from: Option<Text<'a>>,
 }
 
 impl UserFrame<'_> {
-    /// The ack of the send keyed `client_id`: the stored frame's seq (`None` for another frame).
-    pub fn acked_seq(&self, client_id: &str) -> Option<Option<i64>> {
-        (self.kind == "ack" && self.client_id.as_deref() == Some(client_id)).then_some(self.seq)
+    /// Whether this is the ack of the send keyed `client_id`.
+    pub fn is_ack_of(&self, client_id: &str) -> bool {
+        self.kind == "ack" && Text::is(&self.client_id, client_id)
+    }
+
+    /// The frame's `seq`: an ack's is the stored frame's.
+    pub fn seq(&self) -> Option<i64> {
+        self.seq
     }
 
     /// Whether this is an answer stored after `turn_seq`: a persistent frame from the agent.
     pub fn answers(&self, turn_seq: Option<i64>) -> bool {
-        self.from.as_deref() == Some("bot") && self.seq > turn_seq
+        Text::is(&self.from, "bot") && self.seq > turn_seq
     }
 }
 
@@ -42,80 +62,80 @@ impl UserFrame<'_> {
 #[derive(Debug, Deserialize)]
 pub struct AgentMessage<'a> {
     #[serde(rename = "type", borrow, default)]
-    pub kind: Option<Cow<'a, str>>,
+    kind: Option<Text<'a>>,
     #[serde(default)]
-    pub data: Option<MessageData>,
+    data: Option<MessageData>,
     #[serde(rename = "conversationId", default)]
-    pub conversation_id: Option<Uuid>,
+    conversation_id: Option<Uuid>,
     #[serde(borrow, default)]
-    pub frame: Option<EnvelopedFrame<'a>>,
+    frame: Option<EnvelopedFrame<'a>>,
 }
 
 /// The fields of a `data` object the bench reads: a welcome's `since`, an error's `code`. Kept
-/// as any JSON value, so a delivered frame whose own data has such a field still parses.
+/// as any JSON value, so a forwarded frame whose own data has such a field still parses.
 #[derive(Debug, Default, Deserialize)]
-pub struct MessageData {
+struct MessageData {
     #[serde(default)]
-    pub since: Option<Value>,
+    since: Option<Value>,
     #[serde(default)]
-    pub code: Option<Value>,
+    code: Option<Value>,
 }
 
 /// An enveloped frame: its type, the error data of an `error`, the `meta` of a delivered turn.
 #[derive(Debug, Deserialize)]
-pub struct EnvelopedFrame<'a> {
+struct EnvelopedFrame<'a> {
     #[serde(rename = "type", borrow)]
-    pub kind: Cow<'a, str>,
+    kind: Cow<'a, str>,
     #[serde(default)]
-    pub data: Option<MessageData>,
+    data: Option<MessageData>,
     #[serde(default)]
-    pub meta: Option<DeliveryMeta>,
+    meta: Option<DeliveryMeta>,
 }
 
 /// `meta` of a delivered turn (docs/protocol.md §4.2): which turn, and the runtime at delivery.
 #[derive(Debug, Deserialize)]
-pub struct DeliveryMeta {
+struct DeliveryMeta {
     #[serde(default)]
-    pub turn: Option<TurnMeta>,
+    turn: Option<TurnMeta>,
     #[serde(default)]
-    pub runtime: Option<RuntimeMeta>,
+    runtime: Option<RuntimeMeta>,
 }
 
-/// `meta.turn`.
+/// `meta.turn`: the delivered turn's seq and revision, and in lease mode its fence.
 #[derive(Debug, Deserialize)]
-pub struct TurnMeta {
-    pub seq: i64,
+struct TurnMeta {
+    seq: i64,
     #[serde(default)]
-    pub revision: i64,
+    revision: i64,
     #[serde(default)]
-    pub fence: Option<i64>,
+    fence: Option<i64>,
 }
 
-/// `meta.runtime`.
+/// `meta.runtime`: the conversation's runtime version and state at delivery.
 #[derive(Debug, Deserialize)]
-pub struct RuntimeMeta {
+struct RuntimeMeta {
     #[serde(default)]
-    pub version: i64,
+    version: i64,
     #[serde(default)]
-    pub state: Value,
+    state: Value,
 }
 
 impl AgentMessage<'_> {
     /// `data.since` of a `welcome`.
     pub fn welcome_since(&self) -> Option<i64> {
-        match self.kind.as_deref() {
-            Some("welcome") => self.data.as_ref()?.since.as_ref()?.as_i64(),
-            _ => None,
+        if !Text::is(&self.kind, "welcome") {
+            return None;
         }
+        self.data.as_ref()?.since.as_ref()?.as_i64()
     }
 
     /// The code of an enveloped `error` (a refused result).
     pub fn refusal_code(&self) -> Option<&str> {
         let frame = self.frame.as_ref()?;
-        match frame.kind.as_ref() {
-            "error" => frame.data.as_ref()?.code.as_ref()?.as_str(),
-            _ => None,
+        if frame.kind != "error" {
+            return None;
         }
+        frame.data.as_ref()?.code.as_ref()?.as_str()
     }
 
     /// The delivered turn an answer names, with the runtime state it was delivered with; `None`
@@ -150,8 +170,9 @@ mod tests {
             "duplicate": false})
         .to_string();
         let ack: UserFrame = serde_json::from_str(&ack).unwrap();
-        assert_eq!(ack.acked_seq("t-1"), Some(Some(7)));
-        assert_eq!(ack.acked_seq("t-2"), None);
+        assert!(ack.is_ack_of("t-1"));
+        assert!(!ack.is_ack_of("t-2"));
+        assert_eq!(ack.seq(), Some(7));
         let answer = json!({"type": "text", "id": "b", "seq": 8, "from": "bot",
             "sender": {"id": "agent", "role": "bot"}, "data": {"text": "ok \"quoted\""},
             "timestamp": 2})
@@ -162,11 +183,37 @@ mod tests {
         let own = json!({"type": "text", "seq": 9, "from": "user", "clientId": "t-1"}).to_string();
         let own: UserFrame = serde_json::from_str(&own).unwrap();
         assert!(!own.answers(Some(7)));
-        assert_eq!(own.acked_seq("t-1"), None);
-        // An escaped string cannot be borrowed from the text; it is unescaped into a copy.
+        assert!(!own.is_ack_of("t-1"));
+        let typing: UserFrame =
+            serde_json::from_str(r#"{"type":"typing","isTyping":true}"#).unwrap();
+        assert!(!typing.answers(None));
+        assert!(!typing.is_ack_of("t-1"));
+    }
+
+    #[test]
+    fn strings_are_borrowed_unless_they_hold_an_escape() {
+        let ack = r#"{"type":"ack","clientId":"t-1","seq":3,"from":"bot"}"#;
+        let ack: UserFrame = serde_json::from_str(ack).unwrap();
+        assert!(matches!(ack.kind, Cow::Borrowed(_)));
+        assert!(matches!(ack.client_id, Some(Text(Cow::Borrowed(_)))));
+        assert!(matches!(ack.from, Some(Text(Cow::Borrowed(_)))));
         let escaped = json!({"type": "ack", "clientId": "t-\"2\"", "seq": 3}).to_string();
         let escaped: UserFrame = serde_json::from_str(&escaped).unwrap();
-        assert_eq!(escaped.acked_seq("t-\"2\""), Some(Some(3)));
+        assert!(matches!(escaped.client_id, Some(Text(Cow::Owned(_)))));
+        assert!(escaped.is_ack_of("t-\"2\""));
+    }
+
+    #[test]
+    fn a_message_of_another_shape_is_not_read() {
+        // A converger-profile stream chunk names its writer as an object.
+        let chunk = json!({"type": "streamChunk", "streamId": "s", "index": 0, "text": "t",
+            "from": {"id": "bot", "role": "bot"}})
+        .to_string();
+        assert!(serde_json::from_str::<UserFrame>(&chunk).is_err());
+        let forwarded = json!({"conversationId": CONVERSATION,
+            "frame": {"type": "event", "data": "not an object"}})
+        .to_string();
+        assert!(serde_json::from_str::<AgentMessage>(&forwarded).is_err());
     }
 
     #[test]
@@ -185,6 +232,22 @@ mod tests {
         assert_eq!((answering.fence, answering.runtime_version), (Some(4), 3));
         assert_eq!(state, Some(&json!({"count": 3})));
         assert_eq!(delivered.refusal_code(), None);
+        assert_eq!(delivered.welcome_since(), None);
+
+        let plain = json!({"conversationId": CONVERSATION, "frame": {"type": "text", "seq": 2,
+            "meta": {"turn": {"seq": 2}}}})
+        .to_string();
+        let plain: AgentMessage = serde_json::from_str(&plain).unwrap();
+        let (answering, state) = plain.delivered_turn().unwrap();
+        assert_eq!((answering.revision, answering.fence), (0, None));
+        assert_eq!((answering.runtime_version, state), (0, None));
+
+        let acked = json!({"conversationId": CONVERSATION, "frame": {"type": "ack",
+            "clientId": "r", "seqs": [3], "turn": {"seq": 2, "revision": 0}}})
+        .to_string();
+        let acked: AgentMessage = serde_json::from_str(&acked).unwrap();
+        assert!(acked.delivered_turn().is_none());
+        assert_eq!(acked.refusal_code(), None);
 
         let refused = json!({"conversationId": CONVERSATION, "frame": {"type": "error",
             "data": {"code": "conflict", "message": "m", "clientId": "r"}}})

@@ -53,8 +53,13 @@ pub async fn serve(
         let Message::Text(text) = message? else {
             continue;
         };
-        let message: AgentMessage = serde_json::from_str(text.as_str())?;
-        if let (Some(since), Some(eligible)) = (message.welcome_since(), eligible.take()) {
+        // A message the view cannot read is none the agent acts on (see frame_views).
+        let Ok(message) = serde_json::from_str::<AgentMessage>(text.as_str()) else {
+            continue;
+        };
+        if let Some(since) = message.welcome_since()
+            && let Some(eligible) = eligible.take()
+        {
             let _ = eligible.send(since);
         }
         if let Some(code) = message.refusal_code()

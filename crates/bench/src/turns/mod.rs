@@ -581,11 +581,14 @@ async fn user_loop(
             let Message::Text(text) = message? else {
                 continue;
             };
-            let frame: UserFrame = serde_json::from_str(text.as_str())?;
-            if let Some(acked_seq) = frame.acked_seq(&client_id) {
+            // A frame the view cannot read is none the user waits for (see frame_views).
+            let Ok(frame) = serde_json::from_str::<UserFrame>(text.as_str()) else {
+                continue;
+            };
+            if frame.is_ack_of(&client_id) {
                 ack_ms = sent.elapsed().as_secs_f64() * 1000.0;
                 samples.ack.push(ack_ms);
-                seq = acked_seq;
+                seq = frame.seq();
                 continue;
             }
             if frame.answers(seq) {
