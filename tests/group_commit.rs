@@ -538,12 +538,18 @@ async fn report_now(db: &TestDb, store: &Store, at_least: i64) -> (i64, i64, i64
 /// catalogs; the replay), six times over: a connection keeps a generic plan after five runs.
 async fn welcome_reads(store: &Store, conversation: Uuid, channel: Uuid) {
     for _ in 0..6 {
-        store.channel(channel).await.unwrap().expect("the channel");
-        store
-            .conversation_in_channel(conversation, channel)
+        let (_, found) = store
+            .channel_with_conversation(channel, Some(conversation))
             .await
             .unwrap()
-            .expect("the conversation");
+            .expect("the channel");
+        assert_eq!(found.expect("the conversation").id, conversation);
+        let (_, none) = store
+            .channel_with_conversation(channel, Some(Uuid::now_v7()))
+            .await
+            .unwrap()
+            .expect("the channel");
+        assert_eq!(none, None, "a conversation that does not exist");
         store
             .welcome_reads(conversation)
             .await

@@ -3,7 +3,7 @@
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
-use crate::{Store, StoreError};
+use crate::{Channel, Store, StoreError};
 
 /// A conversation row.
 #[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
@@ -241,6 +241,41 @@ impl Store {
         .await
     }
 
+    /// A channel, whatever its status, and the conversation `conversation_id` names when it
+    /// belongs to that channel, in one statement: a hello needs both before it is answered.
+    /// `None` when there is no such channel. The conversation is found by its key alone, in a
+    /// subquery the planner keeps apart (`LIMIT 1`): joined on the channel too, a plan made
+    /// while the table was empty read about 15,000 index entries a call once the channel had
+    /// 30,000 conversations (the plan test in tests/group_commit.rs; ADR 0044).
+    pub async fn channel_with_conversation(
+        &self,
+        channel_id: Uuid,
+        conversation_id: Option<Uuid>,
+    ) -> Result<Option<(Channel, Option<Conversation>)>, StoreError> {
+        let row = self
+            .timed("channel_with_conversation", async {
+                sqlx::query_as::<_, ChannelWithConversationRow>(
+                    "SELECT ch.id, ch.tenant_id, ch.name, ch.status, ch.created_at, ch.turn_policy,
+                            ch.turn_policy_overrides, ch.on_disconnect,
+                            c.id AS conversation_id, c.tenant_id AS conversation_tenant_id,
+                            c.user_id AS conversation_user_id, c.status AS conversation_status,
+                            c.last_seq AS conversation_last_seq,
+                            c.created_at AS conversation_created_at,
+                            c.updated_at AS conversation_updated_at
+                       FROM channels ch
+                       LEFT JOIN (SELECT * FROM conversations WHERE id = $2 LIMIT 1) AS c
+                              ON c.channel_id = ch.id
+                      WHERE ch.id = $1",
+                )
+                .bind(channel_id)
+                .bind(conversation_id)
+                .fetch_optional(&self.pool)
+                .await
+            })
+            .await?;
+        Ok(row.map(ChannelWithConversationRow::split))
+    }
+
     /// The conversations of a channel whose id is given, if the conversation belongs to it.
     pub async fn conversation_in_channel(
         &self,
@@ -251,5 +286,38 @@ impl Store {
             .conversation(conversation_id)
             .await?
             .filter(|conversation| conversation.channel_id == channel_id))
+    }
+}
+
+/// A channel's row and, from the `LEFT JOIN`, a conversation's columns under prefixed names
+/// (the two tables share column names); every conversation column is null when none matched.
+#[derive(sqlx::FromRow)]
+struct ChannelWithConversationRow {
+    #[sqlx(flatten)]
+    channel: Channel,
+    conversation_id: Option<Uuid>,
+    conversation_tenant_id: Option<Uuid>,
+    conversation_user_id: Option<String>,
+    conversation_status: Option<String>,
+    conversation_last_seq: Option<i64>,
+    conversation_created_at: Option<DateTime<Utc>>,
+    conversation_updated_at: Option<DateTime<Utc>>,
+}
+
+impl ChannelWithConversationRow {
+    fn split(self) -> (Channel, Option<Conversation>) {
+        let conversation = (|| {
+            Some(Conversation {
+                id: self.conversation_id?,
+                tenant_id: self.conversation_tenant_id?,
+                channel_id: self.channel.id,
+                user_id: self.conversation_user_id?,
+                status: self.conversation_status?,
+                last_seq: self.conversation_last_seq?,
+                created_at: self.conversation_created_at?,
+                updated_at: self.conversation_updated_at?,
+            })
+        })();
+        (self.channel, conversation)
     }
 }

@@ -98,21 +98,39 @@ pub(crate) async fn establish(
             return Err(refused);
         }
     };
-    let channel = state
+    let asserted_conversation = hello
+        .conversation_id
+        .clone()
+        .or_else(|| request.conversation_id.clone());
+    // The conversation an end user's hello names, read with the channel in one statement: the
+    // token's, else the one asserted (adopted below if the token may use it).
+    let named_conversation = match claims.scope() {
+        Scope::Channel => None,
+        Scope::Conversation => claims.conversation_id.or_else(|| {
+            asserted_conversation
+                .as_deref()
+                .and_then(|raw| Uuid::parse_str(raw).ok())
+        }),
+    };
+    let found = state
         .store
-        .channel(claims.channel_id)
+        .channel_with_conversation(claims.channel_id, named_conversation)
         .await
         .map_err(internal)?;
-    match channel {
-        Some(channel) if channel.tenant_id == claims.tenant_id && channel.is_active() => {}
-        Some(channel) if channel.tenant_id == claims.tenant_id => {
+    let named_conversation = match found {
+        Some((channel, conversation))
+            if channel.tenant_id == claims.tenant_id && channel.is_active() =>
+        {
+            conversation
+        }
+        Some((channel, _)) if channel.tenant_id == claims.tenant_id => {
             return Err(Refused::new(
                 ErrorCode::ChannelInactive,
                 "channel is inactive",
             ));
         }
         _ => return Err(Refused::new(ErrorCode::Unauthorized, "invalid token")),
-    }
+    };
     if claims.scope() == Scope::Channel {
         let group = match &hello.group {
             None | Some(serde_json::Value::Null) => None,
@@ -153,29 +171,20 @@ pub(crate) async fn establish(
         }));
     }
     let asserted_watermark = hello.watermark.or(request.watermark).unwrap_or(0);
-    let asserted_conversation = hello
-        .conversation_id
-        .clone()
-        .or_else(|| request.conversation_id.clone());
     let asserted_user = hello
         .user_id
         .clone()
         .or_else(|| request.user_id.clone())
         .filter(|user| is_valid_user_id(user));
 
-    if let Some(bound) = claims.conversation_id {
-        let conversation = state
-            .store
-            .conversation_in_channel(bound, claims.channel_id)
-            .await
-            .map_err(internal)?
-            .ok_or_else(|| {
-                Refused::closing(
-                    ErrorCode::ConversationNotFound,
-                    "conversation not found",
-                    CloseCode::Protocol,
-                )
-            })?;
+    if claims.conversation_id.is_some() {
+        let conversation = named_conversation.ok_or_else(|| {
+            Refused::closing(
+                ErrorCode::ConversationNotFound,
+                "conversation not found",
+                CloseCode::Protocol,
+            )
+        })?;
         let user_id = claims
             .user_id
             .clone()
@@ -206,13 +215,15 @@ pub(crate) async fn establish(
         }));
     }
 
-    let adopted = adoptable(
-        state,
-        &claims,
-        asserted_conversation.as_deref(),
-        asserted_user.as_deref(),
-    )
-    .await?;
+    // The asserted conversation, when it belongs to the token's channel (it was read with the
+    // channel) and the identity rule lets the token use it.
+    let adopted = named_conversation.filter(|conversation| {
+        claims.may_use(
+            conversation.id,
+            &conversation.user_id,
+            asserted_user.as_deref(),
+        )
+    });
     if let Some(adopted) = adopted {
         let user_id = adopted.user_id.clone();
         return Ok(Setup::Conversation(Established {
@@ -264,27 +275,6 @@ pub(crate) async fn establish(
         user_id,
         watermark: 0,
         hello,
-    }))
-}
-
-/// The asserted conversation, when it belongs to the token's channel and the identity rule lets
-/// the token use it ([`Claims::may_use`]).
-async fn adoptable(
-    state: &AppState,
-    claims: &Claims,
-    asserted: Option<&str>,
-    presented_user: Option<&str>,
-) -> Result<Option<Conversation>, Refused> {
-    let Some(id) = asserted.and_then(|raw| Uuid::parse_str(raw).ok()) else {
-        return Ok(None);
-    };
-    let conversation = state
-        .store
-        .conversation_in_channel(id, claims.channel_id)
-        .await
-        .map_err(internal)?;
-    Ok(conversation.filter(|conversation| {
-        claims.may_use(conversation.id, &conversation.user_id, presented_user)
     }))
 }
 
