@@ -559,6 +559,60 @@ async fn welcome_reads(store: &Store, conversation: Uuid, channel: Uuid) {
     }
 }
 
+/// The handshake's one read (ADR 0044): a channel comes with the conversation named only when
+/// that conversation is the channel's own.
+#[tokio::test]
+async fn a_channel_is_read_with_the_conversation_named_only_when_it_is_the_channels() {
+    let db = TestDb::create().await;
+    let store = db.store().await;
+    let channel = web_channel(&store).await;
+    let conversation = alice_conversation(&store, channel).await;
+    let (globex, _) = store.create_tenant("globex").await.unwrap();
+    let other_channel = store
+        .create_channel(globex.id, "web", &converger_store::TurnSettings::default())
+        .await
+        .unwrap()
+        .0
+        .id;
+
+    let (read_channel, read_conversation) = store
+        .channel_with_conversation(channel, Some(conversation))
+        .await
+        .unwrap()
+        .expect("the channel");
+    assert_eq!(read_channel.id, channel);
+    let read_conversation = read_conversation.expect("its own conversation");
+    assert_eq!(
+        (read_conversation.id, read_conversation.channel_id),
+        (conversation, channel)
+    );
+    assert_eq!(read_conversation.user_id, "alice");
+
+    let (read_channel, foreign) = store
+        .channel_with_conversation(other_channel, Some(conversation))
+        .await
+        .unwrap()
+        .expect("the other channel");
+    assert_eq!(read_channel.id, other_channel);
+    assert_eq!(foreign, None, "another channel's conversation");
+
+    let (_, unnamed) = store
+        .channel_with_conversation(channel, None)
+        .await
+        .unwrap()
+        .expect("the channel");
+    assert_eq!(unnamed, None);
+    assert!(
+        store
+            .channel_with_conversation(Uuid::now_v7(), Some(conversation))
+            .await
+            .unwrap()
+            .is_none(),
+        "no such channel"
+    );
+    store.pool().close().await;
+}
+
 /// The batch's statements, and the welcome's look-ups (ADR 0044): a plan made while a table
 /// was empty still reads through an index once the table is large.
 #[tokio::test]

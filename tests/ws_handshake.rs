@@ -333,6 +333,25 @@ async fn asserted_conversations_are_adopted_only_within_channel_and_user() {
             .unwrap()
             .starts_with("anon-")
     );
+    // Not even by a token of that other channel naming the same user.
+    let foreign_alice = node
+        .client
+        .generate_token(&globex.secret, &TokenRequest::for_user("alice"))
+        .await
+        .unwrap()
+        .token;
+    let mut namesake = WsClient::connect(&node.ws_url("")).await;
+    let welcome = namesake
+        .hello(
+            &foreign_alice,
+            json!({"conversationId": alice_conversation.to_string()}),
+        )
+        .await;
+    assert_ne!(
+        welcome["data"]["conversationId"],
+        alice_conversation.to_string()
+    );
+    assert_eq!(welcome["data"]["userId"], "alice");
     // Alice's conversation still has only alice's frames, and nobody else wrote into it.
     assert_eq!(
         node.db

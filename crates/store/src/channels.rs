@@ -75,7 +75,7 @@ impl Channel {
     }
 }
 
-const CHANNEL_COLUMNS: &str =
+pub(crate) const CHANNEL_COLUMNS: &str =
     "id, tenant_id, name, status, created_at, turn_policy, turn_policy_overrides, on_disconnect";
 
 impl Store {

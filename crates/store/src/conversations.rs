@@ -3,6 +3,7 @@
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
+use crate::channels::CHANNEL_COLUMNS;
 use crate::{Channel, Store, StoreError};
 
 /// A conversation row.
@@ -245,8 +246,8 @@ impl Store {
     /// belongs to that channel, in one statement: a hello needs both before it is answered.
     /// `None` when there is no such channel. The conversation is found by its key alone, in a
     /// subquery the planner keeps apart (`LIMIT 1`): joined on the channel too, a plan made
-    /// while the table was empty read about 15,000 index entries a call once the channel had
-    /// 30,000 conversations (the plan test in tests/group_commit.rs; ADR 0044).
+    /// while the table was empty read 180,158 index entries in the plan test of
+    /// tests/group_commit.rs once the channel had 30,000 conversations (ADR 0044).
     pub async fn channel_with_conversation(
         &self,
         channel_id: Uuid,
@@ -254,19 +255,21 @@ impl Store {
     ) -> Result<Option<(Channel, Option<Conversation>)>, StoreError> {
         let row = self
             .timed("channel_with_conversation", async {
-                sqlx::query_as::<_, ChannelWithConversationRow>(
-                    "SELECT ch.id, ch.tenant_id, ch.name, ch.status, ch.created_at, ch.turn_policy,
-                            ch.turn_policy_overrides, ch.on_disconnect,
-                            c.id AS conversation_id, c.tenant_id AS conversation_tenant_id,
-                            c.user_id AS conversation_user_id, c.status AS conversation_status,
-                            c.last_seq AS conversation_last_seq,
-                            c.created_at AS conversation_created_at,
-                            c.updated_at AS conversation_updated_at
-                       FROM channels ch
-                       LEFT JOIN (SELECT * FROM conversations WHERE id = $2 LIMIT 1) AS c
-                              ON c.channel_id = ch.id
-                      WHERE ch.id = $1",
-                )
+                sqlx::query_as::<_, ChannelWithConversationRow>(sqlx::AssertSqlSafe(format!(
+                    "SELECT {CHANNEL_COLUMNS}, c.*
+                       FROM channels
+                       LEFT JOIN (SELECT id AS conversation_id,
+                                         tenant_id AS conversation_tenant_id,
+                                         channel_id AS conversation_channel_id,
+                                         user_id AS conversation_user_id,
+                                         status AS conversation_status,
+                                         last_seq AS conversation_last_seq,
+                                         created_at AS conversation_created_at,
+                                         updated_at AS conversation_updated_at
+                                    FROM conversations WHERE id = $2 LIMIT 1) AS c
+                              ON c.conversation_channel_id = channels.id
+                      WHERE channels.id = $1"
+                )))
                 .bind(channel_id)
                 .bind(conversation_id)
                 .fetch_optional(&self.pool)
@@ -297,6 +300,7 @@ struct ChannelWithConversationRow {
     channel: Channel,
     conversation_id: Option<Uuid>,
     conversation_tenant_id: Option<Uuid>,
+    conversation_channel_id: Option<Uuid>,
     conversation_user_id: Option<String>,
     conversation_status: Option<String>,
     conversation_last_seq: Option<i64>,
@@ -306,18 +310,22 @@ struct ChannelWithConversationRow {
 
 impl ChannelWithConversationRow {
     fn split(self) -> (Channel, Option<Conversation>) {
-        let conversation = (|| {
-            Some(Conversation {
-                id: self.conversation_id?,
-                tenant_id: self.conversation_tenant_id?,
-                channel_id: self.channel.id,
-                user_id: self.conversation_user_id?,
-                status: self.conversation_status?,
-                last_seq: self.conversation_last_seq?,
-                created_at: self.conversation_created_at?,
-                updated_at: self.conversation_updated_at?,
-            })
-        })();
+        let conversation = self.conversation();
         (self.channel, conversation)
+    }
+
+    /// The joined conversation; its columns are all null or, being `NOT NULL` in the table,
+    /// all present.
+    fn conversation(&self) -> Option<Conversation> {
+        Some(Conversation {
+            id: self.conversation_id?,
+            tenant_id: self.conversation_tenant_id?,
+            channel_id: self.conversation_channel_id?,
+            user_id: self.conversation_user_id.clone()?,
+            status: self.conversation_status.clone()?,
+            last_seq: self.conversation_last_seq?,
+            created_at: self.conversation_created_at?,
+            updated_at: self.conversation_updated_at?,
+        })
     }
 }

@@ -104,7 +104,7 @@ pub(crate) async fn establish(
         .or_else(|| request.conversation_id.clone());
     // The conversation an end user's hello names, read with the channel in one statement: the
     // token's, else the one asserted (adopted below if the token may use it).
-    let named_conversation = match claims.scope() {
+    let named_id = match claims.scope() {
         Scope::Channel => None,
         Scope::Conversation => claims.conversation_id.or_else(|| {
             asserted_conversation
@@ -114,7 +114,7 @@ pub(crate) async fn establish(
     };
     let found = state
         .store
-        .channel_with_conversation(claims.channel_id, named_conversation)
+        .channel_with_conversation(claims.channel_id, named_id)
         .await
         .map_err(internal)?;
     let named_conversation = match found {
