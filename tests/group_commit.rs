@@ -70,7 +70,12 @@ fn answer(conversation_id: Uuid, seq: i64, runtime: Option<RuntimeWrite>) -> Tur
 
 /// A tenant and its channel; the channel's id.
 async fn web_channel(store: &Store) -> Uuid {
-    let (tenant, _) = store.create_tenant("acme").await.unwrap();
+    web_channel_of(store, "acme").await
+}
+
+/// A new tenant named `tenant` with its `web` channel; the channel's id.
+async fn web_channel_of(store: &Store, tenant: &str) -> Uuid {
+    let (tenant, _) = store.create_tenant(tenant).await.unwrap();
     store
         .create_channel(tenant.id, "web", &converger_store::TurnSettings::default())
         .await
@@ -567,13 +572,7 @@ async fn a_channel_is_read_with_the_conversation_named_only_when_it_is_the_chann
     let store = db.store().await;
     let channel = web_channel(&store).await;
     let conversation = alice_conversation(&store, channel).await;
-    let (globex, _) = store.create_tenant("globex").await.unwrap();
-    let other_channel = store
-        .create_channel(globex.id, "web", &converger_store::TurnSettings::default())
-        .await
-        .unwrap()
-        .0
-        .id;
+    let other_channel = web_channel_of(&store, "globex").await;
 
     let (read_channel, read_conversation) = store
         .channel_with_conversation(channel, Some(conversation))

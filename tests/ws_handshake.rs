@@ -242,24 +242,9 @@ async fn a_watermark_asserted_for_another_conversation_is_reset() {
 async fn asserted_conversations_are_adopted_only_within_channel_and_user() {
     let node = TestNode::start().await;
     let (acme, alice_conversation, _) = setup(&node).await;
-    let alice = node
-        .client
-        .generate_token(&acme.secret, &TokenRequest::for_user("alice"))
-        .await
-        .unwrap()
-        .token;
-    let bob = node
-        .client
-        .generate_token(&acme.secret, &TokenRequest::for_user("bob"))
-        .await
-        .unwrap()
-        .token;
-    let anonymous = node
-        .client
-        .generate_token(&acme.secret, &TokenRequest::default())
-        .await
-        .unwrap()
-        .token;
+    let alice = node.token(&acme, &TokenRequest::for_user("alice")).await;
+    let bob = node.token(&acme, &TokenRequest::for_user("bob")).await;
+    let anonymous = node.token(&acme, &TokenRequest::default()).await;
     let asserted = json!({"conversationId": alice_conversation.to_string(), "userId": "eve"});
 
     let mut as_alice = WsClient::connect(&node.ws_url("")).await;
@@ -310,12 +295,7 @@ async fn asserted_conversations_are_adopted_only_within_channel_and_user() {
 
     // Another channel's conversation is never adopted, and the asserted user is not taken.
     let globex = node.tenant_with_channel("globex").await;
-    let foreign = node
-        .client
-        .generate_token(&globex.secret, &TokenRequest::default())
-        .await
-        .unwrap()
-        .token;
+    let foreign = node.token(&globex, &TokenRequest::default()).await;
     let mut outsider = WsClient::connect(&node.ws_url("")).await;
     let welcome = outsider
         .hello(
@@ -334,12 +314,7 @@ async fn asserted_conversations_are_adopted_only_within_channel_and_user() {
             .starts_with("anon-")
     );
     // Not even by a token of that other channel naming the same user.
-    let foreign_alice = node
-        .client
-        .generate_token(&globex.secret, &TokenRequest::for_user("alice"))
-        .await
-        .unwrap()
-        .token;
+    let foreign_alice = node.token(&globex, &TokenRequest::for_user("alice")).await;
     let mut namesake = WsClient::connect(&node.ws_url("")).await;
     let welcome = namesake
         .hello(
@@ -372,12 +347,7 @@ async fn replayed_nothing_of_alice(client: &mut WsClient) -> bool {
 async fn query_fields_are_used_and_hello_fields_win() {
     let node = TestNode::start().await;
     let acme = node.tenant_with_channel("acme").await;
-    let anonymous = node
-        .client
-        .generate_token(&acme.secret, &TokenRequest::default())
-        .await
-        .unwrap()
-        .token;
+    let anonymous = node.token(&acme, &TokenRequest::default()).await;
     // An anonymous conversation, and its anonymous user id, as a widget would have kept them.
     let mut first = WsClient::connect(&node.ws_url("")).await;
     let welcome = first.hello(&anonymous, json!({})).await;
@@ -474,12 +444,7 @@ async fn watermark_above_the_head_is_refused_without_replay_and_the_session_stay
 async fn a_new_conversation_ignores_the_asserted_watermark() {
     let node = TestNode::start().await;
     let (acme, _, _) = setup(&node).await;
-    let bob = node
-        .client
-        .generate_token(&acme.secret, &TokenRequest::for_user("bob"))
-        .await
-        .unwrap()
-        .token;
+    let bob = node.token(&acme, &TokenRequest::for_user("bob")).await;
     let mut client = WsClient::connect(&node.ws_url("")).await;
     let welcome = client
         .hello(
@@ -534,12 +499,7 @@ async fn replay_is_capped_by_replay_max_with_replay_truncated_but_not_for_mekik(
 async fn welcome_lists_open_interrupts_and_sends_the_channel_catalogs() {
     let node = TestNode::start().await;
     let (acme, conversation_id, token) = setup(&node).await;
-    let agent = node
-        .client
-        .generate_token(&acme.secret, &TokenRequest::channel_scope())
-        .await
-        .unwrap()
-        .token;
+    let agent = node.agent_token(&acme).await;
     for frame in [
         json!({"type": "interrupt", "id": "int-1", "data": {"question": "a?"}}),
         json!({"type": "interrupt", "id": "int-2", "data": {"question": "b?"}}),

@@ -376,13 +376,18 @@ impl TestNode {
         }
     }
 
+    /// A token of the fixture's channel, as `request` asks.
+    pub async fn token(&self, fixture: &TenantFixture, request: &TokenRequest) -> String {
+        self.client
+            .generate_token(&fixture.secret, request)
+            .await
+            .expect("token")
+            .token
+    }
+
     /// A channel-scope (agent) token of the fixture's channel.
     pub async fn agent_token(&self, fixture: &TenantFixture) -> String {
-        self.client
-            .generate_token(&fixture.secret, &TokenRequest::channel_scope())
-            .await
-            .expect("agent token")
-            .token
+        self.token(fixture, &TokenRequest::channel_scope()).await
     }
 
     /// An agent connection that said hello (in `group`, or as an observer): (client, welcome).
@@ -402,14 +407,10 @@ impl TestNode {
 
     /// A conversation of a user in the fixture's channel: (conversation id, bound token).
     pub async fn conversation(&self, fixture: &TenantFixture, user_id: &str) -> (Uuid, String) {
-        let token = self
-            .client
-            .generate_token(&fixture.secret, &TokenRequest::for_user(user_id))
-            .await
-            .expect("token");
+        let token = self.token(fixture, &TokenRequest::for_user(user_id)).await;
         let created = self
             .client
-            .create_conversation(&token.token)
+            .create_conversation(&token)
             .await
             .expect("conversation");
         (created.conversation_id, created.token)

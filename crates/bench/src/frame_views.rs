@@ -111,13 +111,21 @@ struct TurnMeta {
     fence: Option<i64>,
 }
 
-/// `meta.runtime`: the conversation's runtime version and state at delivery.
+/// `meta.runtime`: the conversation's runtime version at delivery, and of its state the one
+/// field the bench's agents write (`turns --runtime-writes`).
 #[derive(Debug, Deserialize)]
 struct RuntimeMeta {
     #[serde(default)]
     version: i64,
     #[serde(default)]
-    state: Value,
+    state: Option<BenchState>,
+}
+
+/// The runtime state the bench's agents write: how many turns of the conversation they answered.
+#[derive(Debug, Deserialize)]
+struct BenchState {
+    #[serde(default)]
+    count: Option<i64>,
 }
 
 impl AgentMessage<'_> {
@@ -138,9 +146,9 @@ impl AgentMessage<'_> {
         frame.data.as_ref()?.code.as_ref()?.as_str()
     }
 
-    /// The delivered turn an answer names, with the runtime state it was delivered with; `None`
-    /// for anything that is not a delivered turn.
-    pub fn delivered_turn(&self) -> Option<(Answering, Option<&Value>)> {
+    /// The delivered turn an answer names, with the `count` of the runtime state it was
+    /// delivered with; `None` for anything that is not a delivered turn.
+    pub fn delivered_turn(&self) -> Option<(Answering, Option<i64>)> {
         let meta = self.frame.as_ref()?.meta.as_ref()?;
         let turn = meta.turn.as_ref()?;
         let answering = Answering {
@@ -150,10 +158,11 @@ impl AgentMessage<'_> {
             fence: turn.fence,
             runtime_version: meta.runtime.as_ref().map_or(0, |runtime| runtime.version),
         };
-        Some((
-            answering,
-            meta.runtime.as_ref().map(|runtime| &runtime.state),
-        ))
+        let count = meta
+            .runtime
+            .as_ref()
+            .and_then(|runtime| runtime.state.as_ref()?.count);
+        Some((answering, count))
     }
 }
 
@@ -226,11 +235,11 @@ mod tests {
                 "runtime": {"version": 3, "state": {"count": 3}}}}})
         .to_string();
         let delivered: AgentMessage = serde_json::from_str(&delivered).unwrap();
-        let (answering, state) = delivered.delivered_turn().unwrap();
+        let (answering, count) = delivered.delivered_turn().unwrap();
         assert_eq!(answering.conversation_id.to_string(), CONVERSATION);
         assert_eq!((answering.seq, answering.revision), (18, 1));
         assert_eq!((answering.fence, answering.runtime_version), (Some(4), 3));
-        assert_eq!(state, Some(&json!({"count": 3})));
+        assert_eq!(count, Some(3));
         assert_eq!(delivered.refusal_code(), None);
         assert_eq!(delivered.welcome_since(), None);
 
@@ -238,9 +247,9 @@ mod tests {
             "meta": {"turn": {"seq": 2}}}})
         .to_string();
         let plain: AgentMessage = serde_json::from_str(&plain).unwrap();
-        let (answering, state) = plain.delivered_turn().unwrap();
+        let (answering, count) = plain.delivered_turn().unwrap();
         assert_eq!((answering.revision, answering.fence), (0, None));
-        assert_eq!((answering.runtime_version, state), (0, None));
+        assert_eq!((answering.runtime_version, count), (0, None));
 
         let acked = json!({"conversationId": CONVERSATION, "frame": {"type": "ack",
             "clientId": "r", "seqs": [3], "turn": {"seq": 2, "revision": 0}}})

@@ -67,17 +67,14 @@ pub async fn serve(
         {
             *refused.entry(code.to_owned()).or_default() += 1;
         }
-        let Some((turn, delivered_state)) = message.delivered_turn() else {
+        let Some((turn, delivered_count)) = message.delivered_turn() else {
             continue;
         };
         if let Ok(mut seen) = arrivals.lock() {
             seen.insert((turn.conversation_id, turn.seq), Instant::now());
         }
         let frames = vec![outgoing::text("ok")];
-        let runtime = runtime_writes.then(|| {
-            let count = delivered_state.and_then(|state| state["count"].as_i64());
-            json!({"count": count.unwrap_or(0) + 1})
-        });
+        let runtime = runtime_writes.then(|| json!({"count": delivered_count.unwrap_or(0) + 1}));
         let result = outgoing::result_envelope(&turn, &turn.result_client_id(), frames, runtime);
         socket.send(Message::text(result.to_string())).await?;
     }
