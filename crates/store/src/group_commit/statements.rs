@@ -11,11 +11,11 @@
 //!    runtimes and the outbox row, and sends the batch's notifications.
 //!
 //! Idempotency keys are checked by the write itself (ADR 0038): a resent frame is rare, so the
-//! batch first assumes that none of its keys is stored, and the frames' insert skips a key
-//! that is. A batch whose write skipped one rolls back and runs again, this time reading the
-//! stored keys under the locks before it decides. So does a batch with a keyed frame for a
-//! conversation that is not open, whose outcome depends on the key (a resend is answered with
-//! the stored frame even after the conversation closed).
+//! batch first assumes that none of its keys is stored, and the frames' insert fails on a key
+//! that is (the unique index's violation). Such a batch rolls back and runs again, this time
+//! reading the stored keys under the locks before it decides. So does a batch with a keyed
+//! frame for a conversation that is not open, whose outcome depends on the key (a resend is
+//! answered with the stored frame even after the conversation closed).
 //!
 //! Every look-up names a whole key, probed in `LATERAL … LIMIT 1`, and the answered turns are
 //! updated by their row's address: plans are cached while the tables are empty, and a
@@ -84,12 +84,17 @@ pub(super) async fn write_batch(
     if plan.writes_nothing() {
         return Ok(Written::Plan(plan));
     }
-    let Counts { settled, frames } = write(connection, &mut plan, now, node).await?;
-    if frames != plan.frames.len() as i64 {
-        if !read_keys {
+    let Counts { settled, frames } = match write(connection, &mut plan, now, node).await {
+        Ok(counts) => counts,
+        // The transaction is aborted; the caller rolls it back and runs the batch again with
+        // its keys read. With the keys read under the locks, the error stands: it names a bug.
+        Err(error) if !read_keys && meets_stored_key(&error) => {
             return Ok(Written::KeyStoredBefore);
         }
-        // The keys were read under the locks, so this names a bug, not a race.
+        Err(error) => return Err(error),
+    };
+    if frames != plan.frames.len() as i64 {
+        // Every frame is inserted or the statement fails, so this names a bug, not a race.
         return Err(sqlx::Error::Protocol(format!(
             "a batch stored {frames} of {} frames",
             plan.frames.len()
@@ -104,6 +109,17 @@ pub(super) async fn write_batch(
     }
     Ok(Written::Plan(plan))
 }
+
+/// Whether `error` is the write's insert meeting an idempotency key that was stored already
+/// (ADR 0038, amended): the unique index's violation, which the insert raises instead of
+/// skipping the frame.
+fn meets_stored_key(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(database)
+        if database.constraint() == Some(IDEMPOTENCY_INDEX))
+}
+
+/// The unique index of the frames' idempotency keys (conversation, sender, clientId).
+const IDEMPOTENCY_INDEX: &str = "activities_idempotency";
 
 /// Whether a frame with an idempotency key is for a conversation that is missing or not open:
 /// its outcome is the stored frame if the key is stored, and nothing otherwise, so the write
@@ -390,7 +406,7 @@ impl<'a> Columns<'a> {
 struct Counts {
     /// Answered turns settled.
     settled: i64,
-    /// Frames inserted: fewer than planned when a key was stored already.
+    /// Frames inserted.
     frames: i64,
 }
 
@@ -453,9 +469,10 @@ async fn write(
 /// id and a rest); the moved heads' runtime versions $30 (with $1); the heads that did not move
 /// but whose runtime was written, $31, and their versions $32 (ADR 0039). Every
 /// data-modifying `WITH` runs to its end whether or not it is read; the notifications are sent
-/// from a materialized `WITH`, read once. A frame whose idempotency key is stored already is
-/// skipped, and the count of frames inserted tells. Frames without a key are inserted apart:
-/// an insert that can skip a conflict writes one more WAL record a row.
+/// from a materialized `WITH`, read once. A frame whose idempotency key is stored already
+/// fails the statement with the unique index's violation (`meets_stored_key`): an insert that
+/// could skip it instead (`ON CONFLICT … DO NOTHING`) probes the index once more per frame and
+/// writes one more WAL record per frame (ADR 0038, amended).
 const WRITE: &str = "
 WITH heads AS (
     UPDATE conversations c
@@ -469,24 +486,16 @@ unmoved_heads AS (
       FROM unnest($31::uuid[], $32::bigint[]) AS h(id, runtime_version)
      WHERE c.id = ANY($31::uuid[]) AND c.id = h.id
     RETURNING 1),
-all_frames AS (
-    SELECT * FROM unnest($3::uuid[], $4::bigint[], $5::text[], $6::text[], $7::text[],
-                         $8::text[], $9::jsonb[], $10::jsonb[], $11::jsonb[], $12::text[],
-                         $13::bigint[], $14::integer[])
+frames AS (
+    INSERT INTO activities
+        (conversation_id, seq, id, type, sender_id, sender_role, data, metadata, extra,
+         client_id, turn_seq, turn_revision, created_at)
+    SELECT f.*, $15::timestamptz
+      FROM unnest($3::uuid[], $4::bigint[], $5::text[], $6::text[], $7::text[], $8::text[],
+                  $9::jsonb[], $10::jsonb[], $11::jsonb[], $12::text[], $13::bigint[],
+                  $14::integer[])
         AS f(conversation_id, seq, id, type, sender_id, sender_role, data, metadata, extra,
-             client_id, turn_seq, turn_revision)),
-keyed_frames AS (
-    INSERT INTO activities
-        (conversation_id, seq, id, type, sender_id, sender_role, data, metadata, extra,
-         client_id, turn_seq, turn_revision, created_at)
-    SELECT f.*, $15::timestamptz FROM all_frames f WHERE f.client_id IS NOT NULL
-    ON CONFLICT (conversation_id, sender_id, client_id) WHERE client_id IS NOT NULL DO NOTHING
-    RETURNING 1),
-unkeyed_frames AS (
-    INSERT INTO activities
-        (conversation_id, seq, id, type, sender_id, sender_role, data, metadata, extra,
-         client_id, turn_seq, turn_revision, created_at)
-    SELECT f.*, $15::timestamptz FROM all_frames f WHERE f.client_id IS NULL
+             client_id, turn_seq, turn_revision)
     RETURNING 1),
 new_turns AS (
     INSERT INTO turns (conversation_id, seq, revision, status, created_at)
@@ -526,5 +535,5 @@ notified AS MATERIALIZED (
     SELECT converger_notify($28::text || logged.id::text || rest)
       FROM logged, unnest($29::text[]) AS rest)
 SELECT (SELECT count(*) FROM settled),
-       (SELECT count(*) FROM keyed_frames) + (SELECT count(*) FROM unkeyed_frames),
+       (SELECT count(*) FROM frames),
        (SELECT count(*) FROM notified)";
