@@ -412,7 +412,7 @@ impl Batches {
         match self.run(&batch).await {
             Err(error) => fail_all(batch, &error),
             Ok(Some(Ok(plan))) => self.committed(batch, plan),
-            // A statement failed (a racing idempotency key, say): nothing of the batch is
+            // A statement failed (a value a column cannot hold, say): nothing of the batch is
             // stored, so each write commits alone, and gets its own outcome.
             Ok(Some(Err(BatchError::Statement(error)))) if batch.len() > 1 => {
                 tracing::debug!(%error, writes = batch.len(), "batch refused; committing each write alone");

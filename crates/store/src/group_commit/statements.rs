@@ -87,9 +87,14 @@ pub(super) async fn write_batch(
     let Counts { settled, frames } = match write(connection, &mut plan, now, node).await {
         Ok(counts) => counts,
         // The transaction is aborted; the caller rolls it back and runs the batch again with
-        // its keys read. With the keys read under the locks, the error stands: it names a bug.
-        Err(error) if !read_keys && meets_stored_key(&error) => {
-            return Ok(Written::KeyStoredBefore);
+        // its keys read. With the keys read under the locks the error stands, and is logged:
+        // it names a bug, which the batch's isolation would otherwise hide.
+        Err(error) if meets_stored_key(&error) => {
+            if !read_keys {
+                return Ok(Written::KeyStoredBefore);
+            }
+            tracing::warn!(%error, "a batch that read its keys under the locks met a stored key");
+            return Err(error);
         }
         Err(error) => return Err(error),
     };
