@@ -207,9 +207,19 @@ impl Cluster {
                     seqs,
                 } => {
                     for seq in seqs {
-                        if !self.answered.contains(&(conversation_id.clone(), seq)) {
-                            self.deliver(&to, &conversation_id, seq, false);
+                        if self.answered.contains(&(conversation_id.clone(), seq)) {
+                            continue;
                         }
+                        // Handed on while a join is unheard somewhere, or not yet taken by its
+                        // own node's channel: the node picked the earliest member it knew, and
+                        // the member still attaching may be earlier. That member's node then
+                        // counts it the owner, and a stop heard after this node forgot the
+                        // pass (its memory overflowed) is told to it, not to the holder: the
+                        // same race as for a turn committed then.
+                        if self.join_in_flight() {
+                            self.racing.insert((conversation_id.clone(), seq));
+                        }
+                        self.deliver(&to, &conversation_id, seq, false);
                     }
                 }
                 Decision::ReadPendingOfChannel { group } => {
