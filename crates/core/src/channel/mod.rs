@@ -656,6 +656,18 @@ impl ChannelDecider {
                     told.insert(owner.to_owned());
                 }
             }
+            // Committed before any member was eligible, the turn went to the earliest member
+            // this node knew then, which need not be the earliest now; once the memory of its
+            // pass is gone, only telling every local member of the group reaches the holder. A
+            // member that does not hold the turn ignores the cancel (docs/protocol.md 4.10).
+            if view.none_eligible_at(at_ms) {
+                told.extend(
+                    self.agents
+                        .iter()
+                        .filter(|(_, agent)| agent.group.as_deref() == Some(group.as_str()))
+                        .map(|(id, _)| id.clone()),
+                );
+            }
         }
         for memory in self.memories.values_mut() {
             memory.answered(conversation_id, seq);

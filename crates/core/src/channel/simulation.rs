@@ -134,15 +134,6 @@ struct Cluster {
     /// not yet taken by its own node's channel): then two nodes may each pick a member only
     /// they know as the earliest (the settle delay is what makes this rare).
     racing: BTreeSet<(String, i64)>,
-    /// Turns a node handed on to a member that owned them only as the earliest member it knew
-    /// (none was eligible yet), while a member of the same group with an earlier or equal
-    /// `since` was not yet taken by that node's channel: (node, conversation, seq). Once taken,
-    /// that member is the owner the view gives, and the holder is known only from the node's
-    /// memory of passed turns: a known gap (ARCHITECTURE.md, the channel simulation).
-    handed_before_an_earlier_member: BTreeSet<(usize, String, i64)>,
-    /// Stops a node heard when its memory no longer held the turn's pass (it overflowed):
-    /// (node, conversation, seq).
-    stops_heard_forgotten: BTreeSet<(usize, String, i64)>,
 }
 
 #[derive(Debug, Clone)]
@@ -189,33 +180,6 @@ impl Cluster {
             || !self.attaching.is_empty()
     }
 
-    /// Whether `to` was given turn `seq` only as the earliest member `node` knew, none being
-    /// eligible at the turn's commit time, while a member of its group with an earlier or
-    /// equal `since` was still waiting to be taken by `node`'s channel.
-    fn earlier_member_attaching(
-        &self,
-        node: usize,
-        to: &str,
-        conversation: &str,
-        seq: i64,
-    ) -> bool {
-        let Some(holder) = self.connections.get(to) else {
-            return false;
-        };
-        let holder_since = holder.joined_at + SETTLE;
-        let committed_before_eligible = self
-            .frames
-            .iter()
-            .find(|frame| frame.conversation == conversation && frame.seq == seq)
-            .is_some_and(|frame| frame.at_ms < holder_since);
-        committed_before_eligible
-            && self.attaching.iter().any(|(_, attaching_node, _, agent)| {
-                *attaching_node == node
-                    && agent.group == holder.group
-                    && agent.since_ms <= holder_since
-            })
-    }
-
     fn has_local_agents(&self, node: usize) -> bool {
         self.connections
             .values()
@@ -243,17 +207,9 @@ impl Cluster {
                     seqs,
                 } => {
                     for seq in seqs {
-                        if self.answered.contains(&(conversation_id.clone(), seq)) {
-                            continue;
+                        if !self.answered.contains(&(conversation_id.clone(), seq)) {
+                            self.deliver(&to, &conversation_id, seq, false);
                         }
-                        if self.earlier_member_attaching(node, &to, &conversation_id, seq) {
-                            self.handed_before_an_earlier_member.insert((
-                                node,
-                                conversation_id.clone(),
-                                seq,
-                            ));
-                        }
-                        self.deliver(&to, &conversation_id, seq, false);
                     }
                 }
                 Decision::ReadPendingOfChannel { group } => {
@@ -583,14 +539,6 @@ impl Cluster {
                 continue;
             }
             self.stops_heard.insert((node, conversation.clone(), seq));
-            let remembered = self.deciders[node]
-                .memories
-                .values()
-                .any(|memory| memory.contains(&conversation, seq));
-            if !remembered {
-                self.stops_heard_forgotten
-                    .insert((node, conversation.clone(), seq));
-            }
             let decisions =
                 self.deciders[node].stopped(&conversation, (seq, 0), "stopped", at_ms, now);
             self.perform(node, decisions, &[]);
@@ -707,9 +655,7 @@ proptest! {
         cluster.hear_feeds(true);
 
         // A stopped turn's holders are told: every live member that was given it, on a node
-        // that heard the stop, got a `cancel` (unless a join was still unheard somewhere, or
-        // the holder was handed it before an earlier member was taken by its node's channel
-        // and the node forgot the pass before it heard the stop).
+        // that heard the stop, got a `cancel` (unless a join was still unheard somewhere).
         for (id, received) in &cluster.received {
             let connection = &cluster.connections[id];
             if !connection.live || connection.group.is_none() {
@@ -721,10 +667,6 @@ proptest! {
                     continue;
                 }
                 if !cluster.stops_heard.contains(&(connection.node, conversation.clone(), *seq)) {
-                    continue;
-                }
-                let heard = (connection.node, conversation.clone(), *seq);
-                if cluster.handed_before_an_earlier_member.contains(&heard) && cluster.stops_heard_forgotten.contains(&heard) {
                     continue;
                 }
                 let told = cluster.cancelled.get(id).is_some_and(|told| told.contains(&turn));

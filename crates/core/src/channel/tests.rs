@@ -207,3 +207,58 @@ fn a_regeneration_idle_for_two_periods_is_forgotten_and_handed_on_again() {
         "forgotten: a read-back then hands it on again, and the agent de-duplicates by its key"
     );
 }
+
+/// Joins a local member of `group` and completes its join with an empty read-back.
+fn join_member(decider: &mut ChannelDecider, id: &str, group: &str, since_ms: i64) {
+    let member = LocalAgent {
+        group: Some(group.into()),
+        since_ms,
+        sender_id: group.into(),
+        leased: false,
+    };
+    for decision in decider.join(id, member) {
+        let Decision::ReadPendingOfChannel { group } = decision else {
+            panic!("a join reads the channel's pending turns, not {decision:?}");
+        };
+        decider.pending_read(group.as_deref(), &[], Some(0));
+    }
+}
+
+fn cancelled(decisions: &[Decision]) -> Vec<&str> {
+    let mut told: Vec<&str> = decisions
+        .iter()
+        .map(|decision| match decision {
+            Decision::Cancel { to, .. } => to.as_str(),
+            other => panic!("a stop decides cancels only, not {other:?}"),
+        })
+        .collect();
+    told.sort_unstable();
+    told
+}
+
+/// A turn committed before any member was eligible went to the earliest member its node knew
+/// then; a member with an earlier `since` taken since may be the owner now, so the stop reaches
+/// every local member of the group (ADR 0028, amended). A turn committed once members were
+/// eligible has one owner, and only it is told.
+#[test]
+fn a_stop_of_a_turn_committed_before_anyone_was_eligible_tells_every_local_member() {
+    let mut decider = ChannelDecider::new(std::iter::empty());
+    join_member(&mut decider, "later-since", "bot", 2_000);
+    join_member(&mut decider, "earlier-since", "bot", 1_500);
+    join_member(&mut decider, "other-group", "auditor", 1_500);
+
+    let before_anyone = decider.stopped("c", (1, 0), "stopped", 10, 20);
+    assert_eq!(
+        cancelled(&before_anyone),
+        vec!["earlier-since", "later-since", "other-group"]
+    );
+
+    let mut bot = GroupView::new();
+    bot.join("later-since", 2_000);
+    bot.join("earlier-since", 1_500);
+    let owner = bot.owner("c", 3_000).expect("the group has members");
+    let once_eligible = decider.stopped("c", (2, 0), "stopped", 3_000, 3_000);
+    let mut expected = vec![owner, "other-group"];
+    expected.sort_unstable();
+    assert_eq!(cancelled(&once_eligible), expected, "one owner per group");
+}

@@ -99,6 +99,17 @@ impl GroupView {
             .filter(|(_, since)| **since <= effective);
         best(conversation_id, eligible)
     }
+
+    /// True when no member is eligible at `at_ms` (every `since` is later, or there is no
+    /// member): the owner is then the earliest member, which depends on the members known when
+    /// it is asked. On a joiner's own node a later `since` may be taken before an earlier one
+    /// (a member's `since` is fixed when its session starts, and its node's channel takes it a
+    /// moment later), so a turn decided then may have gone to a member that is not the earliest
+    /// now. This assumes the node takes a member before its `since` (`group_settle_ms` after
+    /// its hello); a channel backed up for longer could take it later still.
+    pub fn none_eligible_at(&self, at_ms: i64) -> bool {
+        self.members.values().all(|since| *since > at_ms)
+    }
 }
 
 /// Highest hash wins; equal hashes (never seen in practice) break on the larger connection id.
