@@ -98,19 +98,17 @@ pub(crate) async fn establish(
             return Err(refused);
         }
     };
+    // The conversation the hello asserts, parsed once: `Some(None)` when its id is malformed.
     let asserted_conversation = hello
         .conversation_id
-        .clone()
-        .or_else(|| request.conversation_id.clone());
+        .as_deref()
+        .or(request.conversation_id.as_deref())
+        .map(|raw| Uuid::parse_str(raw).ok());
     // The conversation an end user's hello names, read with the channel in one statement: the
     // token's, else the one asserted (adopted below if the token may use it).
     let named_id = match claims.scope() {
         Scope::Channel => None,
-        Scope::Conversation => claims.conversation_id.or_else(|| {
-            asserted_conversation
-                .as_deref()
-                .and_then(|raw| Uuid::parse_str(raw).ok())
-        }),
+        Scope::Conversation => claims.conversation_id.or(asserted_conversation.flatten()),
     };
     let found = state
         .store
@@ -197,9 +195,8 @@ pub(crate) async fn establish(
             ));
         }
         // A watermark asserted for another conversation means nothing in this one.
-        let asked_for_another = asserted_conversation
-            .as_deref()
-            .is_some_and(|asked| Uuid::parse_str(asked).ok() != Some(conversation.id));
+        let asked_for_another =
+            asserted_conversation.is_some_and(|asked| asked != Some(conversation.id));
         let watermark = if asked_for_another {
             0
         } else {
