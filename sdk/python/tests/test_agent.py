@@ -6,7 +6,7 @@ import asyncio
 from typing import Any
 
 import pytest
-from support import FAST, WAIT, Env, collect, next_message, turn_of
+from support import FAST, WAIT, Env, collect, eventually, next_message, turn_of
 
 from converger import (
     Abort,
@@ -231,6 +231,12 @@ async def test_a_stop_cancels_the_handler_and_the_turn_settles_with_what_was_str
     async with Conversation(env.url, user_token, backoff=FAST) as user:
         await user.send_text("tell me a story")
         await asyncio.wait_for(two_words.wait(), WAIT)
+        # A chunk the agent wrote is in the stream once its node took it, and the stop ends
+        # the stream after the last chunk taken: stop once the user has seen both words.
+        await eventually(
+            "the user sees both words",
+            lambda: [s.text for s in user.streams.open] == ["Once upon "],
+        )
         stopped, seq = await env.rest.stop_turn(user_token, conversation_id)
         assert (stopped, seq) == (True, 1)
         # The handler is cancelled at once; the gateway settles the turn after its grace

@@ -458,8 +458,12 @@ describe("agent", () => {
                 });
             });
             try {
+                const updates = user.streamUpdates();
                 await user.sendText("tell me a story");
                 await eventually(() => streamed.length === 2, { what: "two streamed words" });
+                // a chunk the agent wrote is in the stream once its node took it, and the stop
+                // ends the stream after the last chunk taken: stop once the user saw both words
+                await firstOf(updates, (update) => update.chunk?.index === 1);
                 const stopped = await user.stop();
                 assert.equal(stopped.stopped, true);
                 const turn = handled[0];
