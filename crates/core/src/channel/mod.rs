@@ -51,6 +51,13 @@ struct Joining {
     agent: LocalAgent,
 }
 
+/// A regenerated revision of a turn, and the local member it was handed to last in a group.
+#[derive(Debug, Clone)]
+struct HandedRevision {
+    revision: i32,
+    to: String,
+}
+
 /// One node's decisions for one channel.
 #[derive(Debug, Clone)]
 pub struct ChannelDecider {
@@ -60,9 +67,10 @@ pub struct ChannelDecider {
     /// Highest seq handled per conversation, for conversations handled lately.
     handled: HandledSeqs,
     /// The newest revision handed on per regenerated turn and group (conversation, seq,
-    /// group), for turns regenerated lately: a regenerate stores no frame, so this is how a
-    /// read-back after a lag tells a regenerate it missed from one it handled (ADR 0041).
-    regenerations: Recent<(String, i64, String), i32>,
+    /// group), and the member it went to last, for turns regenerated lately: a regenerate
+    /// stores no frame, so this is how a read-back after a lag tells a regenerate it missed from
+    /// one it handled (ADR 0041), and how a stop of the revision finds its holder (ADR 0028).
+    regenerations: Recent<(String, i64, String), HandedRevision>,
     /// Turns whose stop arrived before their commit (the two come by different paths): they
     /// are never delivered. Bounded by [`MEMORY_STOPPED_AHEAD`].
     stopped_ahead: HashMap<String, BTreeSet<i64>>,
@@ -614,24 +622,50 @@ impl ChannelDecider {
             return false;
         };
         let key = (conversation_id.to_owned(), seq, group);
-        if self.regeneration_noted(&key, revision) {
-            return false;
+        let handed_before = self.regeneration_noted(&key, revision);
+        let newer_handed = self
+            .regenerations
+            .get(&key)
+            .is_some_and(|noted| noted.revision > revision);
+        if !newer_handed {
+            // The same revision handed to another member (a takeover) moves its holder.
+            let holder = HandedRevision {
+                revision,
+                to: to.to_owned(),
+            };
+            let _ = self.regenerations.insert(key, holder);
         }
-        let _ = self.regenerations.insert(key, revision);
-        true
+        !handed_before
     }
 
     /// True when `revision` or a newer one of the turn was handed on in the group `key` names.
     fn regeneration_noted(&self, key: &(String, i64, String), revision: i32) -> bool {
         self.regenerations
             .get(key)
-            .is_some_and(|noted| *noted >= revision)
+            .is_some_and(|noted| noted.revision >= revision)
+    }
+
+    /// The local member this node handed `revision` of the turn to in `group`, while that is
+    /// remembered.
+    fn regeneration_holder(
+        &self,
+        conversation_id: &str,
+        turn: (i64, i32),
+        group: &str,
+    ) -> Option<&str> {
+        let (seq, revision) = turn;
+        let key = (conversation_id.to_owned(), seq, group.to_owned());
+        self.regenerations
+            .get(&key)
+            .filter(|handed| handed.revision == revision)
+            .map(|handed| handed.to.as_str())
     }
 
     /// A turn was stopped (ADR 0028): it is forgotten, so no takeover hands it on, and its
     /// owner in each group, when that member is here, is told. The owner is the member the turn
-    /// was passed to (or the owner at its commit time, `at_ms`, when it is not remembered), and
-    /// the owner now (`now_ms`), which a regenerated revision went to.
+    /// was passed to (or the owner at its commit time, `at_ms`, when it is not remembered), the
+    /// owner now (`now_ms`), and for a regenerated revision the member this node handed it to
+    /// (the owner when it was opened), while that is remembered.
     pub fn stopped(
         &mut self,
         conversation_id: &str,
@@ -651,7 +685,14 @@ impl ChannelDecider {
                 .map(|pass| pass.owner.as_str())
                 .or_else(|| view.owner(conversation_id, at_ms));
             let owner_now = view.owner(conversation_id, now_ms);
-            for owner in passed_to.into_iter().chain(owner_now) {
+            // A regenerated revision went to the owner when it was opened, who may no longer
+            // be the owner now.
+            let revision_holder = self.regeneration_holder(conversation_id, turn, group);
+            for owner in passed_to
+                .into_iter()
+                .chain(owner_now)
+                .chain(revision_holder)
+            {
                 if self.agents.contains_key(owner) {
                     told.insert(owner.to_owned());
                 }

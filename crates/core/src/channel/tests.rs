@@ -262,3 +262,39 @@ fn a_stop_of_a_turn_committed_before_anyone_was_eligible_tells_every_local_membe
     expected.sort_unstable();
     assert_eq!(cancelled(&once_eligible), expected, "one owner per group");
 }
+
+/// A regenerated revision went to the owner when it was opened; a member eligible later may
+/// own the conversation by the time the revision is stopped, and the turn's first owner need
+/// not hold the revision either: the stop reaches the member the revision was handed to.
+#[test]
+fn a_stop_of_a_regenerated_revision_reaches_the_member_it_was_handed_to() {
+    let mut decider = ChannelDecider::new(std::iter::empty());
+    join_member(&mut decider, "first", "bot", 0);
+    join_member(&mut decider, "second", "bot", 100);
+    join_member(&mut decider, "third", "bot", 200);
+    // A conversation each later member takes over from the ones before.
+    let conversation = (0..1_000)
+        .map(|n| format!("x-{n}"))
+        .find(|conversation| {
+            decider.regeneration_owners(conversation, (1, 1), 150) == ["second"]
+                && decider.regeneration_owners(conversation, (1, 1), 250) == ["third"]
+        })
+        .expect("some conversation is owned by each later member in turn");
+    let regenerated = (1, 1);
+    let handed_to = decider.regeneration_owners(&conversation, regenerated, 150);
+    assert_eq!(handed_to, ["second"]);
+    assert!(decider.note_regeneration(&conversation, regenerated, "second"));
+
+    // The turn was committed at 50 (owner: first); the stop comes at 250 (owner: third).
+    let stop = decider.stopped(&conversation, regenerated, "stopped", 50, 250);
+    assert_eq!(cancelled(&stop), vec!["first", "second", "third"]);
+
+    // A takeover that hands the revision to another member moves its holder.
+    assert!(!decider.note_regeneration(&conversation, regenerated, "third"));
+    let stop = decider.stopped(&conversation, regenerated, "stopped", 50, 250);
+    assert_eq!(cancelled(&stop), vec!["first", "third"]);
+
+    // A stop of an older revision does not reach the newer revision's holder.
+    let stop = decider.stopped(&conversation, (1, 0), "stopped", 50, 250);
+    assert_eq!(cancelled(&stop), vec!["first", "third"]);
+}
