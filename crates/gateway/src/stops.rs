@@ -115,6 +115,7 @@ fn turn_stop(
         seq: turn.seq,
         revision: turn.revision,
         at_ms: turn.at.timestamp_millis(),
+        revision_at_ms: Some(turn.opened_at.timestamp_millis()),
         reason: reason.as_str().to_owned(),
     }
 }
@@ -224,6 +225,7 @@ pub(crate) fn spawn_sweep(state: AppState) -> JoinHandle<()> {
                     seq: overdue.seq,
                     revision: overdue.revision,
                     at_ms: 0,
+                    revision_at_ms: None,
                     reason: overdue.reason,
                 };
                 settle(&state, &stop).await;

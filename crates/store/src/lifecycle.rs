@@ -97,7 +97,7 @@ fn status_change_sql() -> String {
              UPDATE turns SET status = 'closed', completed_at = now()
              WHERE $3 = 'closed' AND status IN ('pending', 'stopping')
                AND conversation_id = (SELECT id FROM conv)
-             RETURNING seq, revision, status
+             RETURNING seq, revision, status, created_at
          ), event AS (
              INSERT INTO outbox (conversation_id, seq_from, seq_to)
              SELECT conversation_id, seq, seq FROM act RETURNING id, conversation_id, seq_from
@@ -109,7 +109,8 @@ fn status_change_sql() -> String {
          )
          SELECT {ACTIVITY_COLUMNS},
                 (SELECT coalesce(jsonb_agg(jsonb_build_object(
-                            'seq', s.seq, 'revision', s.revision, 'at', a.created_at)), '[]')
+                            'seq', s.seq, 'revision', s.revision, 'at', a.created_at,
+                            'opened_at', s.created_at)), '[]')
                  FROM settled s
                  JOIN activities a ON a.conversation_id = $1 AND a.seq = s.seq) AS settled,
                 (SELECT channel_id FROM conv) AS channel_id

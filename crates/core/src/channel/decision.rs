@@ -31,6 +31,18 @@ pub struct PendingFacts {
     pub at_ms: i64,
 }
 
+/// The times a stop's owners are decided at, ms since the epoch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StopTimes {
+    /// The turn frame's commit time (the database clock): revision 0 went to its owners then.
+    pub turn_at_ms: i64,
+    /// When the stopped revision was opened (the database clock), when the stop says: a
+    /// regenerated revision went to the owners then.
+    pub revision_at_ms: Option<i64>,
+    /// Now, on this node's clock.
+    pub now_ms: i64,
+}
+
 /// Which turn a delivery is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TurnId {

@@ -24,7 +24,7 @@ mod tests;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 pub use decision::{
-    CommittedPlan, Decision, FrameFacts, LocalAgent, PendingFacts, TurnId, TurnReason,
+    CommittedPlan, Decision, FrameFacts, LocalAgent, PendingFacts, StopTimes, TurnId, TurnReason,
 };
 
 pub use handled::FORGET_AFTER_MS;
@@ -663,18 +663,19 @@ impl ChannelDecider {
 
     /// A turn was stopped (ADR 0028): it is forgotten, so no takeover hands it on, and its
     /// owner in each group, when that member is here, is told. The owner is the member the turn
-    /// was passed to (or the owner at its commit time, `at_ms`, when it is not remembered), the
-    /// owner now (`now_ms`), and for a regenerated revision the member this node handed it to
-    /// (the owner when it was opened), while that is remembered.
+    /// was passed to (or the owner at its commit time when it is not remembered) and the owner
+    /// now; for a regenerated revision, also the owner when it was opened and the member this
+    /// node handed it to, while that is remembered (a takeover may have moved it since).
     pub fn stopped(
         &mut self,
         conversation_id: &str,
         turn: (i64, i32),
         reason: &str,
-        at_ms: i64,
-        now_ms: i64,
+        times: StopTimes,
     ) -> Vec<Decision> {
         let (seq, revision) = turn;
+        // Revision 0 was opened with its turn.
+        let revision_at_ms = times.revision_at_ms.filter(|_| revision > 0);
         let mut told = BTreeSet::new();
         for (group, view) in &self.views {
             let passed_to = self
@@ -683,25 +684,24 @@ impl ChannelDecider {
                 .and_then(|memory| memory.get(conversation_id))
                 .and_then(|passed| passed.passes.iter().find(|pass| pass.seq == seq))
                 .map(|pass| pass.owner.as_str())
-                .or_else(|| view.owner(conversation_id, at_ms));
-            let owner_now = view.owner(conversation_id, now_ms);
-            // A regenerated revision went to the owner when it was opened, who may no longer
-            // be the owner now.
+                .or_else(|| view.owner(conversation_id, times.turn_at_ms));
+            let owner_now = view.owner(conversation_id, times.now_ms);
+            let revision_owner =
+                revision_at_ms.and_then(|at_ms| view.owner(conversation_id, at_ms));
             let revision_holder = self.regeneration_holder(conversation_id, turn, group);
-            for owner in passed_to
-                .into_iter()
-                .chain(owner_now)
-                .chain(revision_holder)
-            {
+            let owners = [passed_to, owner_now, revision_owner, revision_holder];
+            for owner in owners.into_iter().flatten() {
                 if self.agents.contains_key(owner) {
                     told.insert(owner.to_owned());
                 }
             }
-            // Committed before any member was eligible, the turn went to the earliest member
-            // this node knew then, which need not be the earliest now; once the memory of its
-            // pass is gone, only telling every local member of the group reaches the holder. A
-            // member that does not hold the turn ignores the cancel (docs/protocol.md 4.10).
-            if view.none_eligible_at(at_ms) {
+            // Opened before any member was eligible, the turn (or revision) went to the
+            // earliest member this node knew then, which need not be the earliest now; once the
+            // memory of its pass is gone, only telling every local member of the group reaches
+            // the holder. A member that does not hold the turn ignores the cancel
+            // (docs/protocol.md 4.10).
+            let opened_at_ms = revision_at_ms.unwrap_or(times.turn_at_ms);
+            if view.none_eligible_at(opened_at_ms) {
                 told.extend(
                     self.agents
                         .iter()
@@ -720,7 +720,7 @@ impl ChannelDecider {
             || self
                 .handled
                 .forgotten_up_to_ms()
-                .is_some_and(|forgotten_ms| at_ms <= forgotten_ms);
+                .is_some_and(|forgotten_ms| times.turn_at_ms <= forgotten_ms);
         if !handled {
             if self.stopped_ahead.len() >= MEMORY_STOPPED_AHEAD {
                 self.stopped_ahead.clear();

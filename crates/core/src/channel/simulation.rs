@@ -539,8 +539,12 @@ impl Cluster {
                 continue;
             }
             self.stops_heard.insert((node, conversation.clone(), seq));
-            let decisions =
-                self.deciders[node].stopped(&conversation, (seq, 0), "stopped", at_ms, now);
+            let times = StopTimes {
+                turn_at_ms: at_ms,
+                revision_at_ms: Some(at_ms),
+                now_ms: now,
+            };
+            let decisions = self.deciders[node].stopped(&conversation, (seq, 0), "stopped", times);
             self.perform(node, decisions, &[]);
         }
     }

@@ -80,7 +80,7 @@ fn a_forgotten_conversation_reads_back_only_what_committed_after_the_newest_forg
 #[test]
 fn a_stop_of_a_forgotten_conversations_turn_is_not_kept_for_a_commit_to_come() {
     let mut decider = with_x_forgotten();
-    decider.stopped("x", (1, 0), "stopped", 10, 250);
+    decider.stopped("x", (1, 0), "stopped", times(10, 250));
     let sent = decider.committed("x", 2, &[frame("x", 2, 260)]);
     assert_eq!(sent.len(), 1, "later frames flow as before");
     assert!(
@@ -247,7 +247,7 @@ fn a_stop_of_a_turn_committed_before_anyone_was_eligible_tells_every_local_membe
     join_member(&mut decider, "earlier-since", "bot", 1_500);
     join_member(&mut decider, "other-group", "auditor", 1_500);
 
-    let before_anyone = decider.stopped("c", (1, 0), "stopped", 10, 20);
+    let before_anyone = decider.stopped("c", (1, 0), "stopped", times(10, 20));
     assert_eq!(
         cancelled(&before_anyone),
         vec!["earlier-since", "later-since", "other-group"]
@@ -257,22 +257,28 @@ fn a_stop_of_a_turn_committed_before_anyone_was_eligible_tells_every_local_membe
     bot.join("later-since", 2_000);
     bot.join("earlier-since", 1_500);
     let owner = bot.owner("c", 3_000).expect("the group has members");
-    let once_eligible = decider.stopped("c", (2, 0), "stopped", 3_000, 3_000);
+    let once_eligible = decider.stopped("c", (2, 0), "stopped", times(3_000, 3_000));
     let mut expected = vec![owner, "other-group"];
     expected.sort_unstable();
     assert_eq!(cancelled(&once_eligible), expected, "one owner per group");
 }
 
-/// A regenerated revision went to the owner when it was opened; a member eligible later may
-/// own the conversation by the time the revision is stopped, and the turn's first owner need
-/// not hold the revision either: the stop reaches the member the revision was handed to.
-#[test]
-fn a_stop_of_a_regenerated_revision_reaches_the_member_it_was_handed_to() {
+/// A stop's times without the revision's opening (as from a node of an earlier release).
+fn times(turn_at_ms: i64, now_ms: i64) -> StopTimes {
+    StopTimes {
+        turn_at_ms,
+        revision_at_ms: None,
+        now_ms,
+    }
+}
+
+/// Members `first`, `second` and `third` of `bot`, eligible from 0, 100 and 200, and a
+/// conversation each later member takes over from the ones before.
+fn three_successive_owners() -> (ChannelDecider, String) {
     let mut decider = ChannelDecider::new(std::iter::empty());
     join_member(&mut decider, "first", "bot", 0);
     join_member(&mut decider, "second", "bot", 100);
     join_member(&mut decider, "third", "bot", 200);
-    // A conversation each later member takes over from the ones before.
     let conversation = (0..1_000)
         .map(|n| format!("x-{n}"))
         .find(|conversation| {
@@ -280,21 +286,50 @@ fn a_stop_of_a_regenerated_revision_reaches_the_member_it_was_handed_to() {
                 && decider.regeneration_owners(conversation, (1, 1), 250) == ["third"]
         })
         .expect("some conversation is owned by each later member in turn");
+    (decider, conversation)
+}
+
+/// A regenerated revision went to the owner when it was opened; a member eligible later may
+/// own the conversation by the time the revision is stopped, and the turn's first owner need
+/// not hold the revision either: the stop reaches the member the revision was handed to, which
+/// its node remembers, and on any node the owner when the revision was opened.
+#[test]
+fn a_stop_of_a_regenerated_revision_reaches_the_member_it_was_handed_to() {
+    let (mut decider, conversation) = three_successive_owners();
     let regenerated = (1, 1);
     let handed_to = decider.regeneration_owners(&conversation, regenerated, 150);
     assert_eq!(handed_to, ["second"]);
     assert!(decider.note_regeneration(&conversation, regenerated, "second"));
 
-    // The turn was committed at 50 (owner: first); the stop comes at 250 (owner: third).
-    let stop = decider.stopped(&conversation, regenerated, "stopped", 50, 250);
+    // The turn was committed at 50 (owner: first); the stop comes at 250 (owner: third), from
+    // a node that does not say when the revision was opened.
+    let stop = decider.stopped(&conversation, regenerated, "stopped", times(50, 250));
     assert_eq!(cancelled(&stop), vec!["first", "second", "third"]);
 
     // A takeover that hands the revision to another member moves its holder.
     assert!(!decider.note_regeneration(&conversation, regenerated, "third"));
-    let stop = decider.stopped(&conversation, regenerated, "stopped", 50, 250);
+    let stop = decider.stopped(&conversation, regenerated, "stopped", times(50, 250));
     assert_eq!(cancelled(&stop), vec!["first", "third"]);
 
     // A stop of an older revision does not reach the newer revision's holder.
-    let stop = decider.stopped(&conversation, (1, 0), "stopped", 50, 250);
+    let stop = decider.stopped(&conversation, (1, 0), "stopped", times(50, 250));
+    assert_eq!(cancelled(&stop), vec!["first", "third"]);
+}
+
+/// A node that does not remember handing the revision on (its memory forgot it, or a read-back
+/// decided it) finds its owner at the revision's opening time, as the hand-on did.
+#[test]
+fn a_stop_of_a_regenerated_revision_reaches_its_owner_when_it_was_opened() {
+    let (mut decider, conversation) = three_successive_owners();
+    let opened_at = StopTimes {
+        turn_at_ms: 50,
+        revision_at_ms: Some(150),
+        now_ms: 250,
+    };
+    let stop = decider.stopped(&conversation, (1, 1), "stopped", opened_at);
+    assert_eq!(cancelled(&stop), vec!["first", "second", "third"]);
+
+    // Revision 0 was opened with its turn: the time is not asked.
+    let stop = decider.stopped(&conversation, (1, 0), "stopped", opened_at);
     assert_eq!(cancelled(&stop), vec!["first", "third"]);
 }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use converger_core::channel::{
-    ChannelDecider, CommittedPlan, Decision, LocalAgent, TurnId, TurnReason,
+    ChannelDecider, CommittedPlan, Decision, LocalAgent, StopTimes, TurnId, TurnReason,
 };
 use converger_protocol::{Cancel, Envelope, TurnRef, Viewer};
 use converger_store::{Activity, Claim, FrameRange, Store};
@@ -240,8 +240,11 @@ impl ChannelActor {
                     &conversation,
                     (stop.seq, stop.revision),
                     &stop.reason,
-                    stop.at_ms,
-                    now,
+                    StopTimes {
+                        turn_at_ms: stop.at_ms,
+                        revision_at_ms: stop.revision_at_ms,
+                        now_ms: now,
+                    },
                 );
                 self.perform(decisions, &[]).await;
             }

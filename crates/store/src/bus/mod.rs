@@ -112,6 +112,10 @@ pub struct TurnStop {
     /// The turn frame's commit time (ms since the epoch): its owners are decided at it.
     #[serde(rename = "at")]
     pub at_ms: i64,
+    /// When the revision was opened (ms since the epoch): a regenerated revision went to the
+    /// owners then. Absent from a node of an earlier release, and from the sweep's stops.
+    #[serde(rename = "ra", default, skip_serializing_if = "Option::is_none")]
+    pub revision_at_ms: Option<i64>,
     /// `stopped`, `superseded` or `conversation_closed`.
     #[serde(rename = "w")]
     pub reason: String,
@@ -629,6 +633,33 @@ mod tests {
                 ..
             })
         ));
+        let stop = TurnStop {
+            node: "n1".into(),
+            channel_id: conversation_id,
+            conversation_id,
+            seq: 4,
+            revision: 2,
+            at_ms: 1_000,
+            revision_at_ms: Some(2_000),
+            reason: "stopped".into(),
+        };
+        let text = serde_json::to_string(&Payload::TurnStopped(stop.clone())).unwrap();
+        assert!(text.contains(r#""ra":2000"#));
+        let back: Payload = serde_json::from_str(&text).unwrap();
+        assert_eq!(
+            to_events(back).pop(),
+            Some(BusEvent::TurnStopped(stop.clone()))
+        );
+        // A node of an earlier release sends no revision time.
+        let earlier: Payload = serde_json::from_str(&text.replace(r#","ra":2000"#, "")).unwrap();
+        let expected = TurnStop {
+            revision_at_ms: None,
+            ..stop
+        };
+        assert_eq!(
+            to_events(earlier).pop(),
+            Some(BusEvent::TurnStopped(expected))
+        );
     }
 
     fn frame(conversation_id: Uuid, seq: i64, text: &str) -> Activity {

@@ -51,8 +51,15 @@ async fn unanswered_turns(
     connection: &mut sqlx::PgConnection,
     conversation_id: uuid::Uuid,
 ) -> Result<Vec<(StoppedTurn, String)>, sqlx::Error> {
-    let rows: Vec<(i64, i32, String, chrono::DateTime<chrono::Utc>)> = sqlx::query_as(
-        "SELECT t.seq, t.revision, t.status, a.created_at
+    type Row = (
+        i64,
+        i32,
+        String,
+        chrono::DateTime<chrono::Utc>,
+        chrono::DateTime<chrono::Utc>,
+    );
+    let rows: Vec<Row> = sqlx::query_as(
+        "SELECT t.seq, t.revision, t.status, a.created_at, t.created_at
          FROM turns t
          JOIN activities a ON a.conversation_id = t.conversation_id AND a.seq = t.seq
          WHERE t.conversation_id = $1 AND t.status IN ('pending', 'stopping')
@@ -66,6 +73,14 @@ async fn unanswered_turns(
     .await?;
     Ok(rows
         .into_iter()
-        .map(|(seq, revision, status, at)| (StoppedTurn { seq, revision, at }, status))
+        .map(|(seq, revision, status, at, opened_at)| {
+            let turn = StoppedTurn {
+                seq,
+                revision,
+                at,
+                opened_at,
+            };
+            (turn, status)
+        })
         .collect())
 }

@@ -15,7 +15,8 @@ use crate::activities::{Activity, Sender, SenderRole, stored_extra};
 use crate::lifecycle::SYSTEM_SENDER;
 use crate::{AnswerFrame, AnswerOutcome, Store, StoreError, TurnAnswer};
 
-/// A turn a stop names: the key and the turn frame's commit time (owners are decided at it).
+/// A turn a stop names: the key, the turn frame's commit time (owners are decided at it) and
+/// when the revision was opened (a regenerated revision's owners are decided then).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
 pub struct StoppedTurn {
     /// The turn's seq.
@@ -24,6 +25,9 @@ pub struct StoppedTurn {
     pub revision: i32,
     /// The turn frame's commit time.
     pub at: DateTime<Utc>,
+    /// When the revision was opened: the turn frame's commit time for revision 0, the edit's
+    /// or regenerate's for a later one.
+    pub opened_at: DateTime<Utc>,
 }
 
 /// What a stop request found.
@@ -152,23 +156,29 @@ impl Store {
             };
             let outcome = match seq {
                 Some(seq) => {
-                    let latest: Option<(i32, String, DateTime<Utc>)> = sqlx::query_as(
-                        "SELECT t.revision, t.status, a.created_at
+                    let latest: Option<(i32, String, DateTime<Utc>, DateTime<Utc>)> =
+                        sqlx::query_as(
+                            "SELECT t.revision, t.status, a.created_at, t.created_at
                          FROM turns t
                          JOIN activities a
                            ON a.conversation_id = t.conversation_id AND a.seq = t.seq
                          WHERE t.conversation_id = $1 AND t.seq = $2
                          ORDER BY t.revision DESC
                          LIMIT 1",
-                    )
-                    .bind(conversation_id)
-                    .bind(seq)
-                    .fetch_optional(&mut *transaction)
-                    .await?;
-                    let Some((revision, status, at)) = latest else {
+                        )
+                        .bind(conversation_id)
+                        .bind(seq)
+                        .fetch_optional(&mut *transaction)
+                        .await?;
+                    let Some((revision, status, at, opened_at)) = latest else {
                         return Ok(Ok(StopOutcome::NoSuchTurn));
                     };
-                    let turn = StoppedTurn { seq, revision, at };
+                    let turn = StoppedTurn {
+                        seq,
+                        revision,
+                        at,
+                        opened_at,
+                    };
                     match status.as_str() {
                         "pending" => StopOutcome::Stopping {
                             turn,
