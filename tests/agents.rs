@@ -1421,6 +1421,9 @@ async fn a_turn_held_under_a_live_lease_is_delivered_when_the_lease_runs_out() {
     let (mut client, conversation_id) = user(&node, &acme, "alice").await;
     let seq = say(&mut client, "t-1", "anyone?").await;
     let mut db = node.db.connect().await;
+    // Taken before the statement: its now() is no earlier, so the lease ends 800 ms after this
+    // at the soonest, however long the update takes to commit.
+    let held_at = std::time::Instant::now();
     sqlx::query(
         "UPDATE turns SET claimed_by = 'ghost', fence = 1, lease_until = now() + interval '800 milliseconds'
          WHERE conversation_id = $1 AND seq = $2",
@@ -1430,7 +1433,6 @@ async fn a_turn_held_under_a_live_lease_is_delivered_when_the_lease_runs_out() {
     .execute(&mut db)
     .await
     .unwrap();
-    let held_at = std::time::Instant::now();
     let (mut member, _) = lease_member(&node, &token).await;
     let (_, turn) = delivery(&mut member, "text").await;
     assert!(

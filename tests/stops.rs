@@ -133,7 +133,8 @@ async fn a_stop_mid_stream_tells_the_owner_and_its_answer_within_the_grace_perio
 
 #[tokio::test]
 async fn an_agent_that_ignores_cancel_loses_the_race_and_its_late_answer_is_refused() {
-    let node = TestNode::start_with(grace(300)).await;
+    // The repeated stop below must come within the grace period.
+    let node = TestNode::start_with(grace(2_000)).await;
     let (node, conversation_id, token, mut agent, mut tab, conversation, seq) =
         turn_in_progress(node).await;
     let streamed = stream_words(&mut agent, &conversation, "s-1", seq, 0..4).await;
@@ -509,7 +510,8 @@ async fn a_stopped_turn_is_never_handed_on_to_the_next_lease_mode_member() {
 
 #[tokio::test]
 async fn a_stop_without_a_seq_stops_every_waiting_turn_and_a_regenerate_after_a_stop_runs_on() {
-    let node = TestNode::start_with(grace(300)).await;
+    // The repeated stop and the regenerate below must come within the grace period.
+    let node = TestNode::start_with(grace(2_000)).await;
     let (node, conversation_id, token, mut agent, mut tab, _, first) = turn_in_progress(node).await;
     // A second turn queued behind the first (enqueue): a stop button stops both.
     tab.send(json!({"type": "text", "clientId": "q-2", "data": {"text": "and then?"}}))

@@ -504,8 +504,9 @@ async fn silent_connections_are_closed_4408() {
     .await;
     let (_, _, token) = setup(&node).await;
     let mut client = connected(&node, &token).await;
-    // The stimulus is silence: not reading means not answering the server's pings either.
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    // The stimulus is silence: not reading means not answering the server's pings either. It
+    // lasts well past the idle timeout, as reading would answer a ping the server sends after.
+    tokio::time::sleep(Duration::from_millis(2_000)).await;
     let (_, closed) = client.recv_until_closed().await;
     assert_eq!(closed.code, 4408);
 }

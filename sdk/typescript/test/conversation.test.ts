@@ -418,7 +418,9 @@ describe("Conversation", () => {
 });
 
 describe("token renewal", () => {
-    const shortLived = withNode({ CONVERGER_TOKEN_TTL_SECS: "2" });
+    // Long enough that the reconnected socket's token outlives a send, a mint and the renewal
+    // on a loaded machine (exp is in whole seconds).
+    const shortLived = withNode({ CONVERGER_TOKEN_TTL_SECS: "5" });
 
     test(
         "an expired token is renewed through refreshToken and the conversation goes on",
