@@ -1154,6 +1154,46 @@ async fn a_taken_over_edited_turn_carries_the_edit() {
     assert_eq!(taken["meta"]["turn"]["reason"], "edit");
 }
 
+#[tokio::test]
+async fn a_regenerated_revision_whose_member_leaves_is_taken_over() {
+    let TwoMembers {
+        node: _node,
+        token: _,
+        mut first,
+        mut second,
+        mut client,
+        conversation_id,
+        ..
+    } = two_members_and_a_user_of_the_first().await;
+    let original = say(&mut client, "t-1", "a question").await;
+    delivery(&mut first, "text").await;
+    first.send(json!({"conversationId": conversation_id, "frame": turn_result("r-0", original, "an answer", None)})).await;
+    delivery(&mut first, "ack").await;
+    client
+        .send(json!({"type": "regenerate", "clientId": "g-1", "seq": original}))
+        .await;
+    let (_, regenerated) = delivery(&mut first, "text").await;
+    assert_eq!(regenerated["meta"]["turn"]["revision"], 1);
+    first.close().await;
+
+    let (_, taken) = delivery(&mut second, "text").await;
+    assert_eq!(
+        (
+            taken["meta"]["turn"]["seq"].as_i64(),
+            taken["meta"]["turn"]["revision"].as_i64(),
+            taken["meta"]["turn"]["reason"].as_str()
+        ),
+        (Some(original), Some(1), Some("regenerate")),
+        "the remaining member takes the regenerated revision over"
+    );
+    let mut answer = turn_result("r-1", original, "another answer", None);
+    answer["turn"]["revision"] = json!(1);
+    second
+        .send(json!({"conversationId": conversation_id, "frame": answer}))
+        .await;
+    assert_eq!(delivery(&mut second, "ack").await.1["turn"]["revision"], 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn users_closing_at_once_each_go_offline_once_and_leave_no_count() {
     const USERS: usize = 40;

@@ -568,7 +568,7 @@ async fn a_stop_without_a_seq_stops_every_waiting_turn_and_a_regenerate_after_a_
     assert_eq!(error["data"]["code"], "bad_request");
     assert_eq!(turn_status(&node, conversation_id, second).await, "pending");
 
-    // A stop of the regenerated revision reaches the member it was handed to.
+    // A stop of the regenerated revision: its member's cancel names the revision.
     let (_, answer) = rest_stop(&node, conversation_id, &token, json!({"seq": second})).await;
     assert_eq!(answer, json!({"stopped": true, "seq": second}));
     let cancel = agent.skip_to_enveloped("cancel").await;

@@ -38,6 +38,9 @@ pub enum HubEvent {
         turn: Arc<Activity>,
         /// The new revision.
         revision: i32,
+        /// When it was opened (ms since the epoch, the database clock): its owners are decided
+        /// at it.
+        opened_at_ms: i64,
     },
     /// A turn was stopped, for the agents: its owners get `cancel` (ADR 0028).
     TurnStopped(Arc<converger_store::bus::TurnStop>),

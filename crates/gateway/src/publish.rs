@@ -54,21 +54,27 @@ pub(crate) async fn commit_frame(
     Ok((activity, duplicate))
 }
 
-/// A regenerate opened `revision` of `turn` (nothing stored but the registry row): this node's
-/// agents take it and its sessions see it (a frontend following the old revision ends it), and
-/// the other nodes hear it through the bus.
+/// A regenerate opened `revision` of `turn` at `opened_at` (nothing stored but the registry
+/// row): this node's agents take it and its sessions see it (a frontend following the old
+/// revision ends it), and the other nodes hear it through the bus.
 pub(crate) async fn regenerated(
     state: &AppState,
     channel_id: Uuid,
     turn: Arc<Activity>,
     revision: i32,
+    opened_at: chrono::DateTime<chrono::Utc>,
 ) {
     let (conversation_id, seq) = (turn.conversation_id, turn.seq);
-    let event = HubEvent::Regenerated { turn, revision };
+    let opened_at_ms = opened_at.timestamp_millis();
+    let event = HubEvent::Regenerated {
+        turn,
+        revision,
+        opened_at_ms,
+    };
     state.hub.publish_to_all(channel_id, conversation_id, event);
     if let Err(error) = state
         .bus
-        .regenerated(channel_id, conversation_id, seq, revision)
+        .regenerated(channel_id, conversation_id, (seq, revision), opened_at_ms)
         .await
     {
         tracing::warn!(%error, "regenerated turn not published to other nodes");

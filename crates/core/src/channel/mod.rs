@@ -585,6 +585,24 @@ impl ChannelDecider {
         decisions
     }
 
+    /// A regenerate opened a revision of the turn `seq` at `at_ms` (its registry row's commit
+    /// time), heard on the feed or found unanswered by a read-back after a lag: each group
+    /// remembers the turn as passed to its owner then, here or not, so that when that owner
+    /// leaves the takeover hands the revision on, on whichever node the next owner is (as for
+    /// a committed turn). Before [`ChannelDecider::regeneration_owners`].
+    pub fn regeneration_opened(&mut self, conversation_id: &str, seq: i64, at_ms: i64) {
+        for (group, view) in &self.views {
+            let owner = view.owner(conversation_id, at_ms).unwrap_or(NOBODY);
+            memory(
+                &mut self.memories,
+                group,
+                self.memory_conversations,
+                self.memory_turns,
+            )
+            .remember(conversation_id, owner, seq, at_ms);
+        }
+    }
+
     /// A regenerate opened `revision` of the turn `seq`, heard on the feed or found unanswered
     /// by a read-back after a lag: the local members that own the conversation at `at_ms` (one
     /// per group at most) answer it again, except in the groups it was handed on in already
@@ -615,7 +633,9 @@ impl ChannelDecider {
     /// Remembers that `revision` of the regenerated turn `seq` was handed to the local member
     /// `to` (after its event, a read-back or a takeover), for `to`'s group; false when it or a
     /// newer revision was handed on in that group already, or `to` is not a member here. The
-    /// actor notes a revision once its frame was read, so a failed read is tried again.
+    /// actor notes a revision once its frame was read, so a failed read is tried again. The
+    /// member noted last is the one a stop of the revision tells (besides its owners): a
+    /// takeover or a redelivery moves it, and the owner when it was opened is told anyway.
     pub fn note_regeneration(&mut self, conversation_id: &str, turn: (i64, i32), to: &str) -> bool {
         let (seq, revision) = turn;
         let Some(group) = self.agents.get(to).and_then(|agent| agent.group.clone()) else {

@@ -316,8 +316,8 @@ fn a_stop_of_a_regenerated_revision_reaches_the_member_it_was_handed_to() {
     assert_eq!(cancelled(&stop), vec!["first", "third"]);
 }
 
-/// A node that does not remember handing the revision on (its memory forgot it, or a read-back
-/// decided it) finds its owner at the revision's opening time, as the hand-on did.
+/// A node that does not remember handing the revision on (its memory forgot it, or another
+/// node handed it on) finds its owner at the revision's opening time, as the hand-on did.
 #[test]
 fn a_stop_of_a_regenerated_revision_reaches_its_owner_when_it_was_opened() {
     let (mut decider, conversation) = three_successive_owners();
@@ -332,4 +332,87 @@ fn a_stop_of_a_regenerated_revision_reaches_its_owner_when_it_was_opened() {
     // Revision 0 was opened with its turn: the time is not asked.
     let stop = decider.stopped(&conversation, (1, 0), "stopped", opened_at);
     assert_eq!(cancelled(&stop), vec!["first", "third"]);
+}
+
+/// For a revision, "before any member was eligible" is judged when the revision was opened: a
+/// regenerate of a turn committed before the members' `since` went to one owner, who alone is
+/// told; without the opening time (a node of an earlier release), every local member is.
+#[test]
+fn a_revision_opened_once_members_were_eligible_is_cancelled_to_its_owner_only() {
+    let mut decider = ChannelDecider::new(std::iter::empty());
+    join_member(&mut decider, "later-since", "bot", 2_000);
+    join_member(&mut decider, "earlier-since", "bot", 1_500);
+    let mut bot = GroupView::new();
+    bot.join("later-since", 2_000);
+    bot.join("earlier-since", 1_500);
+    // A conversation the earlier member owns once both are eligible; the turn, committed
+    // before either was, went to it too (the earliest member).
+    let conversation = (0..100)
+        .map(|n| format!("c-{n}"))
+        .find(|conversation| bot.owner(conversation, 3_000) == Some("earlier-since"))
+        .expect("the earlier member owns some conversation");
+
+    let opened_at = StopTimes {
+        turn_at_ms: 10,
+        revision_at_ms: Some(3_000),
+        now_ms: 3_500,
+    };
+    let stop = decider.stopped(&conversation, (1, 1), "stopped", opened_at);
+    assert_eq!(cancelled(&stop), vec!["earlier-since"]);
+
+    let stop = decider.stopped(&conversation, (1, 1), "stopped", times(10, 3_500));
+    assert_eq!(cancelled(&stop), vec!["earlier-since", "later-since"]);
+}
+
+/// A regenerated revision is remembered as passed to its owner in every group, on a node where
+/// that owner is not: when the owner leaves, the member that owns the conversation next takes
+/// the revision over (a `DeliverPending` of the turn, which reads its latest revision), on
+/// whichever node that member is.
+#[test]
+fn a_regenerated_revision_whose_holder_leaves_is_taken_over() {
+    let (mut here, conversation) = three_successive_owners();
+    here.regeneration_opened(&conversation, 1, 150);
+    assert_eq!(
+        here.regeneration_owners(&conversation, (1, 1), 150),
+        ["second"]
+    );
+    assert!(here.note_regeneration(&conversation, (1, 1), "second"));
+
+    let decisions = here.leave("second");
+    let delivered: Vec<(&str, &[i64])> = decisions
+        .iter()
+        .filter_map(|decision| match decision {
+            Decision::DeliverPending { to, seqs, .. } => Some((to.as_str(), seqs.as_slice())),
+            _ => None,
+        })
+        .collect();
+    let mut view = GroupView::new();
+    for (member, since) in [("first", 0), ("third", 200)] {
+        view.join(member, since);
+    }
+    let next = view.owner(&conversation, 150).expect("members remain");
+    assert_eq!(delivered, [(next, &[1][..])]);
+
+    // A node where the holder is not remembers the pass too, and takes over when gossip tells
+    // it that the holder left.
+    let mut elsewhere = ChannelDecider::new(std::iter::empty());
+    join_member(&mut elsewhere, "next", "bot", 0);
+    elsewhere.remote_join("holder", "bot", 0);
+    let conversation = (0..1_000)
+        .map(|n| format!("y-{n}"))
+        .find(|conversation| {
+            elsewhere
+                .regeneration_owners(conversation, (1, 1), 10)
+                .is_empty()
+        })
+        .expect("the remote member owns some conversation");
+    elsewhere.regeneration_opened(&conversation, 1, 10);
+    let decisions = elsewhere.remote_leave("holder", "bot");
+    assert!(
+        decisions.iter().any(|decision| matches!(
+            decision,
+            Decision::DeliverPending { to, seqs, .. } if to == "next" && seqs == &[1]
+        )),
+        "{decisions:?}"
+    );
 }

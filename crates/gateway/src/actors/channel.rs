@@ -226,12 +226,21 @@ impl ChannelActor {
                 };
                 self.decide_committed(&conversation, seq, &frames).await;
             }
-            HubEvent::Regenerated { turn, revision } => {
+            HubEvent::Regenerated {
+                turn,
+                revision,
+                opened_at_ms,
+            } => {
                 // A frame unreadable here is delivered as the turn was sent, never held back.
-                // Opened just now: the owners are the conversation's owners now.
-                let now = chrono::Utc::now().timestamp_millis();
+                // The owners are those when it was opened, on every node (as a read-back after
+                // a lag and a stop decide them).
                 let _ = self
-                    .hand_on_regenerated(conversation_id, (turn.seq, revision), now, Some(&*turn))
+                    .hand_on_regenerated(
+                        conversation_id,
+                        (turn.seq, revision),
+                        opened_at_ms,
+                        Some(&*turn),
+                    )
                     .await;
             }
             HubEvent::TurnStopped(stop) => {
@@ -517,6 +526,7 @@ impl ChannelActor {
     ) -> Result<u64, converger_store::StoreError> {
         let (seq, revision) = regenerated;
         let conversation = conversation_id.to_string();
+        self.decider.regeneration_opened(&conversation, seq, at_ms);
         let owners = self
             .decider
             .regeneration_owners(&conversation, regenerated, at_ms);

@@ -241,6 +241,7 @@ async fn dispatch(
             conversation_id,
             seq,
             revision,
+            opened_at_ms,
         } => {
             // Agents take the new revision; frontends following the old one end it (ADR 0030).
             let wanted = hub.has_agents(channel_id) || hub.has_followers(conversation_id);
@@ -255,9 +256,13 @@ async fn dispatch(
                 }
             };
             let Some(turn) = turn else { return };
+            // A node of an earlier release does not say when: decided at hearing it, as then.
+            let opened_at_ms =
+                opened_at_ms.unwrap_or_else(|| chrono::Utc::now().timestamp_millis());
             let event = HubEvent::Regenerated {
                 turn: Arc::new(turn),
                 revision,
+                opened_at_ms,
             };
             hub.publish_to_all(channel_id, conversation_id, event);
         }

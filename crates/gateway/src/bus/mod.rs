@@ -213,27 +213,36 @@ impl Bus {
         }
     }
 
-    /// Tells the other nodes that a turn was opened again (this node dispatched it already).
+    /// Tells the other nodes that a turn was opened again at `opened_at_ms` (this node
+    /// dispatched it already).
     pub(crate) async fn regenerated(
         &self,
         channel_id: Uuid,
         conversation_id: Uuid,
-        seq: i64,
-        revision: i32,
+        turn: (i64, i32),
+        opened_at_ms: i64,
     ) -> Result<(), StoreError> {
         match &self.transport {
             Transport::Postgres => {
                 self.store
-                    .publish_regenerated(&self.node_id, channel_id, conversation_id, seq, revision)
+                    .publish_regenerated(
+                        &self.node_id,
+                        channel_id,
+                        conversation_id,
+                        turn,
+                        opened_at_ms,
+                    )
                     .await
             }
             Transport::Nats(link) => {
+                let (seq, revision) = turn;
                 link.publish_event(BusEvent::Regenerated {
                     node: self.node_id.clone(),
                     channel_id,
                     conversation_id,
                     seq,
                     revision,
+                    opened_at_ms: Some(opened_at_ms),
                 });
                 Ok(())
             }

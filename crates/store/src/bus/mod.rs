@@ -209,6 +209,9 @@ pub enum BusEvent {
         seq: i64,
         /// The new revision.
         revision: i32,
+        /// When it was opened (ms since the epoch, the registry row's `created_at`): its owners
+        /// are decided at it. `None` from a node of an earlier release.
+        opened_at_ms: Option<i64>,
     },
     /// A channel changed status.
     ChannelStatus {
@@ -267,6 +270,8 @@ enum Payload {
         seq: i64,
         #[serde(rename = "r")]
         revision: i32,
+        #[serde(rename = "at", default, skip_serializing_if = "Option::is_none")]
+        opened_at_ms: Option<i64>,
     },
     /// A transient frame too large for a notification: its payload is in the outbox row.
     #[serde(rename = "tr")]
@@ -351,12 +356,14 @@ fn to_events(payload: Payload) -> Vec<BusEvent> {
             conversation_id,
             seq,
             revision,
+            opened_at_ms,
         } => BusEvent::Regenerated {
             node,
             channel_id,
             conversation_id,
             seq,
             revision,
+            opened_at_ms,
         },
         Payload::ChannelStatus {
             node,
@@ -505,12 +512,14 @@ pub fn encode(event: BusEvent) -> Option<String> {
             conversation_id,
             seq,
             revision,
+            opened_at_ms,
         } => Payload::Regenerated {
             node,
             channel_id,
             conversation_id,
             seq,
             revision,
+            opened_at_ms,
         },
         BusEvent::ChannelStatus {
             node,
@@ -622,6 +631,7 @@ mod tests {
             conversation_id,
             seq: 4,
             revision: 2,
+            opened_at_ms: Some(3_000),
         };
         let text = serde_json::to_string(&regenerated).unwrap();
         let back: Payload = serde_json::from_str(&text).unwrap();
@@ -630,6 +640,16 @@ mod tests {
             Some(BusEvent::Regenerated {
                 seq: 4,
                 revision: 2,
+                opened_at_ms: Some(3_000),
+                ..
+            })
+        ));
+        // A node of an earlier release sends no opening time.
+        let earlier: Payload = serde_json::from_str(&text.replace(r#","at":3000"#, "")).unwrap();
+        assert!(matches!(
+            to_events(earlier).pop(),
+            Some(BusEvent::Regenerated {
+                opened_at_ms: None,
                 ..
             })
         ));

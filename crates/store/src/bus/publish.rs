@@ -11,21 +11,24 @@ use super::{DisconnectOrder, INLINE_PAYLOAD_LIMIT, Payload, TransientFrame, Turn
 use crate::{NOTIFY_CHANNEL, Store, StoreError};
 
 impl Store {
-    /// Publishes a regenerated turn to every node (this one included; it skips its own).
+    /// Publishes a regenerated turn, opened at `opened_at_ms`, to every node (this one
+    /// included; it skips its own).
     pub async fn publish_regenerated(
         &self,
         node: &str,
         channel_id: Uuid,
         conversation_id: Uuid,
-        seq: i64,
-        revision: i32,
+        turn: (i64, i32),
+        opened_at_ms: i64,
     ) -> Result<(), StoreError> {
+        let (seq, revision) = turn;
         let payload = Payload::Regenerated {
             node: node.to_owned(),
             channel_id,
             conversation_id,
             seq,
             revision,
+            opened_at_ms: Some(opened_at_ms),
         };
         let text = serde_json::to_string(&payload)
             .map_err(|error| StoreError::Config(error.to_string()))?;

@@ -1,5 +1,6 @@
 //! New revisions of a turn: an `edit` (a new frame) or a `regenerate` (a registry row only).
 
+use chrono::{DateTime, Utc};
 use serde_json::{Value, json};
 use uuid::Uuid;
 
@@ -13,6 +14,9 @@ pub struct Revision {
     pub turn_seq: i64,
     /// The new revision.
     pub revision: i32,
+    /// When it was opened, the time its owners are decided at: the edit frame's commit time,
+    /// or the regenerate's registry row's `created_at`.
+    pub opened_at: DateTime<Utc>,
     /// For an edit: the stored edit frame (its own seq); `None` for a regenerate.
     pub edit: Option<Activity>,
     /// True when the idempotency key matched an earlier edit (nothing new).
@@ -137,6 +141,7 @@ impl Store {
                 return Ok(Revision {
                     turn_seq: target.seq,
                     revision,
+                    opened_at: existing.created_at,
                     edit: Some(existing),
                     duplicate: true,
                 });
@@ -155,8 +160,11 @@ impl Store {
                  SELECT conv.id, conv.last_seq, $3, $4, $5, 'user', $6, $7, $8, $2, revision.next, clock_timestamp() FROM conv, revision
                  RETURNING {ACTIVITY_COLUMNS}
              ), turn AS (
-                 INSERT INTO turns (conversation_id, seq, revision, status, reason, source_seq)
-                 SELECT conversation_id, turn_seq, turn_revision, 'pending', 'edit', seq FROM act
+                 -- Opened when the edit frame was committed: its owners are decided then.
+                 INSERT INTO turns
+                     (conversation_id, seq, revision, status, reason, source_seq, created_at)
+                 SELECT conversation_id, turn_seq, turn_revision, 'pending', 'edit', seq, created_at
+                 FROM act
              ), event AS (
                  INSERT INTO outbox (conversation_id, seq_from, seq_to)
                  SELECT conversation_id, seq, seq FROM act RETURNING id, conversation_id, seq_from
@@ -187,6 +195,7 @@ impl Store {
         Ok(Revision {
             turn_seq: target.seq,
             revision,
+            opened_at: stored.created_at,
             edit: Some(stored),
             duplicate: false,
         })
@@ -208,7 +217,7 @@ impl Store {
         }
         let inserted = self
             .timed("regenerate", async {
-                sqlx::query_scalar::<_, i32>(
+                sqlx::query_as::<_, (i32, DateTime<Utc>)>(
                     // The conversation row's share lock waits for a close in progress (then the
                     // status is read again and found closed), and a close that comes after
                     // waits for this revision, which its settling then sees.
@@ -219,7 +228,7 @@ impl Store {
                      SELECT $1, $2, max(revision) + 1, 'pending', 'regenerate', $3 FROM turns
                      WHERE conversation_id = $1 AND seq = $2 AND EXISTS (SELECT 1 FROM open)
                      HAVING count(*) > 0
-                     RETURNING revision",
+                     RETURNING revision, created_at",
                 )
                 .bind(target.conversation_id)
                 .bind(target.seq)
@@ -230,9 +239,10 @@ impl Store {
             .await;
         match inserted {
             Ok(None) => Err(StoreError::ConversationClosed),
-            Ok(Some(revision)) => Ok(Revision {
+            Ok(Some((revision, opened_at))) => Ok(Revision {
                 turn_seq: target.seq,
                 revision,
+                opened_at,
                 edit: None,
                 duplicate: false,
             }),
@@ -257,10 +267,11 @@ impl Store {
         let Some(client_id) = client_id else {
             return Ok(None);
         };
-        let row: Option<(i64, i32)> = self
+        let row: Option<(i64, i32, DateTime<Utc>)> = self
             .timed("regenerate_by_key", async {
                 sqlx::query_as(
-                    "SELECT seq, revision FROM turns WHERE conversation_id = $1 AND client_id = $2",
+                    "SELECT seq, revision, created_at FROM turns
+                     WHERE conversation_id = $1 AND client_id = $2",
                 )
                 .bind(conversation_id)
                 .bind(client_id)
@@ -268,9 +279,10 @@ impl Store {
                 .await
             })
             .await?;
-        Ok(row.map(|(turn_seq, revision)| Revision {
+        Ok(row.map(|(turn_seq, revision, opened_at)| Revision {
             turn_seq,
             revision,
+            opened_at,
             edit: None,
             duplicate: true,
         }))

@@ -25,8 +25,8 @@ pub struct StoppedTurn {
     pub revision: i32,
     /// The turn frame's commit time.
     pub at: DateTime<Utc>,
-    /// When the revision was opened: the turn frame's commit time for revision 0, the edit's
-    /// or regenerate's for a later one.
+    /// When the revision was opened: the turn frame's commit time for revision 0, the edit
+    /// frame's or the regenerate's for a later one.
     pub opened_at: DateTime<Utc>,
 }
 

@@ -192,6 +192,7 @@ async fn regenerate_turn(
         conversation.channel_id,
         Arc::new(turn),
         revision.revision,
+        revision.opened_at,
     )
     .await;
     Ok(TurnKey {

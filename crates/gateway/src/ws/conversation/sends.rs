@@ -274,6 +274,7 @@ impl<'a> Session<'a> {
                     self.channel_id,
                     Arc::new(turn),
                     revision.revision,
+                    revision.opened_at,
                 )
                 .await;
             }
