@@ -78,6 +78,7 @@ pub(crate) fn pending_facts(turn: &ChannelPendingTurn) -> PendingFacts {
     PendingFacts {
         conversation_id: turn.conversation_id.to_string(),
         seq: turn.seq,
+        revision: turn.revision,
         at_ms: turn.at_ms,
     }
 }

@@ -16,7 +16,7 @@ pub struct FrameFacts<'a> {
     /// The turn the frame belongs to: the answered turn of an agent's result, the edited turn of
     /// an edit (with `revision`).
     pub turn_seq: Option<i64>,
-    /// The revision an edit opened.
+    /// The revision an edit opened, or the one an agent's result answers.
     pub turn_revision: Option<i32>,
 }
 
@@ -27,7 +27,10 @@ pub struct PendingFacts {
     pub conversation_id: String,
     /// The turn's seq.
     pub seq: i64,
-    /// Its commit time, ms since the epoch.
+    /// Its latest revision, the one unanswered.
+    pub revision: i32,
+    /// When that revision was opened (the turn's commit time for revision 0), ms since the
+    /// epoch.
     pub at_ms: i64,
 }
 

@@ -206,7 +206,12 @@ impl ChannelDecider {
                     self.memory_conversations,
                     self.memory_turns,
                 )
-                .remember(&turn.conversation_id, owner, turn.seq, turn.at_ms);
+                .remember(
+                    &turn.conversation_id,
+                    owner,
+                    (turn.seq, turn.revision),
+                    turn.at_ms,
+                );
             }
         }
         match self.joining.take() {
@@ -450,8 +455,11 @@ impl ChannelDecider {
             // An answer completes the turn for every group (the registry keeps one status per
             // turn): nothing is left to hand on, so the memory keeps only unanswered turns.
             if let Some(turn_seq) = frame.turn_seq {
+                // A frame that names no revision (stored before answers named theirs) answers
+                // whichever is latest.
+                let revision = frame.turn_revision.unwrap_or(i32::MAX);
                 for memory in self.memories.values_mut() {
-                    memory.answered(frame.conversation_id, turn_seq);
+                    memory.answered(frame.conversation_id, (turn_seq, revision));
                 }
             }
             self.decide_other_party(index, frame, decisions);
@@ -488,7 +496,12 @@ impl ChannelDecider {
                 self.memory_conversations,
                 self.memory_turns,
             )
-            .remember(frame.conversation_id, owner, turn.seq, frame.at_ms);
+            .remember(
+                frame.conversation_id,
+                owner,
+                (turn.seq, turn.revision),
+                frame.at_ms,
+            );
             if !self.agents.contains_key(owner) {
                 continue;
             }
@@ -585,12 +598,12 @@ impl ChannelDecider {
         decisions
     }
 
-    /// A regenerate opened a revision of the turn `seq` at `at_ms` (its registry row's commit
+    /// A regenerate opened a revision (`turn`) at `at_ms` (its registry row's commit
     /// time), heard on the feed or found unanswered by a read-back after a lag: each group
     /// remembers the turn as passed to its owner then, here or not, so that when that owner
     /// leaves the takeover hands the revision on, on whichever node the next owner is (as for
     /// a committed turn). Before [`ChannelDecider::regeneration_owners`].
-    pub fn regeneration_opened(&mut self, conversation_id: &str, seq: i64, at_ms: i64) {
+    pub fn regeneration_opened(&mut self, conversation_id: &str, turn: (i64, i32), at_ms: i64) {
         for (group, view) in &self.views {
             let owner = view.owner(conversation_id, at_ms).unwrap_or(NOBODY);
             memory(
@@ -599,7 +612,7 @@ impl ChannelDecider {
                 self.memory_conversations,
                 self.memory_turns,
             )
-            .remember(conversation_id, owner, seq, at_ms);
+            .remember(conversation_id, owner, turn, at_ms);
         }
     }
 
@@ -731,7 +744,7 @@ impl ChannelDecider {
             }
         }
         for memory in self.memories.values_mut() {
-            memory.answered(conversation_id, seq);
+            memory.answered(conversation_id, turn);
         }
         let handled = self
             .handled

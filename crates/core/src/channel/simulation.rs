@@ -1,6 +1,6 @@
 //! A cluster of nodes, each running a [`ChannelDecider`] for one channel, driven by random
-//! joins, leaves, node deaths, user turns, answers and proactive frames, with gossip that tells
-//! the other nodes late. The test performs each decision the way the gateway's actor does
+//! joins, leaves, node deaths, user turns, regenerates, stops, answers and proactive frames,
+//! with gossip that tells the other nodes late. The test performs each decision the way the gateway's actor does
 //! (reads from a model registry, deliveries recorded per connection) and checks the delivery
 //! rules over the whole run.
 
@@ -42,10 +42,14 @@ enum Step {
     Turn { conversation: usize, lag: i64 },
     /// A member writes a frame of its own (not an answer) into a conversation.
     Proactive { member: usize, conversation: usize },
-    /// The end user stops the conversation's latest unanswered turn; node `conversation %
-    /// NODES` stops it (and hears the stop at once), the others `lag` ms later, in any order
-    /// with the turn's own commit.
+    /// The end user stops the conversation's latest unanswered turn (its latest revision);
+    /// node `conversation % NODES` stops it (and hears the stop at once), the others `lag` ms
+    /// later, in any order with the turn's own commit.
     Stop { conversation: usize, lag: i64 },
+    /// The end user regenerates the conversation's latest turn that an agent answered: a new
+    /// revision, stored as a registry row only. Node `conversation % NODES` opens it (and
+    /// hears it at once), the others `lag` ms later, in any order with the answer's commit.
+    Regenerate { conversation: usize, lag: i64 },
     /// Time passes; every member answers what it holds.
     Tick(u8),
 }
@@ -65,6 +69,8 @@ fn step() -> impl Strategy<Value = Step> {
         1 => (0usize..8, 0usize..5).prop_map(|(member, conversation)| Step::Proactive { member, conversation }),
         1 => (0usize..5, 0i64..FEED_LAG_MAX)
             .prop_map(|(conversation, lag)| Step::Stop { conversation, lag }),
+        1 => (0usize..5, 0i64..FEED_LAG_MAX)
+            .prop_map(|(conversation, lag)| Step::Regenerate { conversation, lag }),
         2 => (0u8..200).prop_map(Step::Tick),
     ]
 }
@@ -78,6 +84,8 @@ struct Stored {
     sender_id: String,
     from_user: bool,
     turn_seq: Option<i64>,
+    /// The revision an answer answers.
+    turn_revision: Option<i32>,
 }
 
 impl Stored {
@@ -89,7 +97,7 @@ impl Stored {
             sender_id: &self.sender_id,
             from_user: self.from_user,
             turn_seq: self.turn_seq,
-            turn_revision: None,
+            turn_revision: self.turn_revision,
         }
     }
 }
@@ -117,16 +125,23 @@ struct Cluster {
     feeds: Vec<(i64, usize, String, i64)>,
     /// Members announced but not yet taken by their node's channel: (at, node, id, agent).
     attaching: Vec<(i64, usize, String, LocalAgent)>,
-    /// What each connection was sent: (conversation, seq, first delivery?).
-    received: BTreeMap<String, Vec<(String, i64, bool)>>,
-    /// Stops not yet heard by a node: (at, node, conversation, seq, turn commit time).
-    stops: Vec<(i64, usize, String, i64, i64)>,
-    /// Stops each node has heard: (node, conversation, seq).
-    stops_heard: BTreeSet<(usize, String, i64)>,
-    /// The `cancel`s each connection was sent: (conversation, seq).
-    cancelled: BTreeMap<String, BTreeSet<(String, i64)>>,
-    /// Turns stopped (settled as stopped in the model registry).
-    stopped: BTreeSet<(String, i64)>,
+    /// What each connection was sent: (conversation, seq, revision, first delivery?).
+    received: BTreeMap<String, Vec<(String, i64, i32, bool)>>,
+    /// Regenerated turns: their latest revision and when it was opened (the registry's rows).
+    revisions: BTreeMap<(String, i64), (i32, i64)>,
+    /// Regenerates not yet heard by a node.
+    regenerates: Vec<(i64, usize, Regenerated)>,
+    /// Members a regenerate's event handed its revision to (not takeovers): (conversation, seq,
+    /// revision, member).
+    regenerated_to: Vec<(String, i64, i32, String)>,
+    /// Stops not yet heard by a node.
+    stops: Vec<(i64, usize, StopHeard)>,
+    /// Stops each node has heard: (node, conversation, seq, revision).
+    stops_heard: BTreeSet<(usize, String, i64, i32)>,
+    /// The `cancel`s each connection was sent: (conversation, seq, revision).
+    cancelled: BTreeMap<String, BTreeSet<(String, i64, i32)>>,
+    /// Turn revisions stopped (settled as stopped in the model registry).
+    stopped: BTreeSet<(String, i64, i32)>,
     /// Frames each node's decider has been fed, per conversation (the feed stops while a node
     /// has no local agent, as the gateway's bus bridge does).
     fed: Vec<BTreeMap<String, i64>>,
@@ -134,6 +149,25 @@ struct Cluster {
     /// not yet taken by its own node's channel): then two nodes may each pick a member only
     /// they know as the earliest (the settle delay is what makes this rare).
     racing: BTreeSet<(String, i64)>,
+}
+
+/// A regenerate's event: the turn, its new revision and when it was opened.
+#[derive(Debug, Clone)]
+struct Regenerated {
+    conversation: String,
+    seq: i64,
+    revision: i32,
+    opened_at: i64,
+}
+
+/// A stop's event: the turn, its revision, the turn's commit time and the revision's opening.
+#[derive(Debug, Clone)]
+struct StopHeard {
+    conversation: String,
+    seq: i64,
+    revision: i32,
+    turn_at: i64,
+    opened_at: i64,
 }
 
 #[derive(Debug, Clone)]
@@ -193,23 +227,33 @@ impl Cluster {
             match decision {
                 Decision::SendFrame { to, frame } => {
                     let frame = &frames[frame];
-                    self.deliver(&to, &frame.conversation, frame.seq, false);
+                    self.deliver(&to, &frame.conversation, (frame.seq, 0), false);
                 }
                 Decision::DeliverTurn {
                     to, frame, first, ..
                 } => {
                     let frame = &frames[frame];
-                    self.deliver(&to, &frame.conversation, frame.seq, first);
+                    self.deliver(&to, &frame.conversation, (frame.seq, 0), first);
                 }
                 Decision::DeliverPending {
                     to,
                     conversation_id,
                     seqs,
                 } => {
+                    // As the actor does: the turn's latest revision, noted when regenerated.
                     for seq in seqs {
-                        if !self.answered.contains(&(conversation_id.clone(), seq)) {
-                            self.deliver(&to, &conversation_id, seq, false);
+                        if self.answered.contains(&(conversation_id.clone(), seq)) {
+                            continue;
                         }
+                        let (revision, _) = self.latest_revision(&conversation_id, seq);
+                        if revision > 0 {
+                            self.deciders[node].note_regeneration(
+                                &conversation_id,
+                                (seq, revision),
+                                &to,
+                            );
+                        }
+                        self.deliver(&to, &conversation_id, (seq, revision), false);
                     }
                 }
                 Decision::ReadPendingOfChannel { group } => {
@@ -237,12 +281,13 @@ impl Cluster {
                     to,
                     conversation_id,
                     seq,
+                    revision,
                     ..
                 } => {
                     self.cancelled
                         .entry(to)
                         .or_default()
-                        .insert((conversation_id, seq));
+                        .insert((conversation_id, seq, revision));
                 }
                 Decision::ReleaseLeases { .. } => {}
             }
@@ -258,16 +303,45 @@ impl Cluster {
                     .answered
                     .contains(&(frame.conversation.clone(), frame.seq))
             })
-            .map(|frame| PendingFacts {
-                conversation_id: frame.conversation.clone(),
-                seq: frame.seq,
-                at_ms: frame.at_ms,
+            .map(|frame| {
+                let revision = self.revisions.get(&(frame.conversation.clone(), frame.seq));
+                let (revision, at_ms) = revision.copied().unwrap_or((0, frame.at_ms));
+                PendingFacts {
+                    conversation_id: frame.conversation.clone(),
+                    seq: frame.seq,
+                    revision,
+                    at_ms,
+                }
             })
             .filter(|turn| keep(turn))
             .collect()
     }
 
-    fn deliver(&mut self, to: &str, conversation: &str, seq: i64, first: bool) {
+    /// When `node` hears of something that happened now on node `origin`: at once there, `lag`
+    /// ms later elsewhere.
+    fn heard_at(&self, node: usize, origin: usize, lag: i64) -> i64 {
+        if node == origin {
+            self.now
+        } else {
+            self.now + lag
+        }
+    }
+
+    /// A turn's latest revision and when it was opened (revision 0: its commit time).
+    fn latest_revision(&self, conversation: &str, seq: i64) -> (i32, i64) {
+        if let Some(latest) = self.revisions.get(&(conversation.to_owned(), seq)) {
+            return *latest;
+        }
+        let frame = self
+            .frames
+            .iter()
+            .find(|frame| frame.conversation == conversation && frame.seq == seq)
+            .expect("a turn is a stored frame");
+        (0, frame.at_ms)
+    }
+
+    fn deliver(&mut self, to: &str, conversation: &str, turn: (i64, i32), first: bool) {
+        let (seq, revision) = turn;
         let live = self
             .connections
             .get(to)
@@ -280,13 +354,15 @@ impl Cluster {
             member.group.is_none()
                 || !self
                     .stops_heard
-                    .contains(&(node, conversation.to_owned(), seq)),
-            "turn {conversation}:{seq} delivered to {to} after node {node} heard its stop"
+                    .contains(&(node, conversation.to_owned(), seq, revision)),
+            "turn {conversation}:{seq}:{revision} delivered to {to} after node {node} heard its stop"
         );
-        self.received
-            .entry(to.to_owned())
-            .or_default()
-            .push((conversation.to_owned(), seq, first));
+        self.received.entry(to.to_owned()).or_default().push((
+            conversation.to_owned(),
+            seq,
+            revision,
+            first,
+        ));
     }
 
     fn join(&mut self, node: usize, group: Option<&str>, lag: i64) {
@@ -398,13 +474,14 @@ impl Cluster {
         }
     }
 
-    /// Commits a frame; node `origin` hears of it at once, the others `lag` ms later.
+    /// Commits a frame (an answer names its turn and revision); node `origin` hears of it at
+    /// once, the others `lag` ms later.
     fn commit(
         &mut self,
         conversation: &str,
         sender_id: &str,
         from_user: bool,
-        turn_seq: Option<i64>,
+        answers: Option<(i64, i32)>,
         origin: usize,
         lag: i64,
     ) {
@@ -422,14 +499,11 @@ impl Cluster {
             at_ms: self.now,
             sender_id: sender_id.to_owned(),
             from_user,
-            turn_seq,
+            turn_seq: answers.map(|(seq, _)| seq),
+            turn_revision: answers.map(|(_, revision)| revision),
         });
         for node in 0..NODES {
-            let at = if node == origin {
-                self.now
-            } else {
-                self.now + lag
-            };
+            let at = self.heard_at(node, origin, lag);
             self.feeds.push((at, node, conversation.to_owned(), seq));
         }
         self.hear_feeds(false);
@@ -494,9 +568,9 @@ impl Cluster {
         self.perform(node, decisions, &frames);
     }
 
-    /// Stops the conversation's latest unanswered turn, if any: the registry settles it at
-    /// once (the grace period is the agent's; no answer of it is modelled), and node `origin`
-    /// hears the stop now, the others `lag` ms later.
+    /// Stops the conversation's latest unanswered turn, if any (its latest revision): the
+    /// registry settles it at once (the grace period is the agent's; no answer of it is
+    /// modelled), and node `origin` hears the stop now, the others `lag` ms later.
     fn stop(&mut self, conversation: &str, origin: usize, lag: i64) {
         let latest = self
             .frames
@@ -509,19 +583,23 @@ impl Cluster {
                     .contains(&(conversation.to_owned(), frame.seq))
             })
             .map(|frame| (frame.seq, frame.at_ms));
-        let Some((seq, at_ms)) = latest else {
+        let Some((seq, turn_at)) = latest else {
             return;
         };
+        let (revision, opened_at) = self.latest_revision(conversation, seq);
         self.answered.insert((conversation.to_owned(), seq));
-        self.stopped.insert((conversation.to_owned(), seq));
+        self.stopped
+            .insert((conversation.to_owned(), seq, revision));
+        let stop = StopHeard {
+            conversation: conversation.to_owned(),
+            seq,
+            revision,
+            turn_at,
+            opened_at,
+        };
         for node in 0..NODES {
-            let at = if node == origin {
-                self.now
-            } else {
-                self.now + lag
-            };
-            self.stops
-                .push((at, node, conversation.to_owned(), seq, at_ms));
+            let at = self.heard_at(node, origin, lag);
+            self.stops.push((at, node, stop.clone()));
         }
         self.hear_stops(false);
     }
@@ -532,20 +610,109 @@ impl Cluster {
         let now = self.now;
         let (due, later): (Vec<_>, Vec<_>) = std::mem::take(&mut self.stops)
             .into_iter()
-            .partition(|(at, _, _, _, _)| all || *at <= now);
+            .partition(|(at, _, _)| all || *at <= now);
         self.stops = later;
-        for (_, node, conversation, seq, at_ms) in due {
+        for (_, node, stop) in due {
             if !self.has_local_agents(node) {
                 continue;
             }
-            self.stops_heard.insert((node, conversation.clone(), seq));
+            let StopHeard {
+                conversation,
+                seq,
+                revision,
+                turn_at,
+                opened_at,
+            } = stop;
+            self.stops_heard
+                .insert((node, conversation.clone(), seq, revision));
             let times = StopTimes {
-                turn_at_ms: at_ms,
-                revision_at_ms: Some(at_ms),
+                turn_at_ms: turn_at,
+                revision_at_ms: Some(opened_at),
                 now_ms: now,
             };
-            let decisions = self.deciders[node].stopped(&conversation, (seq, 0), "stopped", times);
+            let decisions =
+                self.deciders[node].stopped(&conversation, (seq, revision), "stopped", times);
             self.perform(node, decisions, &[]);
+        }
+    }
+
+    /// Regenerates the conversation's latest turn an agent answered (not stopped): the registry
+    /// opens its next revision, unanswered, and node `origin` hears it now, the others `lag` ms
+    /// later.
+    fn regenerate(&mut self, conversation: &str, origin: usize, lag: i64) {
+        let latest = self
+            .frames
+            .iter()
+            .rev()
+            .filter(|frame| frame.conversation == conversation && frame.from_user)
+            .map(|frame| frame.seq)
+            .find(|seq| self.answered.contains(&(conversation.to_owned(), *seq)));
+        let Some(seq) = latest else {
+            return;
+        };
+        let (revision, _) = self.latest_revision(conversation, seq);
+        if self
+            .stopped
+            .contains(&(conversation.to_owned(), seq, revision))
+        {
+            return;
+        }
+        let revision = revision + 1;
+        self.revisions
+            .insert((conversation.to_owned(), seq), (revision, self.now));
+        self.answered.remove(&(conversation.to_owned(), seq));
+        if self.join_in_flight() {
+            self.racing.insert((conversation.to_owned(), seq));
+        }
+        let regenerated = Regenerated {
+            conversation: conversation.to_owned(),
+            seq,
+            revision,
+            opened_at: self.now,
+        };
+        for node in 0..NODES {
+            let at = self.heard_at(node, origin, lag);
+            self.regenerates.push((at, node, regenerated.clone()));
+        }
+        self.hear_regenerates(false);
+    }
+
+    /// Hands each node the regenerates it hears by now (all: every one left), as the actor
+    /// does: every group remembers the revision as passed to its owner when it was opened, and
+    /// the local owners get it while it is still the turn's unanswered revision.
+    fn hear_regenerates(&mut self, all: bool) {
+        let now = self.now;
+        let (due, later): (Vec<_>, Vec<_>) = std::mem::take(&mut self.regenerates)
+            .into_iter()
+            .partition(|(at, _, _)| all || *at <= now);
+        self.regenerates = later;
+        for (_, node, event) in due {
+            if !self.has_local_agents(node) {
+                continue;
+            }
+            let Regenerated {
+                conversation,
+                seq,
+                revision,
+                opened_at,
+            } = event;
+            if self.join_in_flight() {
+                self.racing.insert((conversation.clone(), seq));
+            }
+            let turn = (seq, revision);
+            self.deciders[node].regeneration_opened(&conversation, turn, opened_at);
+            let owners = self.deciders[node].regeneration_owners(&conversation, turn, opened_at);
+            let unanswered = !self.answered.contains(&(conversation.clone(), seq))
+                && self.latest_revision(&conversation, seq).0 == revision;
+            if !unanswered {
+                continue;
+            }
+            for owner in owners {
+                self.deciders[node].note_regeneration(&conversation, turn, &owner);
+                self.regenerated_to
+                    .push((conversation.clone(), seq, revision, owner.clone()));
+                self.deliver(&owner, &conversation, turn, false);
+            }
         }
     }
 
@@ -556,7 +723,7 @@ impl Cluster {
             if !connection.live || connection.group.is_none() {
                 continue;
             }
-            for (conversation, seq, _) in self.received.get(id).into_iter().flatten() {
+            for (conversation, seq, revision, _) in self.received.get(id).into_iter().flatten() {
                 let is_turn = self
                     .frames
                     .iter()
@@ -564,20 +731,24 @@ impl Cluster {
                 if is_turn && !self.answered.contains(&(conversation.clone(), *seq)) {
                     answers.push((
                         conversation.clone(),
-                        *seq,
+                        (*seq, *revision),
                         connection.sender_id.clone(),
                         connection.node,
                     ));
                 }
             }
         }
-        for (conversation, seq, sender_id, node) in answers {
+        for (conversation, (seq, revision), sender_id, node) in answers {
+            // An answer to a revision a regenerate replaced is refused (superseded).
+            if self.latest_revision(&conversation, seq).0 != revision {
+                continue;
+            }
             if self.answered.insert((conversation.clone(), seq)) {
                 self.commit(
                     &conversation,
                     &sender_id,
                     false,
-                    Some(seq),
+                    Some((seq, revision)),
                     node,
                     ANSWER_LAG,
                 );
@@ -603,16 +774,18 @@ fn prepend(queue: &mut std::collections::VecDeque<Decision>, follow: Vec<Decisio
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(600))]
 
-    /// Over a random run: a turn's first delivery happens once per group at most; no group
-    /// receives its own frames; observers receive every frame committed while they were
-    /// connected, once and in order; no unanswered turn is left with nobody alive to answer it;
-    /// and a member's replay gives it exactly the user turns it owns.
+    /// Over a random run: a turn's first delivery happens once per group at most, and so does
+    /// a regenerated revision's; no group receives its own frames; observers receive every
+    /// frame committed while they were connected, once and in order; no unanswered turn (its
+    /// latest revision) is left with nobody alive to answer it; every member holding a
+    /// stopped revision is told; and a member's replay gives it exactly the user turns it owns.
     #[test]
     fn the_channel_rules_hold_across_nodes(steps in proptest::collection::vec(step(), 1..120)) {
         let mut cluster = Cluster::new();
         for step in steps {
             cluster.pass_time();
             cluster.hear_feeds(false);
+            cluster.hear_regenerates(false);
             cluster.hear_stops(false);
             cluster.hear_gossip(false);
             cluster.attach_due(false);
@@ -638,11 +811,13 @@ proptest! {
                     }
                 }
                 Step::Stop { conversation, lag } => cluster.stop(&format!("c{conversation}"), conversation % NODES, lag),
+                Step::Regenerate { conversation, lag } => cluster.regenerate(&format!("c{conversation}"), conversation % NODES, lag),
                 Step::Tick(ms) => {
                     // A millisecond at a time, so that what is due earlier is heard earlier.
                     for _ in 0..ms {
                         cluster.pass_time();
                         cluster.hear_feeds(false);
+                        cluster.hear_regenerates(false);
                         cluster.hear_stops(false);
                         cluster.hear_gossip(false);
                         cluster.attach_due(false);
@@ -653,24 +828,26 @@ proptest! {
         }
         cluster.now += SETTLE;
         cluster.hear_feeds(true);
+        cluster.hear_regenerates(true);
         cluster.hear_stops(true);
         cluster.hear_gossip(true);
         cluster.attach_due(true);
         cluster.hear_feeds(true);
 
-        // A stopped turn's holders are told: every live member that was given it, on a node
-        // that heard the stop, got a `cancel` (unless a join was still unheard somewhere).
+        // A stopped turn's holders are told: every live member that was given the stopped
+        // revision, on a node that heard the stop, got a `cancel` (unless a join was still
+        // unheard somewhere).
         for (id, received) in &cluster.received {
             let connection = &cluster.connections[id];
             if !connection.live || connection.group.is_none() {
                 continue;
             }
-            for (conversation, seq, _) in received {
-                let turn = (conversation.clone(), *seq);
-                if !cluster.stopped.contains(&turn) || cluster.racing.contains(&turn) {
+            for (conversation, seq, revision, _) in received {
+                let turn = (conversation.clone(), *seq, *revision);
+                if !cluster.stopped.contains(&turn) || cluster.racing.contains(&(conversation.clone(), *seq)) {
                     continue;
                 }
-                if !cluster.stops_heard.contains(&(connection.node, conversation.clone(), *seq)) {
+                if !cluster.stops_heard.contains(&(connection.node, conversation.clone(), *seq, *revision)) {
                     continue;
                 }
                 let told = cluster.cancelled.get(id).is_some_and(|told| told.contains(&turn));
@@ -678,11 +855,25 @@ proptest! {
             }
         }
 
+        // A regenerated revision's event hands it to one member per group, the same on every
+        // node (unless a join was still unheard somewhere).
+        let mut handed: BTreeMap<(String, i64, i32, String), BTreeSet<&String>> = BTreeMap::new();
+        for (conversation, seq, revision, member) in &cluster.regenerated_to {
+            if cluster.racing.contains(&(conversation.clone(), *seq)) {
+                continue;
+            }
+            let group = cluster.connections[member].group.clone().expect("members have a group");
+            handed.entry((conversation.clone(), *seq, *revision, group)).or_default().insert(member);
+        }
+        for (revision, members) in &handed {
+            prop_assert_eq!(members.len(), 1, "revision {:?} handed to {:?}", revision, members);
+        }
+
         // A turn's first delivery: once per group at most (unless a join was still unheard).
         let mut first: BTreeMap<(String, i64, String), usize> = BTreeMap::new();
         for (id, received) in &cluster.received {
             let Some(group) = cluster.connections[id].group.clone() else { continue };
-            for (conversation, seq, is_first) in received {
+            for (conversation, seq, _, is_first) in received {
                 if *is_first && !cluster.racing.contains(&(conversation.clone(), *seq)) {
                     *first.entry((conversation.clone(), *seq, group.clone())).or_default() += 1;
                 }
@@ -696,7 +887,7 @@ proptest! {
         for (id, received) in &cluster.received {
             let connection = &cluster.connections[id];
             let Some(group) = &connection.group else { continue };
-            for (conversation, seq, _) in received {
+            for (conversation, seq, _, _) in received {
                 let frame = cluster.frames.iter().find(|f| f.conversation == *conversation && f.seq == *seq).expect("sent frames exist");
                 prop_assert!(frame.from_user || frame.sender_id != *group, "{} got its group's own frame {:?}", id, frame);
             }
@@ -704,7 +895,7 @@ proptest! {
 
         // Observers: every frame committed while connected, once, in order per conversation.
         for (id, connection) in cluster.connections.iter().filter(|(_, c)| c.group.is_none()) {
-            let received: Vec<(String, i64)> = cluster.received.get(id).into_iter().flatten().map(|(c, s, _)| (c.clone(), *s)).collect();
+            let received: Vec<(String, i64)> = cluster.received.get(id).into_iter().flatten().map(|(c, s, _, _)| (c.clone(), *s)).collect();
             let mut by_conversation: BTreeMap<&str, Vec<i64>> = BTreeMap::new();
             for (conversation, seq) in &received {
                 by_conversation.entry(conversation).or_default().push(*seq);
@@ -720,7 +911,7 @@ proptest! {
         }
 
         // Nothing unanswered is stranded: each group with live members has every unanswered turn
-        // with one of them.
+        // (its latest revision) with one of them.
         for group in GROUPS {
             let members = cluster.live_members(group);
             if members.is_empty() {
@@ -729,7 +920,9 @@ proptest! {
             for turn in cluster.pending(|_| true) {
                 let held = members.iter().any(|member| {
                     cluster.received.get(*member).is_some_and(|received| {
-                        received.iter().any(|(c, s, _)| *c == turn.conversation_id && *s == turn.seq)
+                        received.iter().any(|(c, s, r, _)| {
+                            *c == turn.conversation_id && *s == turn.seq && *r == turn.revision
+                        })
                     })
                 });
                 prop_assert!(held, "group {} left turn {:?} with nobody", group, turn);

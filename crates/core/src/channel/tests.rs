@@ -371,7 +371,7 @@ fn a_revision_opened_once_members_were_eligible_is_cancelled_to_its_owner_only()
 #[test]
 fn a_regenerated_revision_whose_holder_leaves_is_taken_over() {
     let (mut here, conversation) = three_successive_owners();
-    here.regeneration_opened(&conversation, 1, 150);
+    here.regeneration_opened(&conversation, (1, 1), 150);
     assert_eq!(
         here.regeneration_owners(&conversation, (1, 1), 150),
         ["second"]
@@ -406,7 +406,7 @@ fn a_regenerated_revision_whose_holder_leaves_is_taken_over() {
                 .is_empty()
         })
         .expect("the remote member owns some conversation");
-    elsewhere.regeneration_opened(&conversation, 1, 10);
+    elsewhere.regeneration_opened(&conversation, (1, 1), 10);
     let decisions = elsewhere.remote_leave("holder", "bot");
     assert!(
         decisions.iter().any(|decision| matches!(

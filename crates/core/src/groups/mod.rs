@@ -142,8 +142,10 @@ pub struct Passed {
 pub struct Pass {
     /// The turn's seq.
     pub seq: i64,
-    /// The turn's commit time: takeovers re-decide at this time, so every node picks the same
-    /// new owner whenever it learns of the leave.
+    /// Its revision passed on: an answer to an older one (heard late) leaves the pass.
+    pub revision: i32,
+    /// The turn's (or the revision's) commit time: takeovers re-decide at this time, so every
+    /// node picks the same new owner whenever it learns of the leave.
     pub at_ms: i64,
     /// The member it went to.
     pub owner: String,
@@ -186,9 +188,22 @@ impl PassedTurns {
         }
     }
 
-    /// Records that turn `seq` of a conversation, committed at `at_ms`, went to `owner` (or to
-    /// [`NOBODY`]).
-    pub fn remember(&mut self, conversation_id: &str, owner: &str, seq: i64, at_ms: i64) {
+    /// Records that a turn (seq, revision) of a conversation, committed (or opened) at `at_ms`,
+    /// went to `owner` (or to [`NOBODY`]); a pass of a newer revision of the turn stays.
+    pub fn remember(&mut self, conversation_id: &str, owner: &str, turn: (i64, i32), at_ms: i64) {
+        let (seq, revision) = turn;
+        if self
+            .entries
+            .get(conversation_id)
+            .is_some_and(|(_, passed)| {
+                passed
+                    .passes
+                    .iter()
+                    .any(|pass| pass.seq == seq && pass.revision > revision)
+            })
+        {
+            return;
+        }
         if !self.entries.contains_key(conversation_id) {
             if self.entries.len() >= self.conversations
                 && let Some((_, oldest)) = self.order.pop_first()
@@ -207,6 +222,7 @@ impl PassedTurns {
         entry.passes.retain(|pass| pass.seq != seq);
         entry.passes.push_back(Pass {
             seq,
+            revision,
             at_ms,
             owner: owner.to_owned(),
         });
@@ -239,10 +255,14 @@ impl PassedTurns {
         self.forget_if_empty(conversation_id);
     }
 
-    /// Forgets an answered turn: it is never taken over.
-    pub fn answered(&mut self, conversation_id: &str, seq: i64) {
+    /// Forgets a turn answered (or stopped) at a revision: it is never taken over. A pass of a
+    /// newer revision stays (the answer to an older one may be heard after a regenerate).
+    pub fn answered(&mut self, conversation_id: &str, turn: (i64, i32)) {
+        let (seq, revision) = turn;
         if let Some((_, entry)) = self.entries.get_mut(conversation_id) {
-            entry.passes.retain(|pass| pass.seq != seq);
+            entry
+                .passes
+                .retain(|pass| pass.seq != seq || pass.revision > revision);
         }
         self.forget_if_empty(conversation_id);
     }

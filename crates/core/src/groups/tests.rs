@@ -7,11 +7,11 @@ use std::collections::BTreeSet;
 #[test]
 fn an_overflowing_conversation_records_what_fell_out() {
     let mut memory = PassedTurns::new(10, 2);
-    memory.remember("c", "m1", 1, 10);
-    memory.remember("c", "m1", 2, 20);
+    memory.remember("c", "m1", (1, 0), 10);
+    memory.remember("c", "m1", (2, 0), 20);
     assert!(memory.overflowed().is_empty());
-    memory.remember("c", "m2", 3, 30);
-    memory.remember("c", "m2", 4, 40);
+    memory.remember("c", "m2", (3, 0), 30);
+    memory.remember("c", "m2", (4, 0), 40);
     assert_eq!(memory.overflowed(), vec![("c".to_owned(), 2)]);
     memory.clear_overflow("c");
     assert!(memory.overflowed().is_empty());
@@ -79,13 +79,13 @@ fn owner_prefers_eligible_members_and_falls_back_to_all() {
 #[test]
 fn memory_is_bounded_oldest_first() {
     let mut passed = PassedTurns::new(2, 2);
-    passed.remember("c1", "a", 1, 0);
-    passed.remember("c2", "a", 1, 0);
-    passed.remember("c3", "b", 1, 0);
+    passed.remember("c1", "a", (1, 0), 0);
+    passed.remember("c2", "a", (1, 0), 0);
+    passed.remember("c3", "b", (1, 0), 0);
     assert!(passed.get("c1").is_none());
     assert_eq!(passed.len(), 2);
-    passed.remember("c3", "b", 5, 0);
-    passed.remember("c3", "a", 7, 0);
+    passed.remember("c3", "b", (5, 0), 0);
+    passed.remember("c3", "a", (7, 0), 0);
     let kept: Vec<i64> = passed
         .get("c3")
         .unwrap()
@@ -98,7 +98,7 @@ fn memory_is_bounded_oldest_first() {
         vec![5, 7],
         "per conversation the most recent passes are kept"
     );
-    passed.answered("c3", 5);
+    passed.answered("c3", (5, 0));
     assert_eq!(passed.get("c3").unwrap().passes.len(), 1);
 }
 
@@ -112,7 +112,7 @@ fn take_over_moves_only_the_departed_members_conversations() {
     for n in 0..30 {
         let conversation = format!("conv-{n}");
         let owner = view.owner(&conversation, 10).unwrap().to_owned();
-        passed.remember(&conversation, &owner, 3, 10);
+        passed.remember(&conversation, &owner, (3, 0), 10);
     }
     let departed = "b";
     let before: Vec<(String, String)> = (0..30)
@@ -293,7 +293,7 @@ proptest! {
                         // A node that knows no member yet still remembers the turn, passed to
                         // nobody, so the member it hears of next takes it over.
                         let owner = views[node].owner(&conversation, now).unwrap_or(NOBODY).to_owned();
-                        memories[node].remember(&conversation, &owner, seq, now);
+                        memories[node].remember(&conversation, &owner, (seq, 0), now);
                         if owner != NOBODY && host(&owner) == node {
                             deliverers.push(owner);
                         }
@@ -345,7 +345,7 @@ fn a_joiner_takes_the_turns_it_owns_that_went_to_another_member_before_it_was_kn
     view.join("b", 2_000);
     let mut passed = PassedTurns::new(100, 16);
     for n in 0..10 {
-        passed.remember(&format!("conv-{n}"), "b", 1, 10);
+        passed.remember(&format!("conv-{n}"), "b", (1, 0), 10);
     }
     view.join("a", 1_000);
     let decisions = passed.hand_to_joiner(&view, "a", |_| false);
@@ -367,7 +367,7 @@ fn a_joiner_takes_nothing_another_member_still_owns() {
     for n in 0..30 {
         let conversation = format!("conv-{n}");
         let owner = view.owner(&conversation, 10).unwrap().to_owned();
-        passed.remember(&conversation, &owner, 1, 10);
+        passed.remember(&conversation, &owner, (1, 0), 10);
     }
     // Eligible only after the turns: it owns none of them.
     view.join("a", 20);
@@ -379,7 +379,7 @@ fn a_joiner_leaves_a_turn_with_a_member_of_its_own_node() {
     let mut view = GroupView::new();
     view.join("b", 2_000);
     let mut passed = PassedTurns::new(100, 16);
-    passed.remember("conv-1", "b", 1, 10);
+    passed.remember("conv-1", "b", (1, 0), 10);
     view.join("a", 1_000);
     assert!(
         passed
@@ -391,15 +391,15 @@ fn a_joiner_leaves_a_turn_with_a_member_of_its_own_node() {
 #[test]
 fn an_answered_conversation_is_forgotten_and_the_oldest_open_one_goes_first() {
     let mut passed = PassedTurns::new(2, 4);
-    passed.remember("c1", "a", 1, 0);
-    passed.remember("c2", "a", 1, 0);
-    passed.answered("c1", 1);
+    passed.remember("c1", "a", (1, 0), 0);
+    passed.remember("c2", "a", (1, 0), 0);
+    passed.answered("c1", (1, 0));
     assert!(passed.get("c1").is_none(), "nothing left to take over");
     assert_eq!(passed.len(), 1);
-    passed.remember("c3", "a", 1, 0);
+    passed.remember("c3", "a", (1, 0), 0);
     assert_eq!(passed.len(), 2, "the forgotten conversation made room");
     assert!(passed.get("c2").is_some());
-    passed.remember("c4", "a", 1, 0);
+    passed.remember("c4", "a", (1, 0), 0);
     assert!(
         passed.get("c2").is_none(),
         "the oldest open conversation goes first"
@@ -410,10 +410,29 @@ fn an_answered_conversation_is_forgotten_and_the_oldest_open_one_goes_first() {
 #[test]
 fn an_overflowed_conversation_is_kept_until_its_overflow_is_cleared() {
     let mut passed = PassedTurns::new(10, 1);
-    passed.remember("c1", "a", 1, 0);
-    passed.remember("c1", "a", 2, 0);
-    passed.answered("c1", 2);
+    passed.remember("c1", "a", (1, 0), 0);
+    passed.remember("c1", "a", (2, 0), 0);
+    passed.answered("c1", (2, 0));
     assert_eq!(passed.overflowed(), vec![("c1".to_owned(), 1)]);
     passed.clear_overflow("c1");
     assert!(passed.is_empty());
+}
+
+/// The answer to revision 0 may be heard after the regenerate that opened revision 1 (they come
+/// from different nodes): it leaves revision 1's pass, which only its own answer or stop ends;
+/// an older revision heard late does not replace a newer pass.
+#[test]
+fn a_pass_of_a_newer_revision_outlives_an_older_revisions_answer() {
+    let mut passed = PassedTurns::new(10, 4);
+    passed.remember("c1", "a", (1, 1), 50);
+    passed.answered("c1", (1, 0));
+    assert!(passed.contains("c1", 1), "revision 1 is still unanswered");
+    passed.remember("c1", "b", (1, 0), 10);
+    let pass = &passed.get("c1").expect("remembered").passes[0];
+    assert_eq!(
+        (pass.revision, pass.owner.as_str(), pass.at_ms),
+        (1, "a", 50)
+    );
+    passed.answered("c1", (1, 1));
+    assert!(!passed.contains("c1", 1));
 }

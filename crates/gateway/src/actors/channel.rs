@@ -526,7 +526,8 @@ impl ChannelActor {
     ) -> Result<u64, converger_store::StoreError> {
         let (seq, revision) = regenerated;
         let conversation = conversation_id.to_string();
-        self.decider.regeneration_opened(&conversation, seq, at_ms);
+        self.decider
+            .regeneration_opened(&conversation, regenerated, at_ms);
         let owners = self
             .decider
             .regeneration_owners(&conversation, regenerated, at_ms);
