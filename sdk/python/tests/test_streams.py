@@ -160,7 +160,10 @@ async def test_an_end_user_who_reconnects_mid_stream_ends_with_exactly_the_strea
         assert assembled.text == "one two three four" == answer.text
         assert answer.id == "s-reconnect"
         assert [u.chunk.index for u in applied if u.chunk] == [0, 1, 2, 3]
-        assert assembled.duplicates == 2  # chunks 0 and 1 came again, and were dropped
+        # Chunks 0 and 1 came again, coalesced, and were dropped: counted as 2 when the node took
+        # chunk 2 (written on another socket) before the catch-up, which then covered 0 to 2,
+        # else as 1 (the catch-up covered 0 and 1, and chunk 2 came live).
+        assert assembled.duplicates in (1, 2)
     finally:
         await user.close()
         await agent.close()

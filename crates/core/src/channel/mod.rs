@@ -694,11 +694,11 @@ impl ChannelDecider {
             .map(|handed| handed.to.as_str())
     }
 
-    /// A turn was stopped (ADR 0028): it is forgotten, so no takeover hands it on, and its
-    /// owner in each group, when that member is here, is told. The owner is the member the turn
-    /// was passed to (or the owner at its commit time when it is not remembered) and the owner
-    /// now; for a regenerated revision, also the owner when it was opened and the member this
-    /// node handed it to, while that is remembered (a takeover may have moved it since).
+    /// A turn's revision was stopped (ADR 0028): it is forgotten, so no takeover hands it on,
+    /// and its owner in each group, when that member is here, is told. The owner is the member
+    /// the revision was passed to (or, when that is not remembered, the owner when it was
+    /// opened: the turn's commit time for revision 0) and the owner now; for a regenerated
+    /// revision, also the member this node handed it to, while that is remembered.
     pub fn stopped(
         &mut self,
         conversation_id: &str,
@@ -707,22 +707,31 @@ impl ChannelDecider {
         times: StopTimes,
     ) -> Vec<Decision> {
         let (seq, revision) = turn;
-        // Revision 0 was opened with its turn.
-        let revision_at_ms = times.revision_at_ms.filter(|_| revision > 0);
+        // Revision 0 was opened with its turn; a stop from a node of an earlier release does
+        // not say when a later one was, and its turn's time stands in.
+        let opened_at_ms = times
+            .revision_at_ms
+            .filter(|_| revision > 0)
+            .unwrap_or(times.turn_at_ms);
         let mut told = BTreeSet::new();
         for (group, view) in &self.views {
+            // The pass of this revision only: a regenerate heard before an older revision's
+            // stop has replaced that revision's pass.
             let passed_to = self
                 .memories
                 .get(group)
                 .and_then(|memory| memory.get(conversation_id))
-                .and_then(|passed| passed.passes.iter().find(|pass| pass.seq == seq))
+                .and_then(|passed| {
+                    passed
+                        .passes
+                        .iter()
+                        .find(|pass| pass.seq == seq && pass.revision == revision)
+                })
                 .map(|pass| pass.owner.as_str())
-                .or_else(|| view.owner(conversation_id, times.turn_at_ms));
+                .or_else(|| view.owner(conversation_id, opened_at_ms));
             let owner_now = view.owner(conversation_id, times.now_ms);
-            let revision_owner =
-                revision_at_ms.and_then(|at_ms| view.owner(conversation_id, at_ms));
             let revision_holder = self.regeneration_holder(conversation_id, turn, group);
-            let owners = [passed_to, owner_now, revision_owner, revision_holder];
+            let owners = [passed_to, owner_now, revision_holder];
             for owner in owners.into_iter().flatten() {
                 if self.agents.contains_key(owner) {
                     told.insert(owner.to_owned());
@@ -733,7 +742,6 @@ impl ChannelDecider {
             // memory of its pass is gone, only telling every local member of the group reaches
             // the holder. A member that does not hold the turn ignores the cancel
             // (docs/protocol.md 4.10).
-            let opened_at_ms = revision_at_ms.unwrap_or(times.turn_at_ms);
             if view.none_eligible_at(opened_at_ms) {
                 told.extend(
                     self.agents

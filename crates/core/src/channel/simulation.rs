@@ -46,9 +46,9 @@ enum Step {
     /// node `conversation % NODES` stops it (and hears the stop at once), the others `lag` ms
     /// later, in any order with the turn's own commit.
     Stop { conversation: usize, lag: i64 },
-    /// The end user regenerates the conversation's latest turn that an agent answered: a new
-    /// revision, stored as a registry row only. Node `conversation % NODES` opens it (and
-    /// hears it at once), the others `lag` ms later, in any order with the answer's commit.
+    /// The end user regenerates the conversation's latest turn that was answered or stopped: a
+    /// new revision, stored as a registry row only. Node `conversation % NODES` opens it (and
+    /// hears it at once), the others `lag` ms later, in any order with the answer or the stop.
     Regenerate { conversation: usize, lag: i64 },
     /// Time passes; every member answers what it holds.
     Tick(u8),
@@ -636,9 +636,9 @@ impl Cluster {
         }
     }
 
-    /// Regenerates the conversation's latest turn an agent answered (not stopped): the registry
-    /// opens its next revision, unanswered, and node `origin` hears it now, the others `lag` ms
-    /// later.
+    /// Regenerates the conversation's latest turn that is answered or stopped: the registry opens
+    /// its next revision, unanswered, and node `origin` hears it now, the others `lag` ms later
+    /// (in any order with the answer or the stop before it).
     fn regenerate(&mut self, conversation: &str, origin: usize, lag: i64) {
         let latest = self
             .frames
@@ -651,12 +651,6 @@ impl Cluster {
             return;
         };
         let (revision, _) = self.latest_revision(conversation, seq);
-        if self
-            .stopped
-            .contains(&(conversation.to_owned(), seq, revision))
-        {
-            return;
-        }
         let revision = revision + 1;
         self.revisions
             .insert((conversation.to_owned(), seq), (revision, self.now));

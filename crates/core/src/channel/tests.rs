@@ -327,7 +327,11 @@ fn a_stop_of_a_regenerated_revision_reaches_its_owner_when_it_was_opened() {
         now_ms: 250,
     };
     let stop = decider.stopped(&conversation, (1, 1), "stopped", opened_at);
-    assert_eq!(cancelled(&stop), vec!["first", "second", "third"]);
+    assert_eq!(
+        cancelled(&stop),
+        vec!["second", "third"],
+        "the owner then and the owner now; the turn's first owner holds no revision 1"
+    );
 
     // Revision 0 was opened with its turn: the time is not asked.
     let stop = decider.stopped(&conversation, (1, 0), "stopped", opened_at);
@@ -414,5 +418,30 @@ fn a_regenerated_revision_whose_holder_leaves_is_taken_over() {
             Decision::DeliverPending { to, seqs, .. } if to == "next" && seqs == &[1]
         )),
         "{decisions:?}"
+    );
+}
+
+/// A regenerate heard before the stop of the revision it replaced (they come from different
+/// nodes) replaces that revision's pass; the stop still reaches the member that holds the
+/// stopped revision: the owner when it was opened.
+#[test]
+fn a_stop_heard_after_the_next_revisions_regenerate_reaches_the_stopped_revisions_holder() {
+    let (mut decider, conversation) = three_successive_owners();
+    // Revision 0 of turn 1, committed at 50, went to `first`; revision 1, opened at 150, to
+    // `second`, and this node heard that first.
+    decider.regeneration_opened(&conversation, (1, 1), 150);
+    let stop_of_revision_0 = StopTimes {
+        turn_at_ms: 50,
+        revision_at_ms: Some(50),
+        now_ms: 250,
+    };
+    let stop = decider.stopped(&conversation, (1, 0), "stopped", stop_of_revision_0);
+    assert_eq!(cancelled(&stop), vec!["first", "third"]);
+    assert!(
+        decider
+            .memories
+            .get("bot")
+            .is_some_and(|memory| memory.contains(&conversation, 1)),
+        "revision 1 is still remembered for a takeover"
     );
 }
