@@ -252,7 +252,7 @@ describe("Conversation", () => {
             assert.equal(stream.text, "Once upon a time");
             // Counted as 2 when the node took chunk 2 (another socket) before the catch-up, which
             // then covered 0 to 2, else as 1 (it covered 0 and 1, and chunk 2 came live).
-            assert.ok(stream.duplicates >= 1, "the chunks shown again were dropped");
+            assert.ok([1, 2].includes(stream.duplicates), "the chunks shown again were dropped");
             const chunkUpdates = updates.filter((update) => update.chunk !== undefined);
             assert.equal(chunkUpdates.length, 3, "one update per new chunk");
             assert.equal(updates.filter((update) => update.end !== undefined).length, 1, "one end");

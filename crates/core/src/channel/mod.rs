@@ -598,8 +598,8 @@ impl ChannelDecider {
         decisions
     }
 
-    /// A regenerate opened a revision (`turn`) at `at_ms` (its registry row's commit
-    /// time), heard on the feed or found unanswered by a read-back after a lag: each group
+    /// A regenerate opened a revision (`turn`) at `at_ms` (its registry row's `created_at`),
+    /// heard on the feed or found unanswered by a read-back after a lag: each group
     /// remembers the turn as passed to its owner then, here or not, so that when that owner
     /// leaves the takeover hands the revision on, on whichever node the next owner is (as for
     /// a committed turn). Before [`ChannelDecider::regeneration_owners`].
@@ -827,7 +827,8 @@ impl ChannelDecider {
     }
 
     /// A conversation's unanswered turns up to the seq that fell out of `group`'s memory, read
-    /// back at a takeover: each goes to the owner the view gives at its commit time when that
+    /// back at a takeover: each goes to the owner the view gives at its (latest revision's)
+    /// opening time when that
     /// owner is here. Without the memory this node cannot tell whether a live member already has
     /// one, so a turn may be delivered twice; the registry still takes one answer.
     pub fn pending_up_to_read(

@@ -306,14 +306,18 @@ fn a_stop_of_a_regenerated_revision_reaches_the_member_it_was_handed_to() {
     let stop = decider.stopped(&conversation, regenerated, "stopped", times(50, 250));
     assert_eq!(cancelled(&stop), vec!["first", "second", "third"]);
 
-    // A takeover that hands the revision to another member moves its holder.
-    assert!(!decider.note_regeneration(&conversation, regenerated, "third"));
-    let stop = decider.stopped(&conversation, regenerated, "stopped", times(50, 250));
-    assert_eq!(cancelled(&stop), vec!["first", "third"]);
-
     // A stop of an older revision does not reach the newer revision's holder.
     let stop = decider.stopped(&conversation, (1, 0), "stopped", times(50, 250));
     assert_eq!(cancelled(&stop), vec!["first", "third"]);
+
+    // A takeover that hands the revision to another member moves its holder.
+    assert!(!decider.note_regeneration(&conversation, regenerated, "first"));
+    let stop = decider.stopped(&conversation, regenerated, "stopped", times(50, 250));
+    assert_eq!(
+        cancelled(&stop),
+        vec!["first", "third"],
+        "second no longer holds it"
+    );
 }
 
 /// A node that does not remember handing the revision on (its memory forgot it, or another

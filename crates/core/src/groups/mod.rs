@@ -282,7 +282,8 @@ impl PassedTurns {
         }
     }
 
-    /// True when turn `seq` of the conversation is remembered (passed on and unanswered).
+    /// True when turn `seq` of the conversation is remembered (passed on and, as far as this
+    /// node heard, unanswered).
     pub fn contains(&self, conversation_id: &str, seq: i64) -> bool {
         self.entries
             .get(conversation_id)
@@ -306,7 +307,7 @@ impl PassedTurns {
 
     /// Re-decides every remembered turn passed to a member that is no longer in `view` (it left,
     /// its node died, or nobody was known): each goes to the owner the view gives for the turn's
-    /// own commit time, and the memory moves to it. Called after a leave, and after a join (turns
+    /// own commit time (a regenerated revision's opening time), and the memory moves to it. Called after a leave, and after a join (turns
     /// passed to nobody wait for the next member). Deciding at the turn's time, not at the time
     /// of the leave, makes nodes that learn of the leave at different moments agree.
     pub fn take_over(&mut self, view: &GroupView) -> Vec<TakeOver> {

@@ -270,7 +270,7 @@ enum Payload {
         seq: i64,
         #[serde(rename = "r")]
         revision: i32,
-        #[serde(rename = "at", default, skip_serializing_if = "Option::is_none")]
+        #[serde(rename = "ra", default, skip_serializing_if = "Option::is_none")]
         opened_at_ms: Option<i64>,
     },
     /// A transient frame too large for a notification: its payload is in the outbox row.
@@ -645,7 +645,7 @@ mod tests {
             })
         ));
         // A node of an earlier release sends no opening time.
-        let earlier: Payload = serde_json::from_str(&text.replace(r#","at":3000"#, "")).unwrap();
+        let earlier: Payload = serde_json::from_str(&text.replace(r#","ra":3000"#, "")).unwrap();
         assert!(matches!(
             to_events(earlier).pop(),
             Some(BusEvent::Regenerated {
