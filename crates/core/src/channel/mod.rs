@@ -51,13 +51,6 @@ struct Joining {
     agent: LocalAgent,
 }
 
-/// A regenerated revision of a turn, and the local member it was handed to last in a group.
-#[derive(Debug, Clone)]
-struct HandedRevision {
-    revision: i32,
-    to: String,
-}
-
 /// One node's decisions for one channel.
 #[derive(Debug, Clone)]
 pub struct ChannelDecider {
@@ -67,10 +60,9 @@ pub struct ChannelDecider {
     /// Highest seq handled per conversation, for conversations handled lately.
     handled: HandledSeqs,
     /// The newest revision handed on per regenerated turn and group (conversation, seq,
-    /// group), and the member it went to last, for turns regenerated lately: a regenerate
-    /// stores no frame, so this is how a read-back after a lag tells a regenerate it missed from
-    /// one it handled (ADR 0041), and how a stop of the revision finds its holder (ADR 0028).
-    regenerations: Recent<(String, i64, String), HandedRevision>,
+    /// group), for turns regenerated lately: a regenerate stores no frame, so this is how a
+    /// read-back after a lag tells a regenerate it missed from one it handled (ADR 0041).
+    regenerations: Recent<(String, i64, String), i32>,
     /// Turns whose stop arrived before their commit (the two come by different paths): they
     /// are never delivered. Bounded by [`MEMORY_STOPPED_AHEAD`].
     stopped_ahead: HashMap<String, BTreeSet<i64>>,
@@ -646,59 +638,33 @@ impl ChannelDecider {
     /// Remembers that `revision` of the regenerated turn `seq` was handed to the local member
     /// `to` (after its event, a read-back or a takeover), for `to`'s group; false when it or a
     /// newer revision was handed on in that group already, or `to` is not a member here. The
-    /// actor notes a revision once its frame was read, so a failed read is tried again. The
-    /// member noted last is the one a stop of the revision tells (besides its owners): a
-    /// takeover or a redelivery moves it, and the owner when it was opened is told anyway.
+    /// actor notes a revision once its frame was read, so a failed read is tried again. (Who
+    /// holds the revision is the memory of passes': a stop and a takeover read it there.)
     pub fn note_regeneration(&mut self, conversation_id: &str, turn: (i64, i32), to: &str) -> bool {
         let (seq, revision) = turn;
         let Some(group) = self.agents.get(to).and_then(|agent| agent.group.clone()) else {
             return false;
         };
         let key = (conversation_id.to_owned(), seq, group);
-        let handed_before = self.regeneration_noted(&key, revision);
-        let newer_handed = self
-            .regenerations
-            .get(&key)
-            .is_some_and(|noted| noted.revision > revision);
-        if !newer_handed {
-            // The same revision handed to another member (a takeover) moves its holder.
-            let holder = HandedRevision {
-                revision,
-                to: to.to_owned(),
-            };
-            let _ = self.regenerations.insert(key, holder);
+        if self.regeneration_noted(&key, revision) {
+            return false;
         }
-        !handed_before
+        let _ = self.regenerations.insert(key, revision);
+        true
     }
 
     /// True when `revision` or a newer one of the turn was handed on in the group `key` names.
     fn regeneration_noted(&self, key: &(String, i64, String), revision: i32) -> bool {
         self.regenerations
             .get(key)
-            .is_some_and(|noted| noted.revision >= revision)
-    }
-
-    /// The local member this node handed `revision` of the turn to in `group`, while that is
-    /// remembered.
-    fn regeneration_holder(
-        &self,
-        conversation_id: &str,
-        turn: (i64, i32),
-        group: &str,
-    ) -> Option<&str> {
-        let (seq, revision) = turn;
-        let key = (conversation_id.to_owned(), seq, group.to_owned());
-        self.regenerations
-            .get(&key)
-            .filter(|handed| handed.revision == revision)
-            .map(|handed| handed.to.as_str())
+            .is_some_and(|noted| *noted >= revision)
     }
 
     /// A turn's revision was stopped (ADR 0028): it is forgotten, so no takeover hands it on,
     /// and its owner in each group, when that member is here, is told. The owner is the member
-    /// the revision was passed to (or, when that is not remembered, the owner when it was
-    /// opened: the turn's commit time for revision 0) and the owner now; for a regenerated
-    /// revision, also the member this node handed it to, while that is remembered.
+    /// the revision was passed to (a takeover moves the pass; when it is not remembered, the
+    /// owner when the revision was opened: the turn's commit time for revision 0) and the owner
+    /// now.
     pub fn stopped(
         &mut self,
         conversation_id: &str,
@@ -730,9 +696,7 @@ impl ChannelDecider {
                 .map(|pass| pass.owner.as_str())
                 .or_else(|| view.owner(conversation_id, opened_at_ms));
             let owner_now = view.owner(conversation_id, times.now_ms);
-            let revision_holder = self.regeneration_holder(conversation_id, turn, group);
-            let owners = [passed_to, owner_now, revision_holder];
-            for owner in owners.into_iter().flatten() {
+            for owner in passed_to.into_iter().chain(owner_now) {
                 if self.agents.contains_key(owner) {
                     told.insert(owner.to_owned());
                 }
