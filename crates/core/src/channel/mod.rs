@@ -594,8 +594,14 @@ impl ChannelDecider {
     /// heard on the feed or found unanswered by a read-back after a lag: each group
     /// remembers the turn as passed to its owner then, here or not, so that when that owner
     /// leaves the takeover hands the revision on, on whichever node the next owner is (as for
-    /// a committed turn). Before [`ChannelDecider::regeneration_owners`].
-    pub fn regeneration_opened(&mut self, conversation_id: &str, turn: (i64, i32), at_ms: i64) {
+    /// a committed turn). Returns the local owners to hand it to now
+    /// ([`ChannelDecider::regeneration_owners`]).
+    pub fn regeneration_opened(
+        &mut self,
+        conversation_id: &str,
+        turn: (i64, i32),
+        at_ms: i64,
+    ) -> Vec<String> {
         for (group, view) in &self.views {
             let owner = view.owner(conversation_id, at_ms).unwrap_or(NOBODY);
             memory(
@@ -606,6 +612,7 @@ impl ChannelDecider {
             )
             .remember(conversation_id, owner, turn, at_ms);
         }
+        self.regeneration_owners(conversation_id, turn, at_ms)
     }
 
     /// A regenerate opened `revision` of the turn `seq`, heard on the feed or found unanswered

@@ -413,10 +413,7 @@ impl Cluster {
     /// Hands announced members to their node's channel once their lag is over (all: now).
     fn attach_due(&mut self, all: bool) {
         let now = self.now;
-        let (due, later): (Vec<_>, Vec<_>) = std::mem::take(&mut self.attaching)
-            .into_iter()
-            .partition(|(at, _, _, _)| all || *at <= now);
-        self.attaching = later;
+        let due = take_due(&mut self.attaching, now, all, |(at, ..)| *at);
         for (_, node, id, agent) in due {
             if self.connections.get(&id).is_some_and(|c| c.live) {
                 self.attach(node, &id, agent);
@@ -449,10 +446,7 @@ impl Cluster {
 
     fn hear_gossip(&mut self, all: bool) {
         let now = self.now;
-        let (due, later): (Vec<_>, Vec<_>) = std::mem::take(&mut self.gossip)
-            .into_iter()
-            .partition(|(at, _, _)| all || *at <= now);
-        self.gossip = later;
+        let due = take_due(&mut self.gossip, now, all, |(at, ..)| *at);
         for (_, node, event) in due {
             match event {
                 Gossip::Joined {
@@ -513,10 +507,7 @@ impl Cluster {
     /// does: only to a node with agents of the channel.
     fn hear_feeds(&mut self, all: bool) {
         let now = self.now;
-        let (due, later): (Vec<_>, Vec<_>) = std::mem::take(&mut self.feeds)
-            .into_iter()
-            .partition(|(at, _, _, _)| all || *at <= now);
-        self.feeds = later;
+        let due = take_due(&mut self.feeds, now, all, |(at, ..)| *at);
         for (_, node, conversation, seq) in due {
             self.feed(node, &conversation, seq);
         }
@@ -608,10 +599,7 @@ impl Cluster {
     /// does: only to a node with agents of the channel.
     fn hear_stops(&mut self, all: bool) {
         let now = self.now;
-        let (due, later): (Vec<_>, Vec<_>) = std::mem::take(&mut self.stops)
-            .into_iter()
-            .partition(|(at, _, _)| all || *at <= now);
-        self.stops = later;
+        let due = take_due(&mut self.stops, now, all, |(at, ..)| *at);
         for (_, node, stop) in due {
             if !self.has_local_agents(node) {
                 continue;
@@ -676,10 +664,7 @@ impl Cluster {
     /// the local owners get it while it is still the turn's unanswered revision.
     fn hear_regenerates(&mut self, all: bool) {
         let now = self.now;
-        let (due, later): (Vec<_>, Vec<_>) = std::mem::take(&mut self.regenerates)
-            .into_iter()
-            .partition(|(at, _, _)| all || *at <= now);
-        self.regenerates = later;
+        let due = take_due(&mut self.regenerates, now, all, |(at, ..)| *at);
         for (_, node, event) in due {
             if !self.has_local_agents(node) {
                 continue;
@@ -694,8 +679,7 @@ impl Cluster {
                 self.racing.insert((conversation.clone(), seq));
             }
             let turn = (seq, revision);
-            self.deciders[node].regeneration_opened(&conversation, turn, opened_at);
-            let owners = self.deciders[node].regeneration_owners(&conversation, turn, opened_at);
+            let owners = self.deciders[node].regeneration_opened(&conversation, turn, opened_at);
             let unanswered = !self.answered.contains(&(conversation.clone(), seq))
                 && self.latest_revision(&conversation, seq).0 == revision;
             if !unanswered {
@@ -757,6 +741,15 @@ impl Cluster {
             .map(|(id, _)| id)
             .collect()
     }
+}
+
+/// Takes out of `queue` what is due by `now` (all: everything), in the order it was queued.
+fn take_due<T>(queue: &mut Vec<T>, now: i64, all: bool, at: impl Fn(&T) -> i64) -> Vec<T> {
+    let (due, later) = std::mem::take(queue)
+        .into_iter()
+        .partition(|event| all || at(event) <= now);
+    *queue = later;
+    due
 }
 
 fn prepend(queue: &mut std::collections::VecDeque<Decision>, follow: Vec<Decision>) {

@@ -297,8 +297,7 @@ fn three_successive_owners() -> (ChannelDecider, String) {
 fn a_stop_of_a_regenerated_revision_reaches_the_member_it_was_handed_to() {
     let (mut decider, conversation) = three_successive_owners();
     let regenerated = (1, 1);
-    decider.regeneration_opened(&conversation, regenerated, 150);
-    let handed_to = decider.regeneration_owners(&conversation, regenerated, 150);
+    let handed_to = decider.regeneration_opened(&conversation, regenerated, 150);
     assert_eq!(handed_to, ["second"]);
     assert!(decider.note_regeneration(&conversation, regenerated, "second"));
 
@@ -382,9 +381,8 @@ fn a_revision_opened_once_members_were_eligible_is_cancelled_to_its_owner_only()
 #[test]
 fn a_regenerated_revision_whose_holder_leaves_is_taken_over() {
     let (mut here, conversation) = three_successive_owners();
-    here.regeneration_opened(&conversation, (1, 1), 150);
     assert_eq!(
-        here.regeneration_owners(&conversation, (1, 1), 150),
+        here.regeneration_opened(&conversation, (1, 1), 150),
         ["second"]
     );
     assert!(here.note_regeneration(&conversation, (1, 1), "second"));
@@ -417,7 +415,8 @@ fn a_regenerated_revision_whose_holder_leaves_is_taken_over() {
                 .is_empty()
         })
         .expect("the remote member owns some conversation");
-    elsewhere.regeneration_opened(&conversation, (1, 1), 10);
+    let handed_here = elsewhere.regeneration_opened(&conversation, (1, 1), 10);
+    assert!(handed_here.is_empty(), "the holder is on another node");
     let decisions = elsewhere.remote_leave("holder", "bot");
     assert!(
         decisions.iter().any(|decision| matches!(
@@ -436,7 +435,10 @@ fn a_stop_heard_after_the_next_revisions_regenerate_reaches_the_stopped_revision
     let (mut decider, conversation) = three_successive_owners();
     // Revision 0 of turn 1, committed at 50, went to `first`; revision 1, opened at 150, to
     // `second`, and this node heard that first.
-    decider.regeneration_opened(&conversation, (1, 1), 150);
+    assert_eq!(
+        decider.regeneration_opened(&conversation, (1, 1), 150),
+        ["second"]
+    );
     let stop_of_revision_0 = StopTimes {
         turn_at_ms: 50,
         revision_at_ms: Some(50),

@@ -192,18 +192,6 @@ impl PassedTurns {
     /// went to `owner` (or to [`NOBODY`]); a pass of a newer revision of the turn stays.
     pub fn remember(&mut self, conversation_id: &str, owner: &str, turn: (i64, i32), at_ms: i64) {
         let (seq, revision) = turn;
-        if self
-            .entries
-            .get(conversation_id)
-            .is_some_and(|(_, passed)| {
-                passed
-                    .passes
-                    .iter()
-                    .any(|pass| pass.seq == seq && pass.revision > revision)
-            })
-        {
-            return;
-        }
         if !self.entries.contains_key(conversation_id) {
             if self.entries.len() >= self.conversations
                 && let Some((_, oldest)) = self.order.pop_first()
@@ -219,6 +207,13 @@ impl PassedTurns {
         let Some((_, entry)) = self.entries.get_mut(conversation_id) else {
             return;
         };
+        let newer_passed = entry
+            .passes
+            .iter()
+            .any(|pass| pass.seq == seq && pass.revision > revision);
+        if newer_passed {
+            return;
+        }
         entry.passes.retain(|pass| pass.seq != seq);
         entry.passes.push_back(Pass {
             seq,

@@ -526,11 +526,9 @@ impl ChannelActor {
     ) -> Result<u64, converger_store::StoreError> {
         let (seq, revision) = regenerated;
         let conversation = conversation_id.to_string();
-        self.decider
-            .regeneration_opened(&conversation, regenerated, at_ms);
         let owners = self
             .decider
-            .regeneration_owners(&conversation, regenerated, at_ms);
+            .regeneration_opened(&conversation, regenerated, at_ms);
         if owners.is_empty() {
             return Ok(0);
         }
