@@ -85,8 +85,9 @@ async fn the_index_of_id_hashes_may_be_built_before_its_migration() {
 async fn the_commit_functions_notify_on_the_stores_channel() {
     let db = TestDb::create().await;
     // The plpgsql functions name the channel themselves; the bus listens on NOTIFY_CHANNEL.
-    // `converger_notify` is the one the statements call; `converger_notify_committed` packs a
-    // batch's notifications (both skip it under `converger.notify = off`, ADR 0033).
+    // `converger_notify` is the one the statements call (it skips it under
+    // `converger.notify = off`, ADR 0033); `converger_notify_committed`, which packed the
+    // batch function's notifications, went with that function (migration 20261211000001).
     let expected = format!("'{}'", converger_store::NOTIFY_CHANNEL);
     let mut connection = db.connect().await;
     let bodies_naming_it: Vec<String> = sqlx::query_scalar(
@@ -96,10 +97,7 @@ async fn the_commit_functions_notify_on_the_stores_channel() {
     .fetch_all(&mut connection)
     .await
     .unwrap();
-    assert_eq!(
-        bodies_naming_it,
-        vec!["converger_notify", "converger_notify_committed"]
-    );
+    assert_eq!(bodies_naming_it, vec!["converger_notify"]);
 }
 
 fn presence_change(conversation_id: Uuid, participant: &str, joined: bool) -> PresenceChange {
