@@ -82,10 +82,10 @@ async fn the_index_of_id_hashes_may_be_built_before_its_migration() {
 }
 
 #[tokio::test]
-async fn the_commit_functions_notify_on_the_stores_channel() {
+async fn the_notify_function_notifies_on_the_stores_channel() {
     let db = TestDb::create().await;
-    // The plpgsql functions name the channel themselves; the bus listens on NOTIFY_CHANNEL.
-    // `converger_notify` is the one the statements call (it skips it under
+    // The plpgsql function names the channel itself; the bus listens on NOTIFY_CHANNEL.
+    // `converger_notify` is the one the statements call (it sends nothing under
     // `converger.notify = off`, ADR 0033); `converger_notify_committed`, which packed the
     // batch function's notifications, went with that function (migration 20261211000001).
     let expected = format!("'{}'", converger_store::NOTIFY_CHANNEL);
@@ -98,6 +98,24 @@ async fn the_commit_functions_notify_on_the_stores_channel() {
     .await
     .unwrap();
     assert_eq!(bodies_naming_it, vec!["converger_notify"]);
+}
+
+#[tokio::test]
+async fn the_batch_functions_the_statements_replaced_are_gone() {
+    let db = TestDb::create().await;
+    let mut connection = db.connect().await;
+    // `DROP FUNCTION IF EXISTS` with a signature that matches nothing drops nothing, silently.
+    let left: Vec<String> = sqlx::query_scalar(
+        "SELECT proname::text FROM pg_proc
+          WHERE proname IN ('converger_commit_batch', 'converger_commit_batch_isolated',
+                            'converger_notify_committed', 'converger_batch_answer')
+          ORDER BY proname",
+    )
+    .fetch_all(&mut connection)
+    .await
+    .unwrap();
+    // The settlement of a stopped turn still commits through `converger_batch_answer`.
+    assert_eq!(left, vec!["converger_batch_answer"]);
 }
 
 fn presence_change(conversation_id: Uuid, participant: &str, joined: bool) -> PresenceChange {
