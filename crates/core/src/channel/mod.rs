@@ -693,14 +693,7 @@ impl ChannelDecider {
             let passed_to = self
                 .memories
                 .get(group)
-                .and_then(|memory| memory.get(conversation_id))
-                .and_then(|passed| {
-                    passed
-                        .passes
-                        .iter()
-                        .find(|pass| pass.seq == seq && pass.revision == revision)
-                })
-                .map(|pass| pass.owner.as_str())
+                .and_then(|memory| memory.holder(conversation_id, turn))
                 .or_else(|| view.owner(conversation_id, opened_at_ms));
             let owner_now = view.owner(conversation_id, times.now_ms);
             for owner in passed_to.into_iter().chain(owner_now) {
@@ -799,9 +792,9 @@ impl ChannelDecider {
 
     /// A conversation's unanswered turns up to the seq that fell out of `group`'s memory, read
     /// back at a takeover: each goes to the owner the view gives at its (latest revision's)
-    /// opening time when that
-    /// owner is here. Without the memory this node cannot tell whether a live member already has
-    /// one, so a turn may be delivered twice; the registry still takes one answer.
+    /// opening time when that owner is here. Without the memory this node cannot tell whether a
+    /// live member already has one, so a turn may be delivered twice; the registry still takes
+    /// one answer.
     pub fn pending_up_to_read(
         &mut self,
         group: &str,

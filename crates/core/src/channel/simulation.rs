@@ -1,8 +1,8 @@
 //! A cluster of nodes, each running a [`ChannelDecider`] for one channel, driven by random
 //! joins, leaves, node deaths, user turns, regenerates, stops, answers and proactive frames,
-//! with gossip that tells the other nodes late. The test performs each decision the way the gateway's actor does
-//! (reads from a model registry, deliveries recorded per connection) and checks the delivery
-//! rules over the whole run.
+//! with gossip that tells the other nodes late. The test performs each decision the way the
+//! gateway's actor does (reads from a model registry, deliveries recorded per connection) and
+//! checks the delivery rules over the whole run.
 
 use std::collections::{BTreeMap, BTreeSet};
 

@@ -272,6 +272,14 @@ fn times(turn_at_ms: i64, now_ms: i64) -> StopTimes {
     }
 }
 
+/// A stop's times from a node that says when the stopped revision was opened.
+fn times_opened(turn_at_ms: i64, revision_at_ms: i64, now_ms: i64) -> StopTimes {
+    StopTimes {
+        revision_at_ms: Some(revision_at_ms),
+        ..times(turn_at_ms, now_ms)
+    }
+}
+
 /// Members `first`, `second` and `third` of `bot`, eligible from 0, 100 and 200, and a
 /// conversation each later member takes over from the ones before.
 fn three_successive_owners() -> (ChannelDecider, String) {
@@ -327,11 +335,7 @@ fn a_stop_of_a_regenerated_revision_reaches_the_member_it_was_handed_to() {
 #[test]
 fn a_stop_of_a_regenerated_revision_reaches_its_owner_when_it_was_opened() {
     let (mut decider, conversation) = three_successive_owners();
-    let opened_at = StopTimes {
-        turn_at_ms: 50,
-        revision_at_ms: Some(150),
-        now_ms: 250,
-    };
+    let opened_at = times_opened(50, 150, 250);
     let stop = decider.stopped(&conversation, (1, 1), "stopped", opened_at);
     assert_eq!(
         cancelled(&stop),
@@ -362,11 +366,7 @@ fn a_revision_opened_once_members_were_eligible_is_cancelled_to_its_owner_only()
         .find(|conversation| bot.owner(conversation, 3_000) == Some("earlier-since"))
         .expect("the earlier member owns some conversation");
 
-    let opened_at = StopTimes {
-        turn_at_ms: 10,
-        revision_at_ms: Some(3_000),
-        now_ms: 3_500,
-    };
+    let opened_at = times_opened(10, 3_000, 3_500);
     let stop = decider.stopped(&conversation, (1, 1), "stopped", opened_at);
     assert_eq!(cancelled(&stop), vec!["earlier-since"]);
 
@@ -439,11 +439,7 @@ fn a_stop_heard_after_the_next_revisions_regenerate_reaches_the_stopped_revision
         decider.regeneration_opened(&conversation, (1, 1), 150),
         ["second"]
     );
-    let stop_of_revision_0 = StopTimes {
-        turn_at_ms: 50,
-        revision_at_ms: Some(50),
-        now_ms: 250,
-    };
+    let stop_of_revision_0 = times_opened(50, 50, 250);
     let stop = decider.stopped(&conversation, (1, 0), "stopped", stop_of_revision_0);
     assert_eq!(cancelled(&stop), vec!["first", "third"]);
     assert!(

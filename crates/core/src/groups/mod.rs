@@ -285,6 +285,18 @@ impl PassedTurns {
             .is_some_and(|(_, passed)| passed.passes.iter().any(|pass| pass.seq == seq))
     }
 
+    /// The member revision `turn.1` of turn `turn.0` was passed to, while it is remembered (a
+    /// takeover moves the pass; a pass of another revision names another holder).
+    pub fn holder(&self, conversation_id: &str, turn: (i64, i32)) -> Option<&str> {
+        let (seq, revision) = turn;
+        let (_, passed) = self.entries.get(conversation_id)?;
+        passed
+            .passes
+            .iter()
+            .find(|pass| pass.seq == seq && pass.revision == revision)
+            .map(|pass| pass.owner.as_str())
+    }
+
     /// What is remembered of a conversation.
     pub fn get(&self, conversation_id: &str) -> Option<&Passed> {
         self.entries.get(conversation_id).map(|(_, passed)| passed)
@@ -302,9 +314,10 @@ impl PassedTurns {
 
     /// Re-decides every remembered turn passed to a member that is no longer in `view` (it left,
     /// its node died, or nobody was known): each goes to the owner the view gives for the turn's
-    /// own commit time (a regenerated revision's opening time), and the memory moves to it. Called after a leave, and after a join (turns
-    /// passed to nobody wait for the next member). Deciding at the turn's time, not at the time
-    /// of the leave, makes nodes that learn of the leave at different moments agree.
+    /// own commit time (a regenerated revision's opening time), and the memory moves to it.
+    /// Called after a leave, and after a join (turns passed to nobody wait for the next member).
+    /// Deciding at the turn's time, not at the time of the leave, makes nodes that learn of the
+    /// leave at different moments agree.
     pub fn take_over(&mut self, view: &GroupView) -> Vec<TakeOver> {
         self.redecide(view, |pass, _| !view.contains(&pass.owner))
     }
