@@ -289,8 +289,7 @@ impl PassedTurns {
     /// takeover moves the pass; a pass of another revision names another holder).
     pub fn holder(&self, conversation_id: &str, turn: (i64, i32)) -> Option<&str> {
         let (seq, revision) = turn;
-        let (_, passed) = self.entries.get(conversation_id)?;
-        passed
+        self.get(conversation_id)?
             .passes
             .iter()
             .find(|pass| pass.seq == seq && pass.revision == revision)
